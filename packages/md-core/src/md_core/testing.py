@@ -1,0 +1,28 @@
+"""Helpers for md's tests (any package may use them)."""
+
+import pathlib
+
+import numpy as np
+
+
+def repo_root() -> pathlib.Path:
+  """The checkout's root: the nearest folder above this file that holds `tests/fixtures`."""
+  here = pathlib.Path(__file__).resolve()
+  for parent in here.parents:
+    if (parent / "tests" / "fixtures").is_dir() and (parent / "packages").is_dir():
+      return parent
+  raise FileNotFoundError(f"no md checkout (a folder with tests/fixtures and packages/) above {here}")
+
+
+def fixture_path(name: str) -> pathlib.Path:
+  """The folder of fixture set `name` (`tests/fixtures/<name>`), which must exist."""
+  path = repo_root() / "tests" / "fixtures" / name
+  if not path.is_dir():
+    raise FileNotFoundError(f"fixture set {name!r} not found at {path}; run `bash tools/make_fixtures.sh {name}`")
+  return path
+
+
+def load_arrays(path: pathlib.Path) -> dict[str, np.ndarray]:
+  """Reads an .npz written by the fixture tools into a dict of numpy arrays."""
+  with np.load(path) as data:
+    return {k: data[k] for k in data.files}
