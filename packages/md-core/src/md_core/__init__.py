@@ -1,1 +1,49 @@
-"""Placeholder; filled by its issue."""
+"""md-core: the pieces every md package shares.
+
+Weights (safetensors reading, checkpoint sources, key maps, loading onto a mesh, Orbax save/restore), the
+neural-network blocks the families share (`md_core.nn`), media I/O (`md_core.media`) and progress bars
+(`md_core.progress`).
+"""
+
+from md_core import nn
+from md_core._keymap import LAYOUTS, KeyMap, Target, convert, path_str, rule_keymap, target_shape
+from md_core._keymap import torch_module_keymap
+from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
+from md_core._orbax import restore_converted, save_converted
+from md_core._safetensors import (
+  Checkpoint,
+  SafetensorsError,
+  SafetensorsFile,
+  open_checkpoint,
+  save_safetensors,
+)
+from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json, resolve_source
+
+__all__ = [
+  "LAYOUTS",
+  "Checkpoint",
+  "KeyMap",
+  "LoadReport",
+  "SafetensorsError",
+  "SafetensorsFile",
+  "Target",
+  "WeightLoadError",
+  "convert",
+  "coverage",
+  "hub_cache_dir",
+  "hub_offline",
+  "load_config",
+  "load_weights",
+  "logical_axes",
+  "nn",
+  "open_checkpoint",
+  "path_str",
+  "read_json",
+  "resolve_source",
+  "restore_converted",
+  "rule_keymap",
+  "save_converted",
+  "save_safetensors",
+  "target_shape",
+  "torch_module_keymap",
+]

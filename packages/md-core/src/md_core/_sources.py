@@ -1,0 +1,116 @@
+"""Where a checkpoint lives: a local folder (diffusers layout or a single component) or a hub id."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def hub_offline() -> bool:
+  """Whether the Hugging Face hub may not be contacted (`HF_HUB_OFFLINE`, read at call time)."""
+  return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """The hub cache folder huggingface_hub uses (`HF_HUB_CACHE`, else `HF_HOME/hub`, else ~/.cache)."""
+  if cache_dir is not None:
+    return pathlib.Path(cache_dir)
+  if os.environ.get("HF_HUB_CACHE"):
+    return pathlib.Path(os.environ["HF_HUB_CACHE"])
+  home = os.environ.get("HF_HOME") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface"
+  )
+  return pathlib.Path(home) / "hub"
+
+
+def resolve_source(
+  source: str | os.PathLike,
+  *,
+  subfolder: str | None = None,
+  revision: str | None = None,
+  cache_dir: str | os.PathLike | None = None,
+  allow_patterns: list[str] | None = None,
+) -> pathlib.Path:
+  """Turns a checkpoint source into a local folder.
+
+  Args:
+    source: a local folder (a diffusers pipeline with `model_index.json`, or one component's folder), or a hub
+      id such as `"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"`, resolved through the huggingface_hub cache. With
+      `HF_HUB_OFFLINE=1` only the cache is read; otherwise missing files are downloaded.
+    subfolder: a component of the checkpoint (`"transformer"`, `"vae"`, `"scheduler"`); it must exist.
+    revision: a hub branch, tag or commit (default: main).
+    cache_dir: the hub cache to use instead of the default one.
+    allow_patterns: with a hub id, download only files matching these patterns (default: the subfolder and
+      `model_index.json` when `subfolder` is given, everything otherwise).
+
+  Returns:
+    The local folder (the component's folder when `subfolder` is given).
+
+  Raises:
+    FileNotFoundError: the folder, component or cached hub snapshot is not there; the message says which and
+      where it looked.
+  """
+  text = os.fspath(source)
+  path = pathlib.Path(text).expanduser()
+  if path.exists():
+    if not path.is_dir():
+      raise FileNotFoundError(f"{path}: a checkpoint source must be a folder, not a file")
+    root = path
+  elif _HUB_ID.match(text) and not text.startswith((".", "/")):
+    root = _from_hub(text, subfolder, revision, cache_dir, allow_patterns)
+  else:
+    raise FileNotFoundError(f"{text!r} is neither an existing folder nor a hub id of the form 'org/name'")
+  if subfolder is None:
+    return root
+  component = root / subfolder
+  if not component.is_dir():
+    have = sorted(p.name for p in root.iterdir() if p.is_dir())
+    raise FileNotFoundError(f"{root}: checkpoint has no component {subfolder!r} (components here: {have})")
+  return component
+
+
+def _from_hub(repo_id, subfolder, revision, cache_dir, allow_patterns) -> pathlib.Path:
+  import huggingface_hub
+  from huggingface_hub import errors
+
+  cache = hub_cache_dir(cache_dir)
+  offline = hub_offline()
+  if allow_patterns is None and subfolder is not None:
+    allow_patterns = [f"{subfolder}/*", "model_index.json"]
+  try:
+    folder = huggingface_hub.snapshot_download(
+      repo_id,
+      revision=revision,
+      cache_dir=str(cache),
+      local_files_only=offline,
+      allow_patterns=allow_patterns,
+    )
+  except (errors.LocalEntryNotFoundError, errors.RepositoryNotFoundError, errors.RevisionNotFoundError) as e:
+    how = (
+      "HF_HUB_OFFLINE=1 is set, so only the local cache is read; download it on a machine with access "
+      "(e.g. `huggingface-cli download " + repo_id + "`) or pass a local folder"
+      if offline
+      else "the hub could not provide it"
+    )
+    raise FileNotFoundError(f"hub id {repo_id!r} is not available in the cache at {cache}: {how} ({e})") from None
+  return pathlib.Path(folder)
+
+
+def read_json(path: str | os.PathLike) -> dict:
+  """Reads a JSON config, with an error that names the file."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"{path}: no such config file")
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def load_config(source: str | os.PathLike, *, subfolder: str | None = None, name: str = "config.json") -> dict:
+  """Reads `<component>/config.json` (or `name`) of a checkpoint source."""
+  return read_json(resolve_source(source, subfolder=subfolder) / name)
