@@ -527,7 +527,8 @@ def video_info(path: PathLike) -> dict[str, Any]:
     ValueError: ffmpeg cannot read the file or it has no video stream.
   """
   path = _existing_file(path)
-  args = ["-v", "verbose", "-i", str(path), "-map", "0:v:0", "-map", "0:a:0?", "-c:v", "copy"]
+  # Optional maps ("?") let an audio-only file through to the "no video stream" check below.
+  args = ["-v", "verbose", "-i", str(path), "-map", "0:v:0?", "-map", "0:a:0?", "-c:v", "copy"]
   log = _ffmpeg([*args, "-f", "null", "-"], path=path).stderr.decode(errors="replace")
   header = _input_header(log)
   streams = [(kind, int(index), rest) for _, index, kind, rest in _STREAM.findall(header)]
