@@ -292,5 +292,7 @@ def test_video_errors(tmp_path):
       ValueError, match=r"(?s)bad\.mp4: ffmpeg failed \(exit code \d+\):\n.*Invalid data"
     ):
       read(tmp_path / "bad.mp4")
-  with pytest.raises(ValueError, match=r"no video stream"):
-    media.video_info(media.save_wav(tmp_path / "a.wav", _sine(0.1, 8000), 8000))
+  wav = media.save_wav(tmp_path / "a.wav", _sine(0.1, 8000), 8000)
+  for read in (media.load_video, media.video_info):
+    with pytest.raises(ValueError, match=r"a\.wav: no video stream found"):
+      read(wav)

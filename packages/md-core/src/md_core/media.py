@@ -368,7 +368,12 @@ def _ffmpeg(args: list[str], *, path: PathLike, stdin: Any = None) -> subprocess
   cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-hide_banner", "-nostdin", *args]
   result = subprocess.run(cmd, input=stdin, capture_output=True, check=False)
   if result.returncode != 0:
-    lines = result.stderr.decode(errors="replace").strip().splitlines()
+    log = result.stderr.decode(errors="replace")
+    header = _input_header(log)
+    if "Input #0" in header and not re.search(r"Stream #0:\d+\S*: Video:", header):
+      # Readable, but nothing to show: say so instead of echoing ffmpeg's stream-mapping complaint.
+      raise ValueError(f"{path}: no video stream found (the file holds only other streams)")
+    lines = log.strip().splitlines()
     said = "\n  ".join(lines[-4:]) or f"exit code {result.returncode}"
     raise ValueError(f"{path}: ffmpeg failed (exit code {result.returncode}):\n  {said}")
   return result
@@ -518,9 +523,9 @@ def video_info(path: PathLike) -> dict[str, Any]:
 
   Returns:
     A dict with `fps` (float, as ffmpeg reports it: two decimals for fractional rates),
-    `num_frames`, `width`, `height`, `duration` (container duration in seconds; `num_frames / fps`
-    when the container has none), `has_audio`, `audio_duration` (seconds, None without audio) and
-    `audio_sample_rate` (None without audio).
+    `num_frames`, `width`, `height`, `duration` (container duration in seconds, to the 1/100 s
+    that ffmpeg prints; `num_frames / fps` when the container has none), `has_audio`,
+    `audio_duration` (seconds, None without audio) and `audio_sample_rate` (None without audio).
 
   Raises:
     FileNotFoundError: the path does not exist.
@@ -585,7 +590,7 @@ def load_video(path: PathLike, *, max_frames: int | None = None) -> np.ndarray:
   path = _existing_file(path)
   if max_frames is not None and max_frames < 1:
     raise ValueError(f"{path}: max_frames must be >= 1, got {max_frames}")
-  args = ["-i", str(path), "-map", "0:v:0", "-fps_mode", "passthrough"]
+  args = ["-i", str(path), "-map", "0:v:0?", "-fps_mode", "passthrough"]
   if max_frames is not None:
     args += ["-frames:v", str(max_frames)]
   result = _ffmpeg([*args, "-f", "rawvideo", "-pix_fmt", "rgb24", "pipe:1"], path=path)
