@@ -282,6 +282,9 @@ def test_video_errors(tmp_path):
     media.save_video(tmp_path / "x.gif", frames, fps=8, audio=_sine(0.1, 8000), sample_rate=8000)
   with pytest.raises(ValueError, match="audio needs its sample_rate"):
     media.save_video(tmp_path / "x.mp4", frames, fps=8, audio=_sine(0.1, 8000))
+  with pytest.raises(ValueError, match=r"x\.mp4 \(audio\): expected audio \[channels, samples\]"):
+    media.save_video(tmp_path / "x.mp4", frames, fps=8, audio=np.zeros((2, 2, 2)), sample_rate=8)
+  assert not list(tmp_path.glob("x.mp4*"))
   with pytest.raises(FileNotFoundError, match="missing.mp4"):
     media.load_video(tmp_path / "missing.mp4")
   with pytest.raises(FileNotFoundError, match="missing.mp4"):

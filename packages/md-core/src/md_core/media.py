@@ -433,8 +433,10 @@ def save_video(
     raise ValueError(f"{path}: fps must be positive, got {fps}")
   if audio is not None and suffix == ".gif":
     raise ValueError(f"{path}: GIF cannot hold audio; save as .mp4 to keep it")
-  if audio is not None and sample_rate is None:
-    raise ValueError(f"{path}: audio needs its sample_rate")
+  if audio is not None:
+    if sample_rate is None:
+      raise ValueError(f"{path}: audio needs its sample_rate")
+    audio = _audio_to_2d(audio, f"{path} (audio)")  # checked here so errors name the video
   if not 0 <= crf <= 51:
     raise ValueError(f"{path}: crf must be in [0, 51], got {crf}")
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -446,9 +448,8 @@ def save_video(
 
 
 def _save_gif(path: pathlib.Path, pixels: np.ndarray, fps: float) -> None:
-  delay_cs = max(
-    1, round(100 / fps)
-  )  # Pillow truncates milliseconds to centiseconds: pass whole ones.
+  # GIF delays are whole centiseconds and Pillow truncates milliseconds: pass whole ones.
+  delay_cs = max(1, round(100 / fps))
   images = [Image.fromarray(frame) for frame in pixels]
   images[0].save(
     path, format="GIF", save_all=True, append_images=images[1:], duration=10 * delay_cs, loop=0
@@ -487,8 +488,8 @@ def _save_mp4(
       partial.unlink(missing_ok=True)
 
 
-# Header lines of `ffmpeg -i`: "Duration: 00:00:01.00, ..." and per stream "Stream #0:0...: Video:
-# ...".
+# Header lines of `ffmpeg -i`: "Duration: 00:00:01.00, ..." and one per stream, like
+# "Stream #0:0[0x1](und): Video: h264 (High), yuv420p(progressive), 64x48, 8 fps, 8 tbr, ...".
 _DURATION = re.compile(r"Duration: (\d+):(\d\d):(\d\d(?:\.\d+)?)")
 _STREAM = re.compile(r"^\s*Stream #(\d+):(\d+)\S*: (Video|Audio): (.*)$", re.MULTILINE)
 _SIZE = re.compile(r", (\d+)x(\d+)(?=[,\s\[]|$)")
