@@ -8,8 +8,10 @@ import sys
 
 import jax
 
-# Multi-process CPU computations need a cross-process collectives backend; gloo ships with jaxlib.
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+# Multi-process CPU computations need a cross-process collectives backend; gloo ships with jaxlib
+# (and is the default in recent jax, which may one day drop the option).
+if "jax_cpu_collectives_implementation" in jax.config.values:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -54,6 +56,8 @@ def main(port: int, process_id: int) -> None:
   configs = {
     "fsdp": {"ici_fsdp_parallelism": -1},
     "hybrid": {"dcn_data_parallelism": 2, "ici_fsdp_parallelism": -1},
+    # Four dcn groups over two processes: each process's devices are split in two.
+    "split": {"dcn_data_parallelism": 4, "ici_fsdp_parallelism": -1},
     "hybrid_tensor": {
       "dcn_data_parallelism": 2,
       "ici_fsdp_parallelism": 2,

@@ -110,7 +110,12 @@ def test_two_processes_build_global_batch_and_run_sharded_step():
     assert tensor["x_spec"] == [["data", "fsdp"], None]
     assert tensor["y_spec"] == [["data", "fsdp"], "tensor"]
 
-    for mesh in (fsdp, hybrid, tensor):
+    split = result["meshes"]["split"]
+    assert split["shape"] == [4, 2, 1, 1]
+    assert split["processes"] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert split["x_spec"] == [["data", "fsdp"], None]
+
+    for mesh in (fsdp, hybrid, split, tensor):
       np.testing.assert_allclose(mesh["sum"], x.sum(), rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(mesh["weighted_sum"], (np.arange(8)[:, None] * x).sum(), rtol=1e-5)
       np.testing.assert_allclose(mesh["mean"], y.mean(axis=0), rtol=1e-5, atol=1e-5)

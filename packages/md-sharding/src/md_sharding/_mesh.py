@@ -15,7 +15,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+
+try:
+  from jax.experimental import mesh_utils
+except ImportError:  # pragma: no cover -- jax has talked of retiring the experimental module.
+  mesh_utils = None
 
 AXES: tuple[str, ...] = ("data", "fsdp", "context", "tensor")
 
@@ -218,35 +222,36 @@ def make_mesh(
   if -1 in config.dcn:
     dcn = fill_parallelism(config.dcn, len(granules), group="dcn (slices)", names=_DCN_FIELDS)
   else:
-    dcn = fill_parallelism(config.dcn, math.prod(config.dcn), group="dcn", names=_DCN_FIELDS)
+    dcn = config.dcn
   num_slices = math.prod(dcn)
 
   if num_slices == 1:
     ici = fill_parallelism(config.ici, len(devices), group="ici", names=_ICI_FIELDS)
-    array = mesh_utils.create_device_mesh(
-      ici, devices, allow_split_physical_axes=config.allow_split_physical_axes
-    )
+    array = _device_grid(ici, devices, config.allow_split_physical_axes)
     return _mesh(array)
 
   if num_slices % len(granules):
     raise ValueError(
-      f"dcn parallelism ({_show(_DCN_FIELDS, dcn)}) asks for {num_slices} slices, but the devices "
-      "form "
-      f"{len(granules)} {'slices' if kind == 'slice' else 'processes'}; the dcn product must be a "
-      f"multiple of {len(granules)}."
+      f"dcn parallelism ({_show(_DCN_FIELDS, dcn)}) asks for {num_slices} slices, but the "
+      f"devices form {len(granules)} {'slices' if kind == 'slice' else 'processes'}; the dcn "
+      f"product must be a multiple of {len(granules)}."
     )
   if len(devices) % num_slices:
     raise ValueError(
       f"dcn parallelism ({_show(_DCN_FIELDS, dcn)}) asks for {num_slices} slices, which does not "
-      "divide the "
-      f"{len(devices)} devices; use a dcn product among {_divisors(len(devices))}."
+      f"divide the {len(devices)} devices; use a dcn product among {_divisors(len(devices))}."
+    )
+  if len({len(g) for g in granules}) > 1:
+    raise ValueError(
+      f"make_mesh: the {'slices' if kind == 'slice' else 'processes'} hold different numbers of "
+      f"devices ({sorted({len(g) for g in granules})}); a hybrid mesh needs equal ones"
     )
   per_slice = len(devices) // num_slices
   ici = fill_parallelism(
     config.ici, per_slice, group=f"ici (devices per slice, {num_slices} slices)", names=_ICI_FIELDS
   )
   split = num_slices // len(granules)
-  if split == 1 and len(granules) > 1:
+  if split == 1 and mesh_utils is not None:
     # The slices (or processes) are real: let jax order the devices inside each one.
     array = mesh_utils.create_hybrid_device_mesh(
       ici,
@@ -256,20 +261,18 @@ def make_mesh(
       allow_split_physical_axes=config.allow_split_physical_axes,
     )
     return _mesh(array)
-  for granule in granules:
-    if len(granule) != len(granules[0]):
-      raise ValueError(
-        f"make_mesh: slices/processes hold different numbers of devices "
-        f"({sorted({len(g) for g in granules})}); a hybrid mesh needs equal ones"
-      )
   slices = [g[i * per_slice : (i + 1) * per_slice] for g in granules for i in range(split)]
-  per_slice_arrays = [
-    mesh_utils.create_device_mesh(
-      ici, s, allow_split_physical_axes=config.allow_split_physical_axes
-    )
-    for s in slices
-  ]
+  per_slice_arrays = [_device_grid(ici, s, config.allow_split_physical_axes) for s in slices]
   return _mesh(_assemble(per_slice_arrays, dcn, ici))
+
+
+def _device_grid(
+  shape: Sequence[int], devices: Sequence[jax.Device], allow_split: bool
+) -> np.ndarray:
+  """The devices of one slice laid out in `shape`, following the topology where jax knows it."""
+  if mesh_utils is not None:
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=allow_split)
+  return jax.make_mesh(shape, AXES, devices=devices, **_axis_types_kwargs(len(AXES))).devices
 
 
 def _has_slices(devices: Sequence[jax.Device]) -> bool:
