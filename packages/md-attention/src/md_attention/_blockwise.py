@@ -1,0 +1,245 @@
+"""Blockwise (flash) attention in pure JAX: online softmax over key blocks, one query block at a time.
+
+Neither pass materialises more than one `[B, H, block_q, block_kv]` score tile, and the custom VJP
+saves only q, k, v, the output and the per-row log-sum-exp, so memory is O(S) in forward and
+backward. The two passes are also the per-step kernels of ring attention (`_ring.py`), which is why
+they take global positions and return the log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from md_attention._dot_product import keep_mask
+
+# Log-sum-exp of a row that sees no key. Finite so that merging two such rows stays finite; any real
+# log-sum-exp is far above it, so its weight in a merge underflows to exactly zero.
+EMPTY_LSE = -1e30
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _pad_axis(x, axis: int, size: int, value):
+  extra = size - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_positions(pos, size: int):
+  # Repeating the last position keeps each block's min/max (used to skip causal blocks) honest.
+  extra = size - pos.shape[0]
+  if extra == 0:
+    return pos
+  return jnp.concatenate([pos, jnp.broadcast_to(pos[-1:], (extra,))])
+
+
+def _to_blocks(x, axis: int, block: int):
+  """Splits `axis` into `[n, block]` and moves n to the front (the axis scans run over)."""
+  shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1 :]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _from_blocks(x, axis: int):
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
+
+
+def _visible(q_pos, k_pos, causal: bool):
+  """False when causal masking hides the whole tile, so its work can be skipped."""
+  if not causal:
+    return jnp.bool_(True)
+  return jnp.min(k_pos) <= jnp.max(q_pos)
+
+
+def block_sizes(s_q: int, s_kv: int, block_q: int, block_kv: int) -> tuple[int, int]:
+  """Block sizes actually used: at most the (unpadded) lengths."""
+  return min(block_q, s_q), min(block_kv, s_kv)
+
+
+def flash_forward(q, k, v, kv_valid, q_pos, k_pos, *, causal, scale, block_q, block_kv):
+  """Attention of q over one set of keys, with the statistics needed to merge or differentiate it.
+
+  Args:
+    q: `[B, S_q, H, D]`.
+    k: `[B, S_kv, H, D]`.
+    v: `[B, S_kv, H, D]`.
+    kv_valid: `[B, S_kv]` bool.
+    q_pos: `[S_q]` int global query positions.
+    k_pos: `[S_kv]` int global key positions.
+    causal: mask keys after the query's position.
+    scale: score multiplier.
+    block_q: query block.
+    block_kv: key block.
+
+  Returns:
+    out: `[B, S_q, H, D]` float32, normalised (zeros where no key is visible).
+    lse: `[B, H, S_q]` float32 log-sum-exp of the scaled scores (`EMPTY_LSE` where no key is visible).
+  """
+  b, s_q, h, d = q.shape
+  s_kv = k.shape[1]
+  bq, bk = block_sizes(s_q, s_kv, block_q, block_kv)
+  sq_pad, skv_pad = _round_up(s_q, bq), _round_up(s_kv, bk)
+  q_blocks = _to_blocks(_pad_axis(q, 1, sq_pad, 0), 1, bq)  # [nq, B, bq, H, D]
+  qpos_blocks = _to_blocks(_pad_positions(q_pos, sq_pad), 0, bq)  # [nq, bq]
+  k_blocks = _to_blocks(_pad_axis(k, 1, skv_pad, 0), 1, bk)  # [nk, B, bk, H, D]
+  v_blocks = _to_blocks(_pad_axis(v, 1, skv_pad, 0), 1, bk)
+  valid_blocks = _to_blocks(_pad_axis(kv_valid, 1, skv_pad, False), 1, bk)  # [nk, B, bk]
+  kpos_blocks = _to_blocks(_pad_positions(k_pos, skv_pad), 0, bk)  # [nk, bk]
+
+  def one_query_block(args):
+    q_i, qpos_i = args
+
+    def tile(carry, kv):
+      acc, m, l = carry  # [B, H, bq, D], [B, H, bq], [B, H, bq]
+      k_j, v_j, valid_j, kpos_j = kv
+
+      def compute():
+        s = jnp.einsum("bqhd,bkhd->bhqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
+        keep = keep_mask(valid_j, qpos_i, kpos_j, causal)
+        m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, -jnp.inf), axis=-1))
+        # Rows that have seen no key yet keep m = -inf; shift them by 0 instead so nothing is NaN.
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.where(keep, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.exp(m - m_safe)
+        pv = jnp.einsum(
+          "bhqk,bkhd->bhqd", p.astype(v_j.dtype), v_j, preferred_element_type=jnp.float32
+        )
+        return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
+
+      carry = lax.cond(_visible(qpos_i, kpos_j, causal), compute, lambda: carry)
+      return carry, None
+
+    init = (
+      jnp.zeros((b, h, bq, d), jnp.float32),
+      jnp.full((b, h, bq), -jnp.inf, jnp.float32),
+      jnp.zeros((b, h, bq), jnp.float32),
+    )
+    (acc, m, l), _ = lax.scan(tile, init, (k_blocks, v_blocks, valid_blocks, kpos_blocks))
+    seen = l > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), EMPTY_LSE)
+    return jnp.transpose(out, (0, 2, 1, 3)), lse
+
+  out, lse = lax.map(one_query_block, (q_blocks, qpos_blocks))  # [nq, B, bq, H, D], [nq, B, H, bq]
+  out = _from_blocks(out, 1)[:, :s_q]
+  lse = _from_blocks(lse, 2)[..., :s_q]
+  return out, lse
+
+
+def flash_backward(q, k, v, kv_valid, q_pos, k_pos, d_out, lse, delta, *, causal, scale, block_q,
+                   block_kv):  # fmt: skip
+  """Gradients of `flash_forward`'s output given the row statistics of the full softmax.
+
+  Args:
+    q, k, v, kv_valid, q_pos, k_pos: as in `flash_forward`.
+    d_out: `[B, S_q, H, D]` cotangent of the (global) output.
+    lse: `[B, H, S_q]` log-sum-exp of the full softmax the output was normalised by.
+    delta: `[B, H, S_q]` float32 `sum(d_out * out, -1)` of the full output.
+    causal, scale, block_q, block_kv: as in `flash_forward`.
+
+  Returns:
+    dq `[B, S_q, H, D]`, dk and dv `[B, S_kv, H, D]`, all float32: this key set's share of the gradients.
+  """
+  b, s_q, h, d = q.shape
+  s_kv = k.shape[1]
+  bq, bk = block_sizes(s_q, s_kv, block_q, block_kv)
+  sq_pad, skv_pad = _round_up(s_q, bq), _round_up(s_kv, bk)
+  q_blocks = _to_blocks(_pad_axis(q, 1, sq_pad, 0), 1, bq)
+  do_blocks = _to_blocks(_pad_axis(d_out, 1, sq_pad, 0), 1, bq)
+  # +inf log-sum-exp makes every probability of a padded query row exactly zero.
+  lse_blocks = _to_blocks(_pad_axis(lse, 2, sq_pad, jnp.inf), 2, bq)  # [nq, B, H, bq]
+  delta_blocks = _to_blocks(_pad_axis(delta, 2, sq_pad, 0), 2, bq)
+  qpos_blocks = _to_blocks(_pad_positions(q_pos, sq_pad), 0, bq)
+  k_blocks = _to_blocks(_pad_axis(k, 1, skv_pad, 0), 1, bk)
+  v_blocks = _to_blocks(_pad_axis(v, 1, skv_pad, 0), 1, bk)
+  valid_blocks = _to_blocks(_pad_axis(kv_valid, 1, skv_pad, False), 1, bk)
+  kpos_blocks = _to_blocks(_pad_positions(k_pos, skv_pad), 0, bk)
+
+  def one_key_block(dq_blocks, kv):
+    k_j, v_j, valid_j, kpos_j = kv
+
+    def tile(carry, xs):
+      dk, dv = carry  # [B, bk, H, D] float32
+      q_i, do_i, lse_i, delta_i, qpos_i, dq_i = xs
+
+      def compute():
+        s = jnp.einsum("bqhd,bkhd->bhqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
+        keep = keep_mask(valid_j, qpos_i, kpos_j, causal)
+        p = jnp.where(keep, jnp.exp(s - lse_i[..., None]), 0.0)
+        dv_new = dv + jnp.einsum(
+          "bhqk,bqhd->bkhd", p.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
+        )
+        dp = jnp.einsum("bqhd,bkhd->bhqk", do_i, v_j, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_i[..., None]) * scale
+        dq_new = dq_i + jnp.einsum(
+          "bhqk,bkhd->bqhd", ds.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32
+        )
+        dk_new = dk + jnp.einsum(
+          "bhqk,bqhd->bkhd", ds.astype(q_i.dtype), q_i, preferred_element_type=jnp.float32
+        )
+        return (dk_new, dv_new), dq_new
+
+      return lax.cond(_visible(qpos_i, kpos_j, causal), compute, lambda: ((dk, dv), dq_i))
+
+    zeros = jnp.zeros((b, bk, h, d), jnp.float32)
+    (dk, dv), dq_blocks = lax.scan(
+      tile, (zeros, zeros), (q_blocks, do_blocks, lse_blocks, delta_blocks, qpos_blocks, dq_blocks)
+    )
+    return dq_blocks, (dk, dv)
+
+  dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
+  dq_blocks, (dk_blocks, dv_blocks) = lax.scan(
+    one_key_block, dq0, (k_blocks, v_blocks, valid_blocks, kpos_blocks)
+  )
+  dq = _from_blocks(dq_blocks, 1)[:, :s_q]
+  dk = _from_blocks(dk_blocks, 1)[:, :s_kv]
+  dv = _from_blocks(dv_blocks, 1)[:, :s_kv]
+  return dq, dk, dv
+
+
+def output_delta(d_out, out):
+  """`sum(d_out * out, -1)` as `[B, H, S]` float32: the softmax-gradient correction per row."""
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  return jnp.transpose(delta, (0, 2, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def blockwise_attention(q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv):
+  """Flash attention with O(S) memory in both passes; arguments as in `flash_forward`.
+
+  Returns:
+    `[B, S_q, H, D]` in q's dtype.
+  """
+  out, _ = flash_forward(
+    q, k, v, kv_valid, q_pos, k_pos, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
+  )
+  return out.astype(q.dtype)
+
+
+def _blockwise_fwd(q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv):
+  out, lse = flash_forward(
+    q, k, v, kv_valid, q_pos, k_pos, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
+  )
+  out = out.astype(q.dtype)
+  return out, (q, k, v, kv_valid, q_pos, k_pos, out, lse)
+
+
+def _blockwise_bwd(causal, scale, block_q, block_kv, residuals, d_out):
+  q, k, v, kv_valid, q_pos, k_pos, out, lse = residuals
+  dq, dk, dv = flash_backward(
+    q, k, v, kv_valid, q_pos, k_pos, d_out, lse, output_delta(d_out, out),
+    causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
+  )  # fmt: skip
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+
+
+blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)

@@ -1,0 +1,145 @@
+"""Attention over a sequence sharded along the mesh's context axis: ring, Ulysses, and both (USP).
+
+The context axis of size `C` is viewed as `(ring R, ulysses U)` with `C = R * U`, Ulysses inner:
+Ulysses gathers `U` neighbouring sequence blocks (and splits heads), then the ring runs over the `R`
+larger blocks. `ring` is `U = 1`, `ulysses` is `R = 1`. Cross-attention (`S_q != S_kv`) keeps the
+queries sharded and replicates the (short, e.g. text) keys and values, so no communication is
+needed.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from md_attention import _sharding as shd
+from md_attention._config import AttentionConfig
+from md_attention._ring import ring_attention
+from md_attention._ulysses import ulysses_attention
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def ulysses_degree(
+  implementation: str, context: int, local_heads: int, heads: int, config: AttentionConfig
+) -> int:
+  """The Ulysses part of the context axis, validated against the heads per device."""
+  chunks = config.ulysses_chunks
+  working = [d for d in shd.divisors(context) if local_heads % (d * chunks) == 0]
+  heads_note = (
+    f"{local_heads} heads per device (num_heads={heads}"
+    + (f" over {config.heads_axis!r}" if local_heads != heads else "")
+    + f") with ulysses_chunks={chunks}"
+  )
+  if implementation == "ring":
+    return 1
+  if implementation == "ulysses":
+    degree = context
+  elif config.ulysses_degree is not None:
+    degree = config.ulysses_degree
+    if context % degree:
+      raise ValueError(
+        f"ulysses_degree={degree} must divide the {config.context_axis!r} axis of size {context}; "
+        f"divisors: {shd.divisors(context)}"
+      )
+  else:
+    # The largest Ulysses part the heads allow (all-to-all is cheaper than ring steps per byte).
+    return working[-1]
+  if local_heads % (degree * chunks):
+    raise ValueError(
+      f"{implementation}: Ulysses degree {degree} x ulysses_chunks {chunks} must divide the "
+      f"{heads_note}. Ulysses degrees that work: {working}; use implementation='ulysses_ring' with "
+      f"ulysses_degree in {working}, fewer ulysses_chunks, or implementation='ring'."
+    )
+  return degree
+
+
+def context_parallel_attention(
+  q, k, v, kv_valid, *, causal, scale, mesh: Mesh, config: AttentionConfig, implementation, attend
+):
+  """Ring / Ulysses / Ulysses x ring attention under `shard_map` over `mesh`.
+
+  Args:
+    q: `[B, S_q, H, D]`.
+    k, v: `[B, S_kv, H, D]`.
+    kv_valid: `[B, S_kv]` bool.
+    causal, scale: as in `attention`.
+    mesh: a mesh with `config.context_axis`.
+    config: block sizes, axes, Ulysses degree and chunks.
+    implementation: "ring", "ulysses" or "ulysses_ring".
+    attend: local attention `(q, k, v, kv_valid, q_pos, k_pos) -> out`, used by Ulysses (R = 1) and by
+      cross-attention.
+
+  Returns:
+    `[B, S_q, H, D]`, sharded `(batch, context, heads, None)`.
+  """
+  ctx = config.context_axis
+  if ctx not in mesh.shape:
+    raise ValueError(
+      f"{implementation} shards the sequence over mesh axis {ctx!r}, but the mesh has axes "
+      f"{tuple(mesh.shape)}; set AttentionConfig(context_axis=...)"
+    )
+  context = mesh.shape[ctx]
+  b, s_q, h, _ = q.shape
+  s_kv = k.shape[1]
+  b_spec = shd.batch_spec(mesh, config.batch_axes, b)
+  h_spec = shd.heads_spec(mesh, config.heads_axis, h)
+  local_heads = h // shd.axis_size(mesh, h_spec)
+  cross = s_q != s_kv
+  degree = 1 if cross else ulysses_degree(implementation, context, local_heads, h, config)
+  ring = context // degree
+  if degree in (1, context):
+    # Plain ring or plain Ulysses runs on the caller's mesh; the other axis is a trivial one.
+    pmesh, seq = mesh, ctx
+    ring_axis, uly_axis = (ctx, None) if degree == 1 else (None, ctx)
+  else:
+    pmesh = shd.split_context_mesh(mesh, ctx, degree)
+    ring_axis, uly_axis = ctx + shd.RING_SUFFIX, ctx + shd.ULYSSES_SUFFIX
+    seq = (ring_axis, uly_axis)
+
+  def block_index():
+    # This device's sequence block: ring position major, Ulysses position minor.
+    r = 0 if ring_axis is None else lax.axis_index(ring_axis)
+    u = 0 if uly_axis is None else lax.axis_index(uly_axis)
+    return r * degree + u
+
+  s_q_pad = _round_up(s_q, context)
+  q = jnp.pad(q, ((0, 0), (0, s_q_pad - s_q), (0, 0), (0, 0)))
+  act = P(b_spec, seq, h_spec, None)
+
+  if cross:
+
+    def body(q, k, v, kv_valid):
+      q_pos = block_index() * q.shape[1] + jnp.arange(q.shape[1], dtype=jnp.int32)
+      k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+      return attend(q, k, v, kv_valid, q_pos, k_pos)
+
+    kv_spec, valid_spec = P(b_spec, None, h_spec, None), P(b_spec, None)
+  else:
+    pad = s_q_pad - s_kv
+    k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+    kv_valid = jnp.pad(kv_valid, ((0, 0), (0, pad)), constant_values=False)
+
+    def local(q, k, v, kv_valid):
+      if ring > 1:
+        return ring_attention(
+          q, k, v, kv_valid, ring_axis, ring, causal, scale, config.block_q, config.block_kv
+        )
+      pos = jnp.arange(q.shape[1], dtype=jnp.int32)
+      return attend(q, k, v, kv_valid, pos, pos)
+
+    def body(q, k, v, kv_valid):
+      return ulysses_attention(
+        q, k, v, kv_valid, local, axis_name=uly_axis, degree=degree, chunks=config.ulysses_chunks
+      )
+
+    kv_spec, valid_spec = act, P(b_spec, seq)
+
+  out = shd.shard_map(
+    body, mesh=pmesh, in_specs=(act, kv_spec, kv_spec, valid_spec), out_specs=act
+  )(q, k, v, kv_valid)
+  return shd.constrain(out[:, :s_q], mesh, P(b_spec, ctx, h_spec, None))

@@ -1,0 +1,57 @@
+"""`implementation="auto"`: choose by backend, sequence length and mesh; log each choice once."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from md_attention import _sharding as shd
+from md_attention._config import AttentionConfig
+
+logger = logging.getLogger("md_attention")
+_logged: set[tuple] = set()
+
+
+def select_implementation(q_shape, kv_shape, dtype, mesh, config: AttentionConfig) -> str:
+  """The implementation `auto` runs for these shapes, dtype and mesh.
+
+  Order: the context axis first (if it has more than one device, the sequence is sharded: `ulysses`
+  when the heads per device divide by it, else `ulysses_ring` with the largest Ulysses part that
+  works, else `ring`); then the accelerator's flash kernel (`cudnn` on NVIDIA GPUs for bf16/fp16 and
+  head dims up to 256, `splash` on TPU) from `min_seq_length` on; then `blockwise` from
+  `min_seq_length` on, `dot_product` below.
+  """
+  backend = jax.default_backend()
+  b, s_q, h, d = q_shape
+  s_kv = kv_shape[1]
+  long = max(s_q, s_kv) >= config.min_seq_length
+  context = shd.axis_size(mesh, config.context_axis)
+  if context > 1:
+    local_heads = h // shd.axis_size(mesh, shd.heads_spec(mesh, config.heads_axis, h))
+    working = [u for u in shd.divisors(context) if local_heads % (u * config.ulysses_chunks) == 0]
+    if working[-1] == context:
+      choice, reason = "ulysses", f"context axis {context} divides {local_heads} heads per device"
+    elif working[-1] > 1:
+      choice, reason = "ulysses_ring", f"ulysses degree {working[-1]} of context axis {context}"
+    else:
+      choice, reason = (
+        "ring",
+        f"heads per device ({local_heads}) do not split over the context axis",
+      )
+  elif backend == "gpu" and long and dtype in (jnp.bfloat16, jnp.float16) and d <= 256:
+    choice, reason = "cudnn", "NVIDIA GPU, bf16/fp16"
+  elif backend == "tpu" and long:
+    choice, reason = "splash", "TPU"
+  elif long:
+    choice, reason = "blockwise", f"sequence length >= min_seq_length={config.min_seq_length}"
+  else:
+    choice, reason = "dot_product", f"sequence length < min_seq_length={config.min_seq_length}"
+  key = (choice, backend, s_q, s_kv, context)
+  if key not in _logged:
+    _logged.add(key)
+    logger.info(
+      "attention auto -> %s (%s; backend %s, S_q=%d, S_kv=%d)", choice, reason, backend, s_q, s_kv
+    )
+  return choice

@@ -1,0 +1,48 @@
+"""Ulysses sequence parallelism: all-to-all from sequence shards to head shards and back.
+
+Inside `shard_map`, each device of the Ulysses axis trades its sequence block of every head for the
+whole (ring-local) sequence of `1/U` of the heads, attends, and trades back. With `chunks > 1` the
+heads go in groups, each with its own pair of all-to-alls, so XLA's scheduler can overlap one
+group's communication with another group's attention.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def _to_heads(x, axis_name: str):
+  # [B, S/U, h, D] -> [B, S, h/U, D]: split heads, gather sequence.
+  return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _to_sequence(x, axis_name: str):
+  # [B, S, h/U, D] -> [B, S/U, h, D]
+  return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def ulysses_attention(q, k, v, kv_valid, attend, *, axis_name: str, degree: int, chunks: int):
+  """Runs `attend` on whole sequences and a slice of the heads (call inside shard_map).
+
+  Args:
+    q, k, v: `[B, S/U, H, D]` local sequence blocks (block `i` on Ulysses position `i`).
+    kv_valid: `[B, S/U]` bool local key mask.
+    attend: `(q, k, v, kv_valid) -> out` over `[B, S, H/(U*chunks), D]` inputs and `[B, S]` mask.
+    axis_name: the Ulysses mesh axis.
+    degree: its size U.
+    chunks: head groups processed with separate all-to-alls.
+
+  Returns:
+    `[B, S/U, H, D]`.
+  """
+  if degree == 1:
+    return attend(q, k, v, kv_valid)
+  kv_valid = lax.all_gather(kv_valid, axis_name, axis=1, tiled=True)
+  group = q.shape[2] // chunks
+  outs = []
+  for g in range(chunks):
+    heads = slice(g * group, (g + 1) * group)
+    q_g, k_g, v_g = (_to_heads(x[:, :, heads], axis_name) for x in (q, k, v))
+    outs.append(_to_sequence(attend(q_g, k_g, v_g, kv_valid), axis_name))
+  return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=2)
