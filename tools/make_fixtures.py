@@ -16,13 +16,19 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def _generators() -> list[str]:
-  return sorted(p.stem for p in (ROOT / "tools" / "fixtures").glob("*.py") if not p.stem.startswith("_"))
+  return sorted(
+    p.stem for p in (ROOT / "tools" / "fixtures").glob("*.py") if not p.stem.startswith("_")
+  )
 
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("names", nargs="*", help=f"generators to run (default: all of {_generators()})")
-  parser.add_argument("--manifests", action="store_true", help="write key manifests instead of fixtures")
+  parser.add_argument(
+    "names", nargs="*", help=f"generators to run (default: all of {_generators()})"
+  )
+  parser.add_argument(
+    "--manifests", action="store_true", help="write key manifests instead of fixtures"
+  )
   args = parser.parse_args()
   sys.path.insert(0, str(ROOT / "tools"))
   names = args.names or _generators()

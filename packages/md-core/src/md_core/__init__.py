@@ -5,9 +5,17 @@ neural-network blocks the families share (`md_core.nn`), media I/O (`md_core.med
 (`md_core.progress`).
 """
 
-from md_core import nn
-from md_core._keymap import LAYOUTS, KeyMap, Target, convert, path_str, rule_keymap, target_shape
-from md_core._keymap import torch_module_keymap
+from md_core import media, nn, progress
+from md_core._keymap import (
+  LAYOUTS,
+  KeyMap,
+  Target,
+  convert,
+  path_str,
+  rule_keymap,
+  target_shape,
+  torch_module_keymap,
+)
 from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
 from md_core._orbax import restore_converted, save_converted
 from md_core._safetensors import (
@@ -35,9 +43,11 @@ __all__ = [
   "load_config",
   "load_weights",
   "logical_axes",
+  "media",
   "nn",
   "open_checkpoint",
   "path_str",
+  "progress",
   "read_json",
   "resolve_source",
   "restore_converted",

@@ -76,7 +76,9 @@ def convert(array: np.ndarray, target: Target) -> np.ndarray:
   perm = _PERMUTATIONS[target.layout]
   if perm is not None:
     if array.ndim != len(perm):
-      raise ValueError(f"layout {target.layout!r} takes a {len(perm)}-d tensor, got shape {array.shape}")
+      raise ValueError(
+        f"layout {target.layout!r} takes a {len(perm)}-d tensor, got shape {array.shape}"
+      )
     array = np.transpose(array, perm)
   return array
 
@@ -118,12 +120,19 @@ def torch_module_keymap(prefix_map: Sequence[tuple[str, str, str]]) -> KeyMap:
   """
   rules = []
   for torch_prefix, md_path, kind in prefix_map:
+    md_path = md_path.rstrip("/") + "/" if md_path else ""
     if kind in ("linear", "conv1d", "conv2d", "conv3d"):
-      rules += [(rf"{torch_prefix}\.weight", f"{md_path}/kernel", kind), (rf"{torch_prefix}\.bias", f"{md_path}/bias", "identity")]
+      rules += [
+        (rf"{torch_prefix}\.weight", f"{md_path}kernel", kind),
+        (rf"{torch_prefix}\.bias", f"{md_path}bias", "identity"),
+      ]
     elif kind == "norm":
-      rules += [(rf"{torch_prefix}\.weight", f"{md_path}/scale", "identity"), (rf"{torch_prefix}\.bias", f"{md_path}/bias", "identity")]
+      rules += [
+        (rf"{torch_prefix}\.weight", f"{md_path}scale", "identity"),
+        (rf"{torch_prefix}\.bias", f"{md_path}bias", "identity"),
+      ]
     elif kind == "embedding":
-      rules += [(rf"{torch_prefix}\.weight", f"{md_path}/embedding", "identity")]
+      rules += [(rf"{torch_prefix}\.weight", f"{md_path}embedding", "identity")]
     else:
       raise ValueError(f"unknown module kind {kind!r} for {torch_prefix!r}")
   return rule_keymap(rules)

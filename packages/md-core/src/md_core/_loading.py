@@ -137,7 +137,9 @@ def load_weights(
   model = abstract_model(factory)
   graphdef, state = nnx.split(model)
   variables = flat_variables(state)
-  plan, unused, missing = _plan(model, variables, checkpoint, convert_key, allow_unused, allow_missing)
+  plan, unused, missing = _plan(
+    model, variables, checkpoint, convert_key, allow_unused, allow_missing
+  )
 
   items = list(variables.items())
   if progress:
@@ -159,7 +161,9 @@ def load_weights(
       value = _keymap.convert(checkpoint[key], target)
     value = np.asarray(value).astype(out_dtype, copy=False)
     sharding = placement(var, shape, mesh, rules)
-    set_variable_value(var, jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value))
+    set_variable_value(
+      var, jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+    )
   loaded = nnx.merge(graphdef, state)
   if return_report:
     return loaded, LoadReport(loaded=len(plan), unused=tuple(unused), missing=tuple(missing))
@@ -217,13 +221,16 @@ def _plan(model, variables, checkpoint, convert_key, allow_unused, allow_missing
   problems: list[str] = []
   unused: list[str] = []
   plan: dict[Path, list[tuple[str, Target]]] = {}
+  claimed: set[Path] = set()
   for key in checkpoint:
     targets = convert_key(key)
     if targets is None:
       if any(re.fullmatch(p, key) for p in allow_unused):
         unused.append(key)
       else:
-        problems.append(f"{where(key)}: tensor {key!r} {shape_of(key)} maps to no parameter of the model")
+        problems.append(
+          f"{where(key)}: tensor {key!r} {shape_of(key)} maps to no parameter of the model"
+        )
       continue
     if isinstance(targets, Target):
       targets = (targets,)
@@ -234,6 +241,9 @@ def _plan(model, variables, checkpoint, convert_key, allow_unused, allow_missing
           f"{where(key)}: tensor {key!r} maps to {_keymap.path_str(target.path)!r}, which the model does not have"
         )
         continue
+      claimed.add(
+        tuple(target.path)
+      )  # mis-shaped or not: the parameter is not reported missing too
       want = tuple(variable_value(var).shape)
       if target.layer is not None:
         if not want or not 0 <= target.layer < want[0]:
@@ -272,7 +282,7 @@ def _plan(model, variables, checkpoint, convert_key, allow_unused, allow_missing
     elif len(pieces) > 1:
       keys = [k for k, _ in pieces]
       problems.append(f"{name}: parameter {text!r} is filled by several tensors {keys}")
-    elif not pieces:
+    elif not pieces and path not in claimed:
       if any(re.fullmatch(p, text) for p in allow_missing):
         missing.append(text)
       else:

@@ -73,7 +73,9 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
         shape = tuple(int(d) for d in info["shape"])
         begin, end = (int(o) for o in info["data_offsets"])
       except KeyError as e:
-        raise SafetensorsError(f"{self.path}: tensor {key!r} has an unsupported entry {info!r} ({e})") from None
+        raise SafetensorsError(
+          f"{self.path}: tensor {key!r} has an unsupported entry {info!r} ({e})"
+        ) from None
       want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
       if end - begin != want:
         raise SafetensorsError(
@@ -129,7 +131,9 @@ class Checkpoint(Mapping[str, np.ndarray]):
     for f in files:
       for key in f:
         if key in self._where:
-          raise SafetensorsError(f"tensor {key!r} appears in both {self._where[key].path} and {f.path}")
+          raise SafetensorsError(
+            f"tensor {key!r} appears in both {self._where[key].path} and {f.path}"
+          )
         self._where[key] = f
 
   def __getitem__(self, key: str) -> np.ndarray:
@@ -182,7 +186,9 @@ def open_checkpoint(path: str | os.PathLike, *, variant: str | None = None) -> C
     # Skip variant files (model.fp16.safetensors) when plain ones exist.
     plain = [f for f in files if "." not in f.name.removesuffix(".safetensors")]
     files = plain or files
-    indexes = [i for i in indexes if "." not in i.name.removesuffix(".safetensors.index.json")] or indexes
+    indexes = [
+      i for i in indexes if "." not in i.name.removesuffix(".safetensors.index.json")
+    ] or indexes
   if indexes:
     if len(indexes) > 1:
       raise FileNotFoundError(f"{path}: several index files {[i.name for i in indexes]}; name one")
@@ -197,7 +203,9 @@ def _open_index(index: pathlib.Path) -> Checkpoint:
   try:
     weight_map = json.loads(index.read_text())["weight_map"]
   except (json.JSONDecodeError, KeyError) as e:
-    raise SafetensorsError(f"{index}: not a safetensors index (expected a 'weight_map'): {e}") from None
+    raise SafetensorsError(
+      f"{index}: not a safetensors index (expected a 'weight_map'): {e}"
+    ) from None
   names = sorted(set(weight_map.values()))
   missing = [n for n in names if not (index.parent / n).is_file()]
   if missing:
@@ -210,7 +218,10 @@ def _open_index(index: pathlib.Path) -> Checkpoint:
 
 
 def save_safetensors(
-  path: str | os.PathLike, tensors: Mapping[str, np.ndarray], *, metadata: Mapping[str, str] | None = None
+  path: str | os.PathLike,
+  tensors: Mapping[str, np.ndarray],
+  *,
+  metadata: Mapping[str, str] | None = None,
 ) -> None:
   """Writes numpy arrays (any dtype above, incl. bfloat16) as one safetensors file."""
   header: dict[str, object] = {}
@@ -219,10 +230,16 @@ def save_safetensors(
   arrays = []
   offset = 0
   for key in sorted(tensors):
-    a = np.ascontiguousarray(np.asarray(tensors[key]))
+    a = np.asarray(tensors[key])
+    if not a.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+      a = np.ascontiguousarray(a)
     if a.dtype not in _NAMES:
       raise TypeError(f"tensor {key!r}: dtype {a.dtype} cannot be stored in safetensors")
-    header[key] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+    header[key] = {
+      "dtype": _NAMES[a.dtype],
+      "shape": list(a.shape),
+      "data_offsets": [offset, offset + a.nbytes],
+    }
     offset += a.nbytes
     arrays.append(a)
   blob = json.dumps(header, separators=(",", ":")).encode()

@@ -63,13 +63,17 @@ def resolve_source(
   elif _HUB_ID.match(text) and not text.startswith((".", "/")):
     root = _from_hub(text, subfolder, revision, cache_dir, allow_patterns)
   else:
-    raise FileNotFoundError(f"{text!r} is neither an existing folder nor a hub id of the form 'org/name'")
+    raise FileNotFoundError(
+      f"{text!r} is neither an existing folder nor a hub id of the form 'org/name'"
+    )
   if subfolder is None:
     return root
   component = root / subfolder
   if not component.is_dir():
     have = sorted(p.name for p in root.iterdir() if p.is_dir())
-    raise FileNotFoundError(f"{root}: checkpoint has no component {subfolder!r} (components here: {have})")
+    raise FileNotFoundError(
+      f"{root}: checkpoint has no component {subfolder!r} (components here: {have})"
+    )
   return component
 
 
@@ -89,14 +93,20 @@ def _from_hub(repo_id, subfolder, revision, cache_dir, allow_patterns) -> pathli
       local_files_only=offline,
       allow_patterns=allow_patterns,
     )
-  except (errors.LocalEntryNotFoundError, errors.RepositoryNotFoundError, errors.RevisionNotFoundError) as e:
+  except (
+    errors.LocalEntryNotFoundError,
+    errors.RepositoryNotFoundError,
+    errors.RevisionNotFoundError,
+  ) as e:
     how = (
       "HF_HUB_OFFLINE=1 is set, so only the local cache is read; download it on a machine with access "
       "(e.g. `huggingface-cli download " + repo_id + "`) or pass a local folder"
       if offline
       else "the hub could not provide it"
     )
-    raise FileNotFoundError(f"hub id {repo_id!r} is not available in the cache at {cache}: {how} ({e})") from None
+    raise FileNotFoundError(
+      f"hub id {repo_id!r} is not available in the cache at {cache}: {how} ({e})"
+    ) from None
   return pathlib.Path(folder)
 
 
@@ -111,6 +121,8 @@ def read_json(path: str | os.PathLike) -> dict:
     raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def load_config(source: str | os.PathLike, *, subfolder: str | None = None, name: str = "config.json") -> dict:
+def load_config(
+  source: str | os.PathLike, *, subfolder: str | None = None, name: str = "config.json"
+) -> dict:
   """Reads `<component>/config.json` (or `name`) of a checkpoint source."""
   return read_json(resolve_source(source, subfolder=subfolder) / name)

@@ -25,6 +25,12 @@ def _param(rngs: nnx.Rngs | None, init, shape, dtype, axes: Axes) -> nnx.Param:
   return nnx.Param(init(key, shape, dtype), logical_axes=tuple(axes))
 
 
+def _last(v: jax.Array, ndim: int) -> jax.Array:
+  """A per-feature vector `[C]` shaped to broadcast against `[..., C]` of rank `ndim` (explicit, as the
+  strict rank-promotion mode requires)."""
+  return v.reshape((1,) * (ndim - 1) + (v.shape[-1],))
+
+
 def _torch_uniform(fan_in: int):
   """PyTorch's default Linear/Conv init (uniform ±1/sqrt(fan_in)), so random models look like the reference."""
   bound = 1.0 / math.sqrt(max(fan_in, 1))
@@ -58,7 +64,7 @@ class Dense(nnx.Module):
     dtype = self.dtype or x.dtype
     y = jnp.matmul(x.astype(dtype), self.kernel[...].astype(dtype))
     if self.bias is not None:
-      y = y + self.bias[...].astype(dtype)
+      y = y + _last(self.bias[...].astype(dtype), y.ndim)
     return y
 
 
@@ -100,7 +106,9 @@ class Conv(nnx.Module):
         raise ValueError("Conv needs `ndim` when kernel_size is an int")
       ndim = len(kernel_size)
     if in_channels % groups or out_channels % groups:
-      raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
+      raise ValueError(
+        f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}"
+      )
     self.kernel_size = _pairs(kernel_size, ndim, "kernel_size")
     self.stride = _pairs(stride, ndim, "stride")
     self.dilation = _pairs(dilation, ndim, "dilation")
@@ -119,12 +127,16 @@ class Conv(nnx.Module):
     window_axes = (None,) * ndim
     shape = (*self.kernel_size, in_channels // groups, out_channels)
     self.kernel = _param(rngs, init, shape, param_dtype, window_axes + tuple(axes))
-    self.bias = _param(rngs, init, (out_channels,), param_dtype, tuple(axes)[-1:]) if use_bias else None
+    self.bias = (
+      _param(rngs, init, (out_channels,), param_dtype, tuple(axes)[-1:]) if use_bias else None
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     ndim = len(self.kernel_size)
     if x.ndim != ndim + 2:
-      raise ValueError(f"Conv{ndim}d expects [B, {ndim} spatial dims, C] input, got shape {x.shape}")
+      raise ValueError(
+        f"Conv{ndim}d expects [B, {ndim} spatial dims, C] input, got shape {x.shape}"
+      )
     dtype = self.dtype or x.dtype
     spatial = "DHW"[-ndim:] if ndim <= 3 else None
     dn = (f"N{spatial}C", f"{spatial}IO", f"N{spatial}C")
@@ -138,7 +150,7 @@ class Conv(nnx.Module):
       feature_group_count=self.groups,
     )
     if self.bias is not None:
-      y = y + self.bias[...].astype(dtype)
+      y = y + _last(self.bias[...].astype(dtype), y.ndim)
     return y
 
 
@@ -146,7 +158,12 @@ class Embed(nnx.Module):
   """A lookup table `[num_embeddings, features]` (torch `nn.Embedding`)."""
 
   def __init__(
-    self, num_embeddings: int, features: int, *, axes: Axes = ("vocab", "embed"), param_dtype: Any = _F32,
+    self,
+    num_embeddings: int,
+    features: int,
+    *,
+    axes: Axes = ("vocab", "embed"),
+    param_dtype: Any = _F32,
     rngs: nnx.Rngs | None = None,
   ):
     init = jax.nn.initializers.normal(1.0)
@@ -160,14 +177,28 @@ class GroupNorm(nnx.Module):
   """Group normalisation over channels-last inputs `[B, ..., C]`, computed in float32 (torch `nn.GroupNorm`)."""
 
   def __init__(
-    self, num_groups: int, num_channels: int, *, eps: float = 1e-5, affine: bool = True,
-    param_dtype: Any = _F32, rngs: nnx.Rngs | None = None,
+    self,
+    num_groups: int,
+    num_channels: int,
+    *,
+    eps: float = 1e-5,
+    affine: bool = True,
+    param_dtype: Any = _F32,
+    rngs: nnx.Rngs | None = None,
   ):
     if num_channels % num_groups:
       raise ValueError(f"num_groups={num_groups} must divide num_channels={num_channels}")
     self.num_groups, self.eps = num_groups, eps
-    self.scale = _param(rngs, jax.nn.initializers.ones, (num_channels,), param_dtype, ("norm",)) if affine else None
-    self.bias = _param(rngs, jax.nn.initializers.zeros, (num_channels,), param_dtype, ("norm",)) if affine else None
+    self.scale = (
+      _param(rngs, jax.nn.initializers.ones, (num_channels,), param_dtype, ("norm",))
+      if affine
+      else None
+    )
+    self.bias = (
+      _param(rngs, jax.nn.initializers.zeros, (num_channels,), param_dtype, ("norm",))
+      if affine
+      else None
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, c = x.shape[0], x.shape[-1]
@@ -176,7 +207,9 @@ class GroupNorm(nnx.Module):
     var = jnp.mean(jnp.square(h - mean), axis=(1, 3), keepdims=True)
     h = ((h - mean) * jax.lax.rsqrt(var + self.eps)).reshape(x.shape)
     if self.scale is not None:
-      h = h * self.scale[...].astype(_F32) + self.bias[...].astype(_F32)
+      h = h * _last(self.scale[...].astype(_F32), h.ndim) + _last(
+        self.bias[...].astype(_F32), h.ndim
+      )
     return h.astype(x.dtype)
 
 
@@ -184,8 +217,14 @@ class LayerNorm(nnx.Module):
   """Layer normalisation over the last axis, computed in float32 (torch `nn.LayerNorm`)."""
 
   def __init__(
-    self, dim: int, *, eps: float = 1e-5, elementwise_affine: bool = True, use_bias: bool = True,
-    param_dtype: Any = _F32, rngs: nnx.Rngs | None = None,
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-5,
+    elementwise_affine: bool = True,
+    use_bias: bool = True,
+    param_dtype: Any = _F32,
+    rngs: nnx.Rngs | None = None,
   ):
     self.eps = eps
     ones, zeros = jax.nn.initializers.ones, jax.nn.initializers.zeros
@@ -199,9 +238,9 @@ class LayerNorm(nnx.Module):
     var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
     h = (h - mean) * jax.lax.rsqrt(var + self.eps)
     if self.scale is not None:
-      h = h * self.scale[...].astype(_F32)
+      h = h * _last(self.scale[...].astype(_F32), h.ndim)
     if self.bias is not None:
-      h = h + self.bias[...].astype(_F32)
+      h = h + _last(self.bias[...].astype(_F32), h.ndim)
     return h.astype(x.dtype)
 
 
@@ -212,8 +251,14 @@ class RMSNorm(nnx.Module):
   """
 
   def __init__(
-    self, dim: int, *, eps: float = 1e-6, elementwise_affine: bool = True, scale_offset: float = 0.0,
-    param_dtype: Any = _F32, rngs: nnx.Rngs | None = None,
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-6,
+    elementwise_affine: bool = True,
+    scale_offset: float = 0.0,
+    param_dtype: Any = _F32,
+    rngs: nnx.Rngs | None = None,
   ):
     self.eps, self.scale_offset = eps, scale_offset
     init = jax.nn.initializers.zeros if scale_offset else jax.nn.initializers.ones
@@ -223,7 +268,7 @@ class RMSNorm(nnx.Module):
     h = x.astype(_F32)
     h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
     if self.scale is not None:
-      h = h * (self.scale[...].astype(_F32) + self.scale_offset)
+      h = h * _last(self.scale[...].astype(_F32) + self.scale_offset, h.ndim)
     return h.astype(x.dtype)
 
 
@@ -247,7 +292,9 @@ def activation(name: str):
   try:
     return _ACTIVATIONS[name]
   except KeyError:
-    raise ValueError(f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}") from None
+    raise ValueError(
+      f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}"
+    ) from None
 
 
 def timestep_embedding(
@@ -282,8 +329,15 @@ class TimestepEmbedding(nnx.Module):
   """The MLP over sinusoidal timestep features: `linear_2(act(linear_1(x)))`."""
 
   def __init__(
-    self, in_channels: int, time_embed_dim: int, *, out_dim: int | None = None, act: str = "silu",
-    dtype: Any = None, param_dtype: Any = _F32, rngs: nnx.Rngs | None = None,
+    self,
+    in_channels: int,
+    time_embed_dim: int,
+    *,
+    out_dim: int | None = None,
+    act: str = "silu",
+    dtype: Any = None,
+    param_dtype: Any = _F32,
+    rngs: nnx.Rngs | None = None,
   ):
     self.act = activation(act)
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -294,7 +348,15 @@ class TimestepEmbedding(nnx.Module):
     return self.linear_2(self.act(self.linear_1(x)))
 
 
-FEED_FORWARD_ACTIVATIONS = ("gelu", "gelu-approximate", "geglu", "geglu-approximate", "swiglu", "linear-silu")
+# "geglu-approximate" is, as in the reference, not gated: the sigmoid approximation x·σ(1.702x).
+FEED_FORWARD_ACTIVATIONS = (
+  "gelu",
+  "gelu-approximate",
+  "geglu",
+  "geglu-approximate",
+  "swiglu",
+  "linear-silu",
+)
 
 
 class FeedForward(nnx.Module):
@@ -318,10 +380,12 @@ class FeedForward(nnx.Module):
     rngs: nnx.Rngs | None = None,
   ):
     if activation not in FEED_FORWARD_ACTIVATIONS:
-      raise ValueError(f"unknown feed-forward activation {activation!r}; expected one of {FEED_FORWARD_ACTIVATIONS}")
+      raise ValueError(
+        f"unknown feed-forward activation {activation!r}; expected one of {FEED_FORWARD_ACTIVATIONS}"
+      )
     inner = inner_dim or int(dim * mult)
     self.activation = activation
-    self.gated = activation in ("geglu", "geglu-approximate", "swiglu")
+    self.gated = activation in ("geglu", "swiglu")
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.proj_in = Dense(dim, inner * (2 if self.gated else 1), axes=("embed", "mlp"), **kw)
     self.proj_out = Dense(inner, dim_out or dim, axes=("mlp", "embed"), **kw)
@@ -331,10 +395,9 @@ class FeedForward(nnx.Module):
     a = self.activation
     if self.gated:
       value, gate = jnp.split(h, 2, axis=-1)
-      if a == "swiglu":
-        h = value * jax.nn.silu(gate)
-      else:
-        h = value * gelu(gate, approximate=a == "geglu-approximate")
+      h = value * (jax.nn.silu(gate) if a == "swiglu" else gelu(gate))
+    elif a == "geglu-approximate":
+      h = h * jax.nn.sigmoid(1.702 * h)
     elif a == "linear-silu":
       h = jax.nn.silu(h)
     else:
@@ -343,7 +406,12 @@ class FeedForward(nnx.Module):
 
 
 def rope_1d(
-  dim: int, positions: jax.Array, *, theta: float = 10000.0, linear_factor: float = 1.0, ntk_factor: float = 1.0
+  dim: int,
+  positions: jax.Array,
+  *,
+  theta: float = 10000.0,
+  linear_factor: float = 1.0,
+  ntk_factor: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
   """Rotary tables for one axis: `(cos, sin)`, each `[..., S, dim]` with every frequency repeated twice
   (pairs of adjacent features rotate together). Computed in float64 when x64 is on, else float32."""
@@ -352,22 +420,29 @@ def rope_1d(
   theta = theta * ntk_factor
   ftype = jnp.float64 if jax.config.jax_enable_x64 else _F32
   freqs = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=ftype) / dim)) / linear_factor
-  angles = positions.astype(ftype)[..., None] * freqs
+  pos = positions.astype(ftype)[..., None]
+  angles = pos * freqs.reshape((1,) * (pos.ndim - 1) + (-1,))
   cos = jnp.repeat(jnp.cos(angles), 2, axis=-1).astype(_F32)
   sin = jnp.repeat(jnp.sin(angles), 2, axis=-1).astype(_F32)
   return cos, sin
 
 
-def rope_nd(ids: jax.Array, axes_dims: Sequence[int], *, theta: float = 10000.0) -> tuple[jax.Array, jax.Array]:
+def rope_nd(
+  ids: jax.Array, axes_dims: Sequence[int], *, theta: float = 10000.0
+) -> tuple[jax.Array, jax.Array]:
   """Rotary tables for N position axes: `ids [..., S, N]` → `(cos, sin)` `[..., S, sum(axes_dims)]`, each axis
   contributing `axes_dims[i]` features (as Flux's 3-axis and Flux.2's 4-axis ids)."""
   if ids.shape[-1] != len(axes_dims):
-    raise ValueError(f"ids have {ids.shape[-1]} position axes but axes_dims={tuple(axes_dims)} has {len(axes_dims)}")
+    raise ValueError(
+      f"ids have {ids.shape[-1]} position axes but axes_dims={tuple(axes_dims)} has {len(axes_dims)}"
+    )
   tables = [rope_1d(d, ids[..., i], theta=theta) for i, d in enumerate(axes_dims)]
   return jnp.concatenate([c for c, _ in tables], -1), jnp.concatenate([s for _, s in tables], -1)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool = True) -> jax.Array:
+def apply_rope(
+  x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool = True
+) -> jax.Array:
   """Rotates `x [B, S, H, D]` by `(cos, sin)` `[S, D]` or `[B, S, D]`, in float32, returning x's dtype.
 
   `interleaved=True`: features `(2i, 2i+1)` form a pair (tables from `rope_1d`); False: feature `i` pairs with
