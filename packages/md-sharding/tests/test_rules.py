@@ -236,3 +236,34 @@ def test_constraint_without_mesh_is_a_no_op():
   # Names are still checked, so typos fail on one device as well.
   with pytest.raises(ValueError, match=r"unknown logical axis name 'mpl'"):
     mds.with_logical_constraint(x, ("embed", "mpl"))
+
+
+def test_logical_tree_to_sharding():
+  mesh = mds.make_mesh(dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2))
+  names = {
+    "dense": {"kernel": ("embed", "mlp"), "bias": P("mlp")},
+    "norm": None,
+    "blocks": [P("layers", "embed", "heads", "kv")],
+  }
+  shapes = {
+    "dense": {"kernel": jax.ShapeDtypeStruct((8, 6), jnp.float32), "bias": (6,)},
+    "norm": np.zeros(8),
+    "blocks": [(2, 16, 4, 3)],
+  }
+  shardings = mds.logical_tree_to_sharding(names, mesh, shapes=shapes)
+  specs = jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+  assert specs == {
+    "dense": {"kernel": P("fsdp", "tensor"), "bias": P("tensor")},
+    "norm": P(None),
+    "blocks": [P(None, "fsdp", "tensor", None)],
+  }
+  assert all(s.mesh is mesh for s in jax.tree.leaves(shardings))
+  # Without shapes: no divisibility check, and a short PartitionSpec stays short.
+  shardings = mds.logical_tree_to_sharding({"w": ("mlp", "embed"), "b": P("mlp")}, mesh)
+  assert shardings["w"].spec == P("tensor", "fsdp")
+  assert shardings["b"].spec == P("tensor")
+  # A PartitionSpec of logical names is padded to the rank; 3 rows do not split 4 ways.
+  shardings = mds.logical_tree_to_sharding(P("embed"), mesh, shapes=(3, 4))
+  assert shardings.spec == P(None, None)
+  with pytest.raises(ValueError, match=r"got 1 logical names \('embed',\) for an array of rank 2"):
+    mds.logical_tree_to_sharding({"w": ("embed",)}, mesh, shapes={"w": (8, 4)})

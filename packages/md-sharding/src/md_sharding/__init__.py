@@ -9,6 +9,7 @@ from md_sharding._rules import (
   Rules,
   logical_to_sharding,
   logical_to_spec,
+  logical_tree_to_sharding,
   replace_rules,
   with_logical_constraint,
 )
@@ -25,6 +26,7 @@ __all__ = [
   "initialize",
   "logical_to_sharding",
   "logical_to_spec",
+  "logical_tree_to_sharding",
   "make_mesh",
   "per_process_batch_size",
   "replace_rules",

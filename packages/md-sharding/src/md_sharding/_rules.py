@@ -8,6 +8,7 @@ rules, never the layers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -218,6 +219,64 @@ def logical_to_sharding(
   if not isinstance(mesh, Mesh):
     raise TypeError(f"logical_to_sharding needs a jax.sharding.Mesh, got {type(mesh).__name__}")
   return NamedSharding(mesh, logical_to_spec(names, rules=rules, mesh=mesh, shape=shape))
+
+
+def _is_names_leaf(x) -> bool:
+  return (
+    x is None
+    or isinstance(x, PartitionSpec)
+    or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+  )
+
+
+def logical_tree_to_sharding(
+  names_tree: Any,
+  mesh: Mesh,
+  *,
+  rules: Rules | None = None,
+  shapes: Any = None,
+) -> Any:
+  """`logical_to_sharding` over a pytree, e.g. the logical specs of a model's parameters.
+
+  Leaves of `names_tree` are tuples of logical names, `PartitionSpec`s holding logical names (what
+  `flax.nnx.get_partition_spec` returns for parameters annotated with `sharding_names`), or None
+  (replicated). A `PartitionSpec` shorter than its array leaves the remaining dimensions whole, as in
+  jax; a tuple must name every dimension.
+
+  Args:
+    names_tree: the pytree of logical names.
+    mesh: the device mesh.
+    rules: the rule set; `DEFAULT_RULES` by default.
+    shapes: optional pytree with the same structure (down to the leaves of `names_tree`) whose
+      leaves have a `.shape` (arrays, `jax.ShapeDtypeStruct`s) or are shape tuples; enables the
+      divisibility fallback.
+
+  Returns:
+    A pytree of `NamedSharding`s with the structure of `names_tree`.
+  """
+
+  def one(names, shape=None):
+    if shape is not None and hasattr(shape, "shape"):
+      shape = shape.shape
+    if names is None:
+      names = ()
+      if shape is not None:
+        names = (None,) * len(shape)
+    elif isinstance(names, PartitionSpec):
+      entries = tuple(names)
+      for entry in entries:
+        if entry is not None and not isinstance(entry, str):
+          raise TypeError(
+            f"a PartitionSpec of logical names holds one name or None per dimension, got {names}"
+          )
+      if shape is not None and len(entries) < len(shape):
+        entries += (None,) * (len(shape) - len(entries))
+      names = entries
+    return logical_to_sharding(names, mesh, rules=rules, shape=shape)
+
+  if shapes is None:
+    return jax.tree.map(one, names_tree, is_leaf=_is_names_leaf)
+  return jax.tree.map(one, names_tree, shapes, is_leaf=_is_names_leaf)
 
 
 def _context_mesh():
