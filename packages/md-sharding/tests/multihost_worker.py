@@ -1,6 +1,8 @@
 """One process of the two-process test in test_multihost.py (a script; pytest does not collect it).
 
-Usage: python multihost_worker.py PORT PROCESS_ID. Prints one line `RESULT {json}` on success.
+Usage: python multihost_worker.py MODE PORT PROCESS_ID, where MODE is "explicit" (settings passed to
+`initialize`) or "slurm" (no arguments: jax detects the SLURM variables the test sets). Prints one
+line `RESULT {json}` on success.
 """
 
 import json
@@ -32,10 +34,13 @@ def weights() -> np.ndarray:
   return np.random.default_rng(1234).normal(size=(FEATURES, OUT)).astype(np.float32)
 
 
-def main(port: int, process_id: int) -> None:
-  started = mds.initialize(
-    f"127.0.0.1:{port}", NUM_PROCESSES, process_id, initialization_timeout=30
-  )
+def main(mode: str, port: int, process_id: int) -> None:
+  if mode == "explicit":
+    started = mds.initialize(
+      f"127.0.0.1:{port}", NUM_PROCESSES, process_id, initialization_timeout=30
+    )
+  else:
+    started = mds.initialize(initialization_timeout=30)
   again = mds.initialize()  # idempotent: no second start
   rows = mds.per_process_batch_size(1.0)  # 8 devices * 1 / 2 processes = 4
   local = process_batch(process_id, rows)
@@ -46,6 +51,7 @@ def main(port: int, process_id: int) -> None:
 
   results = {
     "started": started,
+    "process_index": jax.process_index(),
     "again": again,
     "process_count": jax.process_count(),
     "device_count": jax.device_count(),
@@ -65,6 +71,8 @@ def main(port: int, process_id: int) -> None:
     },
   }
   row_weights = np.arange(expected_x.shape[0], dtype=np.float32)[:, None]
+  if mode != "explicit":
+    configs = {"fsdp": configs["fsdp"]}
   for label, config in configs.items():
     mesh = mds.make_mesh(config)
     # Each mesh row along `data` of the hybrid mesh must be one process's devices.
@@ -108,4 +116,4 @@ def main(port: int, process_id: int) -> None:
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]), int(sys.argv[2]))
+  main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

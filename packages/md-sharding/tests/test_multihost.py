@@ -21,22 +21,34 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(mode: str, port: int, process_id: int) -> dict[str, str]:
   env = {
-    k: v for k, v in os.environ.items() if not k.startswith("JAX_") and "proxy" not in k.lower()
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_", "SLURM_", "OMPI_")) and "proxy" not in k.lower()
   }
   env["JAX_PLATFORMS"] = "cpu"
   # 4 virtual CPU devices per process, 8 in all (replacing the 8 the test session itself has).
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  if mode == "slurm":
+    # What `srun -n 2` on one node would set, with the coordinator port pinned to a free one.
+    env.update(
+      SLURM_JOB_ID="4242",
+      SLURM_STEP_NODELIST="127.0.0.1",
+      SLURM_NTASKS=str(NUM_PROCESSES),
+      SLURM_PROCID=str(process_id),
+      SLURM_LOCALID=str(process_id),
+      JAX_COORDINATOR_PORT=str(port),
+    )
   return env
 
 
-def _run_workers() -> list[dict]:
+def _run_workers(mode: str) -> list[dict]:
   port = _free_port()
   procs = [
     subprocess.Popen(
-      [sys.executable, str(WORKER), str(port), str(i)],
-      env=_child_env(),
+      [sys.executable, str(WORKER), mode, str(port), str(i)],
+      env=_child_env(mode, port, i),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
@@ -53,8 +65,9 @@ def _run_workers() -> list[dict]:
     pass
   finally:
     for i, proc in enumerate(procs):
-      if proc.poll() is None:
-        proc.kill()
+      if outputs[i] is None:
+        if proc.poll() is None:
+          proc.kill()
         outputs[i] = proc.communicate()
   report = "\n".join(
     f"--- process {i} (exit {p.returncode}) stdout:\n{o[0]}\n--- stderr:\n{o[1][-4000:]}"
@@ -71,7 +84,7 @@ def _run_workers() -> list[dict]:
 
 
 def test_two_processes_build_global_batch_and_run_sharded_step():
-  results = _run_workers()
+  results = _run_workers("explicit")
 
   rows, features, out = 4, 6, 4
   x = np.concatenate(
@@ -119,3 +132,18 @@ def test_two_processes_build_global_batch_and_run_sharded_step():
       np.testing.assert_allclose(mesh["sum"], x.sum(), rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(mesh["weighted_sum"], (np.arange(8)[:, None] * x).sum(), rtol=1e-5)
       np.testing.assert_allclose(mesh["mean"], y.mean(axis=0), rtol=1e-5, atol=1e-5)
+
+
+def test_two_processes_started_from_detected_slurm_variables():
+  results = _run_workers("slurm")
+
+  x = np.concatenate(
+    [np.random.default_rng(p).normal(size=(4, 6)).astype(np.float32) for p in range(2)]
+  ).astype(np.float64)
+  assert sorted(r["process_index"] for r in results) == [0, 1]
+  for result in results:
+    assert result["started"] is True and result["again"] is True
+    assert (result["process_count"], result["device_count"]) == (2, 8)
+    fsdp = result["meshes"]["fsdp"]
+    assert fsdp["shape"] == [1, 8, 1, 1]
+    np.testing.assert_allclose(fsdp["weighted_sum"], (np.arange(8)[:, None] * x).sum(), rtol=1e-5)

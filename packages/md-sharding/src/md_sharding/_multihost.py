@@ -83,8 +83,7 @@ def initialize(
     if num_processes is not None and num_processes != jax.process_count():
       raise ValueError(
         f"jax.distributed is already running with {jax.process_count()} processes; got "
-        "num_processes="
-        f"{num_processes}"
+        f"num_processes={num_processes}"
       )
     if process_id is not None and process_id != jax.process_index():
       raise ValueError(
@@ -101,12 +100,14 @@ def initialize(
 
   explicit = coordinator_address is not None or kwargs.get("cluster_detection_method") is not None
   if not explicit:
-    if num_processes is not None and num_processes > 1:
-      raise ValueError(
-        f"num_processes={num_processes} needs a coordinator address: pass "
-        f"coordinator_address='host:port' (process 0's host) or set {_ENV_ADDRESS}"
-      )
-    if num_processes == 1 or not _cluster_detected():
+    if num_processes == 1:
+      return False
+    if not _cluster_detected():
+      if num_processes is not None:
+        raise ValueError(
+          f"num_processes={num_processes} needs a coordinator address: pass "
+          f"coordinator_address='host:port' (process 0's host) or set {_ENV_ADDRESS}"
+        )
       return False
 
   if coordinator_address is not None and not _cluster_detected():
