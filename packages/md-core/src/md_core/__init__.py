@@ -5,7 +5,7 @@ neural-network blocks the families share (`md_core.nn`), media I/O (`md_core.med
 (`md_core.progress`).
 """
 
-from md_core import media, nn, progress
+from md_core import apps, media, nn, progress
 from md_core._keymap import (
   LAYOUTS,
   KeyMap,
@@ -28,6 +28,7 @@ from md_core._safetensors import (
 from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json, resolve_source
 
 __all__ = [
+  "apps",
   "LAYOUTS",
   "Checkpoint",
   "KeyMap",
