@@ -78,8 +78,9 @@ def attention(
   """Multi-head attention over `[B, S, H, D]` tensors, by the implementation the config names.
 
   Scores and softmax accumulate in float32 whatever the input dtype. Queries that see no key (all
-  keys masked) get zeros. Under a mesh the output is sharded `(batch, context, heads, None)` over the
-  config's `batch_axes`, `context_axis` and `heads_axis` (logical names `ACTIVATION_AXES`).
+  keys masked) get zeros. Under a mesh the output is sharded `(batch, context, heads, None)`: batch and
+  heads as md-sharding's rules (`config.rules`) place the logical names `ACTIVATION_AXES`, the
+  sequence over `config.context_axis` (when the context axis divides it).
 
   Args:
     q: `[B, S_q, H, D]` queries.
@@ -174,8 +175,7 @@ def attention(
     return local(q, k, v, kv_valid, q_pos, k_pos)
 
   # Under a mesh each device attends over its batch and head shards with the whole sequence.
-  b_spec = shd.batch_spec(mesh, config.batch_axes, b)
-  h_spec = shd.heads_spec(mesh, config.heads_axis, h)
+  b_spec, h_spec = shd.activation_specs(mesh, config.rules, (b, s_q, h, d))
   act, valid = P(b_spec, None, h_spec, None), P(b_spec, None)
   out = shd.shard_map(
     lambda q, k, v, kv_valid: local(q, k, v, kv_valid, q_pos, k_pos),

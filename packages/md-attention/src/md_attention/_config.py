@@ -40,9 +40,10 @@ class AttentionConfig:
       divides the heads). `ulysses` uses the whole context axis, `ring` none of it.
     ulysses_chunks: head groups whose all-to-alls are issued separately so that one group's
       communication can overlap another group's attention.
-    context_axis: mesh axis that shards the sequence.
-    batch_axes: mesh axes that shard the batch (those of size > 1 that divide the batch are used).
-    heads_axis: mesh axis that shards the heads (used when it divides the heads).
+    context_axis: mesh axis that shards the sequence for ring / Ulysses.
+    rules: md-sharding logical axis rules that place the batch and heads of the activations
+      (`ACTIVATION_AXES`) on the mesh; None uses `md_sharding.DEFAULT_RULES` (batch over
+      `(data, fsdp)`, heads over `tensor`). Axes that do not divide a dimension are left out.
     tune: look the block sizes up in (or measure them into) the on-disk tuner cache.
     tuner_cache_dir: where the tuner keeps its winners (None: `$MD_ATTENTION_CACHE` or
       `~/.cache/md_attention`).
@@ -56,8 +57,7 @@ class AttentionConfig:
   ulysses_degree: int | None = None
   ulysses_chunks: int = 1
   context_axis: str = "context"
-  batch_axes: tuple[str, ...] = ("data", "fsdp")
-  heads_axis: str | None = "tensor"
+  rules: tuple | None = None
   tune: bool = False
   tuner_cache_dir: str | None = None
 

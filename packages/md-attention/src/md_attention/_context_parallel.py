@@ -32,7 +32,7 @@ def ulysses_degree(
   working = [d for d in shd.divisors(context) if local_heads % (d * chunks) == 0]
   heads_note = (
     f"{local_heads} heads per device (num_heads={heads}"
-    + (f" over {config.heads_axis!r}" if local_heads != heads else "")
+    + (f" split {heads // local_heads} ways by the mesh" if local_heads != heads else "")
     + f") with ulysses_chunks={chunks}"
   )
   if implementation == "ring":
@@ -84,11 +84,10 @@ def context_parallel_attention(
       f"{tuple(mesh.shape)}; set AttentionConfig(context_axis=...)"
     )
   context = mesh.shape[ctx]
-  b, s_q, h, _ = q.shape
+  b, s_q, h, d = q.shape
   s_kv = k.shape[1]
-  b_spec = shd.batch_spec(mesh, config.batch_axes, b)
-  h_spec = shd.heads_spec(mesh, config.heads_axis, h)
-  local_heads = h // shd.axis_size(mesh, h_spec)
+  b_spec, h_spec = shd.activation_specs(mesh, config.rules, (b, _round_up(s_q, context), h, d))
+  local_heads = h // shd.spec_size(mesh, h_spec)
   cross = s_q != s_kv
   degree = 1 if cross else ulysses_degree(implementation, context, local_heads, h, config)
   ring = context // degree

@@ -29,7 +29,8 @@ def select_implementation(q_shape, kv_shape, dtype, mesh, config: AttentionConfi
   long = max(s_q, s_kv) >= config.min_seq_length
   context = shd.axis_size(mesh, config.context_axis)
   if context > 1:
-    local_heads = h // shd.axis_size(mesh, shd.heads_spec(mesh, config.heads_axis, h))
+    _, h_spec = shd.activation_specs(mesh, config.rules, (b, s_q, h, d))
+    local_heads = h // shd.spec_size(mesh, h_spec)
     working = [u for u in shd.divisors(context) if local_heads % (u * config.ulysses_chunks) == 0]
     if working[-1] == context:
       choice, reason = "ulysses", f"context axis {context} divides {local_heads} heads per device"

@@ -10,6 +10,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import md_sharding as mds
+from md_attention._config import ACTIVATION_AXES
+
 try:  # jax >= 0.7 exports shard_map at the top level; older versions only under experimental.
   _shard_map = jax.shard_map
   _NO_CHECK = {"check_vma": False}
@@ -49,22 +52,22 @@ def axis_size(mesh: Mesh | None, name: str | None) -> int:
   return mesh.shape[name]
 
 
-def batch_spec(mesh: Mesh, axes: tuple[str, ...], batch: int):
-  """The batch axes (in order) whose product divides `batch`; others are left replicated."""
-  used, product = [], 1
-  for name in axes:
-    size = axis_size(mesh, name)
-    if size > 1 and batch % (product * size) == 0:
-      used.append(name)
-      product *= size
-  if not used:
-    return None
-  return tuple(used) if len(used) > 1 else used[0]
+def activation_specs(mesh: Mesh, rules, shape) -> tuple:
+  """Mesh axes of the batch and heads dimensions of a `[B, S, H, D]` activation.
+
+  md-sharding's rules decide (the sequence is placed by the attention implementation itself).
+  """
+  spec = mds.logical_to_spec(ACTIVATION_AXES, rules=rules, mesh=mesh, shape=shape)
+  spec = tuple(spec) + (None,) * (4 - len(spec))
+  return spec[0], spec[2]
 
 
-def heads_spec(mesh: Mesh, axis: str | None, heads: int):
-  size = axis_size(mesh, axis)
-  return axis if size > 1 and heads % size == 0 else None
+def spec_size(mesh: Mesh, entry) -> int:
+  """Devices that a PartitionSpec entry splits a dimension over."""
+  if entry is None:
+    return 1
+  names = (entry,) if isinstance(entry, str) else entry
+  return math.prod(axis_size(mesh, n) for n in names)
 
 
 def constrain(x, mesh: Mesh, spec: P):
@@ -105,7 +108,3 @@ def split_context_mesh(mesh: Mesh, context_axis: str, ulysses: int) -> Mesh:
 
 def divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def lcm(a: int, b: int) -> int:
-  return a * b // math.gcd(a, b)
