@@ -1,10 +1,11 @@
 """Attention over a sequence sharded along the mesh's context axis: ring, Ulysses, and both (USP).
 
-The context axis of size `C` is viewed as `(ring R, ulysses U)` with `C = R * U`, Ulysses inner:
-Ulysses gathers `U` neighbouring sequence blocks (and splits heads), then the ring runs over the `R`
-larger blocks. `ring` is `U = 1`, `ulysses` is `R = 1`. Cross-attention (`S_q != S_kv`) keeps the
-queries sharded and replicates the (short, e.g. text) keys and values, so no communication is
-needed.
+The context axis of `C` devices is viewed as `R` ring positions of `U` neighbouring devices each
+(`C = R * U`, Ulysses inner): an all-to-all inside each group of `U` gathers the group's sequence
+blocks and splits the heads, then ring steps (`ppermute` by `U` devices) pass the `R` larger key
+blocks around. `ring` is `U = 1`, `ulysses` is `R = 1`. Everything stays on the caller's mesh, so the
+code also runs under `jax.set_mesh` inside jit. Cross-attention (`S_q != S_kv`) keeps the queries
+sharded and replicates the (short, e.g. text) keys and values, so it needs no communication.
 """
 
 from __future__ import annotations
@@ -91,29 +92,21 @@ def context_parallel_attention(
   cross = s_q != s_kv
   degree = 1 if cross else ulysses_degree(implementation, context, local_heads, h, config)
   ring = context // degree
-  if degree in (1, context):
-    # Plain ring or plain Ulysses runs on the caller's mesh; the other axis is a trivial one.
-    pmesh, seq = mesh, ctx
-    ring_axis, uly_axis = (ctx, None) if degree == 1 else (None, ctx)
-  else:
-    pmesh = shd.split_context_mesh(mesh, ctx, degree)
-    ring_axis, uly_axis = ctx + shd.RING_SUFFIX, ctx + shd.ULYSSES_SUFFIX
-    seq = (ring_axis, uly_axis)
-
-  def block_index():
-    # This device's sequence block: ring position major, Ulysses position minor.
-    r = 0 if ring_axis is None else lax.axis_index(ring_axis)
-    u = 0 if uly_axis is None else lax.axis_index(uly_axis)
-    return r * degree + u
+  # Device c of the context axis is Ulysses position c % degree of ring position c // degree.
+  groups = (
+    None
+    if ring == 1 or degree == 1
+    else [[r * degree + u for u in range(degree)] for r in range(ring)]
+  )
 
   s_q_pad = _round_up(s_q, context)
   q = jnp.pad(q, ((0, 0), (0, s_q_pad - s_q), (0, 0), (0, 0)))
-  act = P(b_spec, seq, h_spec, None)
+  act = P(b_spec, ctx, h_spec, None)
 
   if cross:
 
     def body(q, k, v, kv_valid):
-      q_pos = block_index() * q.shape[1] + jnp.arange(q.shape[1], dtype=jnp.int32)
+      q_pos = lax.axis_index(ctx) * q.shape[1] + jnp.arange(q.shape[1], dtype=jnp.int32)
       k_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
       return attend(q, k, v, kv_valid, q_pos, k_pos)
 
@@ -126,19 +119,27 @@ def context_parallel_attention(
     def local(q, k, v, kv_valid):
       if ring > 1:
         return ring_attention(
-          q, k, v, kv_valid, ring_axis, ring, causal, scale, config.block_q, config.block_kv
+          q, k, v, kv_valid, ctx, ring, degree, causal, scale, config.block_q, config.block_kv
         )
       pos = jnp.arange(q.shape[1], dtype=jnp.int32)
       return attend(q, k, v, kv_valid, pos, pos)
 
     def body(q, k, v, kv_valid):
       return ulysses_attention(
-        q, k, v, kv_valid, local, axis_name=uly_axis, degree=degree, chunks=config.ulysses_chunks
+        q,
+        k,
+        v,
+        kv_valid,
+        local,
+        axis_name=ctx,
+        degree=degree,
+        chunks=config.ulysses_chunks,
+        groups=groups,
       )
 
-    kv_spec, valid_spec = act, P(b_spec, seq)
+    kv_spec, valid_spec = act, P(b_spec, ctx)
 
-  out = shd.shard_map(
-    body, mesh=pmesh, in_specs=(act, kv_spec, kv_spec, valid_spec), out_specs=act
-  )(q, k, v, kv_valid)
+  out = shd.shard_map(body, mesh=mesh, in_specs=(act, kv_spec, kv_spec, valid_spec), out_specs=act)(
+    q, k, v, kv_valid
+  )
   return shd.constrain(out[:, :s_q], mesh, P(b_spec, ctx, h_spec, None))

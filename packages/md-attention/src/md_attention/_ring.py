@@ -18,9 +18,13 @@ from jax import lax
 from md_attention._blockwise import flash_backward, flash_forward, output_delta
 
 
-def _shift(tree, axis_name: str, n: int):
-  """Sends every leaf to the next device of the ring."""
-  perm = [(i, (i + 1) % n) for i in range(n)]
+def _shift(tree, axis_name: str, n: int, stride: int):
+  """Sends every leaf to the next device of its ring.
+
+  The axis holds `n * stride` devices: `stride` interleaved rings of `n`, device `i` in ring `i % stride`
+  at position `i // stride` (Ulysses groups of `stride` neighbours sit inside each ring position).
+  """
+  perm = [(i, (i + stride) % (n * stride)) for i in range(n * stride)]
   return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
 
 
@@ -36,8 +40,8 @@ def _merge(out_a, lse_a, out_b, lse_b):
   return out_a * w_a + out_b * w_b, lse
 
 
-def _ring_forward(q, k, v, kv_valid, axis_name, n, causal, scale, block_q, block_kv):
-  r = lax.axis_index(axis_name)
+def _ring_forward(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv):
+  r = lax.axis_index(axis_name) // stride
   s_local = k.shape[1]
   q_pos = _positions(r, q.shape[1])
   kw = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
@@ -51,7 +55,7 @@ def _ring_forward(q, k, v, kv_valid, axis_name, n, causal, scale, block_q, block
 
   def step(carry, t):
     out, lse, kv = carry
-    kv = _shift(kv, axis_name, n)
+    kv = _shift(kv, axis_name, n, stride)
     out_t, lse_t = attend(kv, t)
     out, lse = _merge(out, lse, out_t, lse_t)
     return (out, lse, kv), None
@@ -60,31 +64,34 @@ def _ring_forward(q, k, v, kv_valid, axis_name, n, causal, scale, block_q, block
   return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def ring_attention(q, k, v, kv_valid, axis_name, n, causal, scale, block_q, block_kv):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def ring_attention(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv):
   """Self-attention over a sequence split in `n` blocks along `axis_name` (call inside shard_map).
 
   Args:
     q, k, v: `[B, S/n, H, D]` local blocks; block `i` lives on ring position `i`.
     kv_valid: `[B, S/n]` bool local key mask.
     axis_name: the ring's mesh axis.
-    n: its size.
+    n: the ring size.
+    stride: devices between ring neighbours on the axis (the Ulysses degree; 1 for a plain ring).
     causal, scale, block_q, block_kv: as in `blockwise_attention`.
 
   Returns:
     `[B, S/n, H, D]` in q's dtype.
   """
-  return _ring_forward(q, k, v, kv_valid, axis_name, n, causal, scale, block_q, block_kv)[0]
+  return _ring_forward(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv)[0]
 
 
-def _ring_fwd(q, k, v, kv_valid, axis_name, n, causal, scale, block_q, block_kv):
-  out, lse = _ring_forward(q, k, v, kv_valid, axis_name, n, causal, scale, block_q, block_kv)
+def _ring_fwd(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv):
+  out, lse = _ring_forward(
+    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv
+  )
   return out, (q, k, v, kv_valid, out, lse)
 
 
-def _ring_bwd(axis_name, n, causal, scale, block_q, block_kv, residuals, d_out):
+def _ring_bwd(axis_name, n, stride, causal, scale, block_q, block_kv, residuals, d_out):
   q, k, v, kv_valid, out, lse = residuals
-  r = lax.axis_index(axis_name)
+  r = lax.axis_index(axis_name) // stride
   s_local = k.shape[1]
   q_pos = _positions(r, q.shape[1])
   delta = output_delta(d_out, out)
@@ -100,13 +107,13 @@ def _ring_bwd(axis_name, n, causal, scale, block_q, block_kv, residuals, d_out):
 
   def step(carry, t):
     dq, kv, dk, dv = carry
-    kv, dk, dv = _shift((kv, dk, dv), axis_name, n)
+    kv, dk, dv = _shift((kv, dk, dv), axis_name, n, stride)
     dq_t, dk_t, dv_t = grads(kv, t)
     return (dq + dq_t, kv, dk + dk_t, dv + dv_t), None
 
   (dq, _, dk, dv), _ = lax.scan(step, (dq, (k, v, kv_valid), dk, dv), jnp.arange(1, n))
   # After n - 1 steps device r holds the accumulators of block r + 1: one more hop brings them home.
-  dk, dv = _shift((dk, dv), axis_name, n)
+  dk, dv = _shift((dk, dv), axis_name, n, stride)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

@@ -1,12 +1,10 @@
-"""Mesh helpers: the shard_map shim across jax versions, activation specs, and the split context axis."""
+"""Mesh helpers: the shard_map shim across jax versions, the context mesh, activation specs."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,15 +25,20 @@ def shard_map(f, *, mesh, in_specs, out_specs):
   return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **_NO_CHECK)
 
 
-def context_mesh() -> Mesh | None:
-  """The concrete mesh set by `jax.set_mesh`/`with mesh:`, if any."""
+def context_mesh():
+  """The mesh set by `jax.set_mesh` (concrete outside jit, abstract inside) or `with mesh:`."""
   get_mesh = getattr(jax.sharding, "get_mesh", None)
   if get_mesh is not None:
     try:
       mesh = get_mesh()
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError):  # inside jit only the abstract mesh is known
       mesh = None
-    if isinstance(mesh, Mesh) and not mesh.empty:
+    if mesh is not None and not mesh.empty:
+      return mesh
+  get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  if get_abstract_mesh is not None:
+    mesh = get_abstract_mesh()
+    if mesh is not None and not mesh.empty:
       return mesh
   try:  # the legacy `with mesh:` context
     from jax._src import mesh as mesh_lib
@@ -72,38 +75,6 @@ def spec_size(mesh: Mesh, entry) -> int:
 
 def constrain(x, mesh: Mesh, spec: P):
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-RING_SUFFIX = "_ring"
-ULYSSES_SUFFIX = "_ulysses"
-
-
-@functools.lru_cache(maxsize=64)
-def split_context_mesh(mesh: Mesh, context_axis: str, ulysses: int) -> Mesh:
-  """`mesh` with `context_axis` replaced by `(context_ring, context_ulysses)`, Ulysses inner.
-
-  Device `c` of the context axis becomes `(c // ulysses, c % ulysses)`, so an array sharded over
-  `context` is sharded the same way over `(context_ring, context_ulysses)`: no data moves.
-  """
-  size = mesh.shape[context_axis]
-  if size % ulysses:
-    raise ValueError(f"ulysses degree {ulysses} must divide the {context_axis!r} axis ({size})")
-  index = mesh.axis_names.index(context_axis)
-  shape = mesh.devices.shape
-  devices = np.asarray(mesh.devices).reshape(
-    shape[:index] + (size // ulysses, ulysses) + shape[index + 1 :]
-  )
-  names = (
-    mesh.axis_names[:index]
-    + (context_axis + RING_SUFFIX, context_axis + ULYSSES_SUFFIX)
-    + mesh.axis_names[index + 1 :]
-  )
-  axis_types = getattr(mesh, "axis_types", None)
-  if axis_types is None:  # pragma: no cover - jax without axis types
-    return Mesh(devices, names)
-  axis_types = tuple(axis_types)
-  axis_types = axis_types[:index] + (axis_types[index],) * 2 + axis_types[index + 1 :]
-  return Mesh(devices, names, axis_types=axis_types)
 
 
 def divisors(n: int) -> list[int]:
