@@ -1,6 +1,7 @@
 """Trajectories of every scheduler and option against the diffusers reference (tools/fixtures/schedulers.py).
 
-Each case replays the reference's fake model (0.5 * bank output + 0.1 * scaled model input) and its step
+Each case replays the reference's fake model (0.4 * initial noise + 0.2 * bank output + 0.5 * scaled
+model input) and its step
 noises inside one jitted `lax.scan`, and compares timesteps, sigmas and every intermediate sample.
 """
 
@@ -42,7 +43,7 @@ def _trajectory(sched, state):
       x, st = carry
       out, noise = xs
       model_in = sched.scale_model_input(st, x)
-      model_output = 0.5 * out + 0.1 * model_in
+      model_output = 0.4 * init + 0.2 * out + 0.5 * model_in
       x, st = sched.step(st, model_output, x, noise=noise if sched.stochastic else None)
       return (x, st), x
 
@@ -68,11 +69,18 @@ def test_trajectory_matches_reference(case_id):
     assert ts.dtype == np.float32, ts.dtype
     np.testing.assert_allclose(ts, ref["timesteps"], rtol=1e-6, atol=1e-4)
   if "sigmas" in ref:
-    np.testing.assert_allclose(np.asarray(state.sigmas), ref["sigmas"], rtol=1e-6, atol=1e-7)
+    # LTX Euler ancestral pads one sigma so its final (no-op) call can index sigma_next.
+    sigmas = np.asarray(state.sigmas)[: len(ref["sigmas"])]
+    # rtol 2e-6: the zero-SNR rescaling amplifies float32 rounding of the training betas.
+    np.testing.assert_allclose(sigmas, ref["sigmas"], rtol=2e-6, atol=1e-7)
   np.testing.assert_allclose(float(state.init_noise_sigma), float(ref["init_noise_sigma"]), rtol=1e-6)
 
   samples, steps = _trajectory(sched, state)
   assert int(steps) == len(ref["timesteps"])
-  err = np.abs(np.asarray(samples) - ref["samples"])
-  assert np.all(np.isfinite(np.asarray(samples)))
-  assert err.max() <= ATOL, f"{case_id}: max abs error {err.max():.3g} at call {err.max(axis=(1, 2, 3, 4)).argmax()}"
+  samples = np.asarray(samples)
+  assert np.all(np.isfinite(samples))
+  # Absolute 1e-5 wherever samples are O(1); relative beyond (zero-SNR schedules start at sigma 4096,
+  # where one float32 ulp is 1e-3).
+  scale = np.maximum(1.0, np.abs(ref["samples"]).max(axis=(1, 2, 3, 4)))
+  err = np.abs(samples - ref["samples"]).max(axis=(1, 2, 3, 4)) / scale
+  assert err.max() <= ATOL, f"{case_id}: max error {err.max():.3g} (scaled) at call {err.argmax()}"

@@ -159,6 +159,16 @@ def rescale_zero_terminal_snr(betas: np.ndarray) -> np.ndarray:
   return (np.float32(1.0) - alphas).astype(np.float32)
 
 
+def torch_linspace_f32(start: float, end: float, n: int) -> np.ndarray:
+  """float32 linspace with the reference's rounding: a float32 step, each point start + i * step (or
+  end - (n - 1 - i) * step in the second half) rounded once, as a fused multiply-add gives."""
+  s, e = np.float32(start), np.float32(end)
+  step = (e - s) / np.float32(max(n - 1, 1))
+  i = np.arange(n, dtype=np.float64)
+  out = np.where(i < n // 2, float(s) + float(step) * i, float(e) - float(step) * (n - 1 - i))
+  return out.astype(np.float32)
+
+
 def train_betas(cfg: Mapping[str, Any], allowed: Sequence[str] = ("linear", "scaled_linear",
                                                                   "squaredcos_cap_v2")) -> np.ndarray:
   """The float32 betas of a config (`trained_betas` wins over `beta_schedule`)."""
@@ -170,9 +180,9 @@ def train_betas(cfg: Mapping[str, Any], allowed: Sequence[str] = ("linear", "sca
     raise ValueError(f"beta_schedule={kind!r} is not supported here; expected one of {list(allowed)}")
   start, end = float(cfg["beta_start"]), float(cfg["beta_end"])
   if kind == "linear":
-    return np.linspace(start, end, n).astype(np.float32)
+    return torch_linspace_f32(start, end, n)
   if kind == "scaled_linear":
-    return np.linspace(start**0.5, end**0.5, n).astype(np.float32) ** 2
+    return torch_linspace_f32(start**0.5, end**0.5, n) ** 2
   if kind == "squaredcos_cap_v2":
     return betas_for_alpha_bar(n)
   return betas_for_alpha_bar(n, kind="exp")

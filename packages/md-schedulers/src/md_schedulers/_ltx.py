@@ -85,32 +85,44 @@ def ltx_euler_ancestral_rf(**config: Any) -> _base.Scheduler:
       base = dict(_flow_match.FLOW_MATCH_EULER_DEFAULTS)
       base["num_train_timesteps"] = cfg["num_train_timesteps"]
       ts, s = _flow_match.flow_sigmas(base, num_inference_steps, mu=mu)
-      return _base.make_state(timesteps=ts, sigmas=s)
+      return _base.make_state(timesteps=ts, sigmas=s,
+                              tables=_tables(s, np.ones(len(ts), np.float32)))
     s = np.asarray(sigmas if sigmas is not None else timesteps, np.float32)
     if s.ndim != 1:
       raise ValueError(f"{name}: sigmas must be 1-D, got shape {s.shape}")
     ts = (s * np.float32(n_train)).astype(np.float32)
-    # The model is called once per interval; the schedule's last entry is only a target.
-    return _base.make_state(timesteps=ts[:-1], sigmas=s)
+    # As in the reference, every sigma (the final one too) is a timestep; the call at the last one
+    # returns the sample unchanged. `intervals` marks the calls that move.
+    padded = np.concatenate([s, s[-1:]])
+    moves = (np.arange(len(s)) < len(s) - 1).astype(np.float32)
+    return _base.make_state(timesteps=ts, sigmas=padded, tables=_tables(padded, moves))
+
+  def _tables(sig, moves):
+    # Per-call scalars in float32 with the reference's operation order (they are cancellation-prone).
+    f = np.float32
+    sigma, sigma_next = sig[:-1], sig[1:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+      ratio = f(1.0) + (sigma_next / sigma - f(1.0)) * f(eta)
+      sigma_down = sigma_next * ratio
+      alpha_next, alpha_down = f(1.0) - sigma_next, f(1.0) - sigma_down
+      r = sigma_down / sigma
+      renoise = np.sqrt(np.maximum(
+        sigma_next**2 - sigma_down**2 * alpha_next**2 / (alpha_down**2 + f(1e-12)), f(0)))
+      scale = alpha_next / (alpha_down + f(1e-12))
+    final = np.abs(sigma_next) < 1e-8
+    return {"moves": moves, "r": np.where(final, 0, r), "keep": np.where(final, 1, f(1.0) - r),
+            "scale": np.where(final, 1, scale), "renoise": np.where(final, 0, renoise)}
 
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step
+    tb = {k: v[i] for k, v in state.tables.items()}
     x = sample.astype(jnp.float32)
-    v = model_output.astype(jnp.float32)
-    sigma, sigma_next = state.sigmas[i], state.sigmas[i + 1]
-    denoised = x - sigma * v
-    ratio = 1.0 + (sigma_next / sigma - 1.0) * eta
-    sigma_down = sigma_next * ratio
-    alpha_next = 1.0 - sigma_next
-    alpha_down = 1.0 - sigma_down
-    r = sigma_down / sigma
-    out = r * x + (1.0 - r) * denoised
+    denoised = x - state.sigmas[i] * model_output.astype(jnp.float32)
+    out = tb["r"] * x + tb["keep"] * denoised
     if stochastic:
       eps = _base.draw_noise(key, noise, x, name)
-      renoise = jnp.sqrt(jnp.maximum(
-        sigma_next**2 - sigma_down**2 * alpha_next**2 / (alpha_down**2 + 1e-12), 0.0))
-      out = alpha_next / (alpha_down + 1e-12) * out + eps * renoise * s_noise
-    out = jnp.where(jnp.abs(sigma_next) < 1e-8, denoised, out)
+      out = tb["scale"] * out + eps * tb["renoise"] * s_noise
+    out = jnp.where(tb["moves"] > 0, out, x)
     return out.astype(sample.dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, stochastic, None)
