@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from md_core import testing
 
 import md_schedulers as mdsch
+from md_core import testing
 
 FIXTURES = testing.fixture_path("schedulers")
 CASES = json.loads((FIXTURES / "cases.json").read_text())
@@ -73,7 +73,9 @@ def test_trajectory_matches_reference(case_id):
     sigmas = np.asarray(state.sigmas)[: len(ref["sigmas"])]
     # rtol 2e-6: the zero-SNR rescaling amplifies float32 rounding of the training betas.
     np.testing.assert_allclose(sigmas, ref["sigmas"], rtol=2e-6, atol=1e-7)
-  np.testing.assert_allclose(float(state.init_noise_sigma), float(ref["init_noise_sigma"]), rtol=1e-6)
+  np.testing.assert_allclose(
+    float(state.init_noise_sigma), float(ref["init_noise_sigma"]), rtol=1e-6
+  )
 
   samples, steps = _trajectory(sched, state)
   assert int(steps) == len(ref["timesteps"])

@@ -12,7 +12,12 @@ from md_schedulers._ddpm import ddpm
 from md_schedulers._dpm import dpm_solver_multistep
 from md_schedulers._dpm_single import dpm_solver_singlestep
 from md_schedulers._euler import euler, euler_ancestral
-from md_schedulers._flow_match import calculate_shift, flow_match_euler, flow_match_heun, flux2_empirical_mu
+from md_schedulers._flow_match import (
+  calculate_shift,
+  flow_match_euler,
+  flow_match_heun,
+  flux2_empirical_mu,
+)
 from md_schedulers._heun import heun
 from md_schedulers._lcm import lcm, tcd
 from md_schedulers._lms import lms

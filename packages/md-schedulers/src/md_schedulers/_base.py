@@ -111,10 +111,14 @@ def make_state(
   )
 
 
-def zeros_memory(shape: Sequence[int] | None, dtype, name: str, **buffers: int) -> dict[str, jax.Array]:
+def zeros_memory(
+  shape: Sequence[int] | None, dtype, name: str, **buffers: int
+) -> dict[str, jax.Array]:
   """Zero buffers: `buffers` maps a name to a history length (0 means one sample-shaped array)."""
   if shape is None:
-    raise ValueError(f"{name} carries a history of model outputs: pass init(..., shape=sample.shape)")
+    raise ValueError(
+      f"{name} carries a history of model outputs: pass init(..., shape=sample.shape)"
+    )
   out = {}
   for key, length in buffers.items():
     full = tuple(shape) if length == 0 else (length, *shape)
@@ -122,7 +126,9 @@ def zeros_memory(shape: Sequence[int] | None, dtype, name: str, **buffers: int) 
   return out
 
 
-def draw_noise(key: jax.Array | None, noise: jax.Array | None, like: jax.Array, name: str) -> jax.Array:
+def draw_noise(
+  key: jax.Array | None, noise: jax.Array | None, like: jax.Array, name: str
+) -> jax.Array:
   """The noise a stochastic step adds: `noise` when given, else a normal draw from `key`."""
   if noise is not None:
     if noise.shape != like.shape:
@@ -169,15 +175,18 @@ def torch_linspace_f32(start: float, end: float, n: int) -> np.ndarray:
   return out.astype(np.float32)
 
 
-def train_betas(cfg: Mapping[str, Any], allowed: Sequence[str] = ("linear", "scaled_linear",
-                                                                  "squaredcos_cap_v2")) -> np.ndarray:
+def train_betas(
+  cfg: Mapping[str, Any], allowed: Sequence[str] = ("linear", "scaled_linear", "squaredcos_cap_v2")
+) -> np.ndarray:
   """The float32 betas of a config (`trained_betas` wins over `beta_schedule`)."""
   n = int(cfg["num_train_timesteps"])
   if cfg.get("trained_betas") is not None:
     return np.asarray(cfg["trained_betas"], np.float32)
   kind = cfg.get("beta_schedule", "linear")
   if kind not in allowed:
-    raise ValueError(f"beta_schedule={kind!r} is not supported here; expected one of {list(allowed)}")
+    raise ValueError(
+      f"beta_schedule={kind!r} is not supported here; expected one of {list(allowed)}"
+    )
   start, end = float(cfg["beta_start"]), float(cfg["beta_end"])
   if kind == "linear":
     return torch_linspace_f32(start, end, n)
@@ -188,9 +197,12 @@ def train_betas(cfg: Mapping[str, Any], allowed: Sequence[str] = ("linear", "sca
   return betas_for_alpha_bar(n, kind="exp")
 
 
-def train_alphas_cumprod(cfg: Mapping[str, Any], *, zero_snr_floor: bool = False,
-                         allowed: Sequence[str] = ("linear", "scaled_linear",
-                                                   "squaredcos_cap_v2")) -> np.ndarray:
+def train_alphas_cumprod(
+  cfg: Mapping[str, Any],
+  *,
+  zero_snr_floor: bool = False,
+  allowed: Sequence[str] = ("linear", "scaled_linear", "squaredcos_cap_v2"),
+) -> np.ndarray:
   """alphā_t for t = 0 … num_train_timesteps - 1, float32.
 
   Args:
@@ -219,8 +231,15 @@ def train_sigmas(alphas_cumprod: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- schedules
 
 
-def spaced_timesteps(spacing: str, num_train: int, n: int, steps_offset: int = 0,
-                     *, extra: bool = False, dtype=np.int64) -> np.ndarray:
+def spaced_timesteps(
+  spacing: str,
+  num_train: int,
+  n: int,
+  steps_offset: int = 0,
+  *,
+  extra: bool = False,
+  dtype=np.int64,
+) -> np.ndarray:
   """Descending inference timesteps with the reference's `timestep_spacing` rules.
 
   Args:
@@ -248,8 +267,9 @@ def spaced_timesteps(spacing: str, num_train: int, n: int, steps_offset: int = 0
     ts = np.round(np.arange(num_train, 0, -ratio)).astype(dtype)
     ts -= 1
     return ts
-  raise ValueError(f"timestep_spacing={spacing!r} is not supported; expected 'linspace', 'leading' or "
-                   "'trailing'")
+  raise ValueError(
+    f"timestep_spacing={spacing!r} is not supported; expected 'linspace', 'leading' or 'trailing'"
+  )
 
 
 def check_steps(n: int | None, num_train: int, name: str) -> int:
@@ -259,7 +279,9 @@ def check_steps(n: int | None, num_train: int, name: str) -> int:
   if not isinstance(n, (int, np.integer)) or n < 1:
     raise ValueError(f"{name}: num_inference_steps must be a positive int, got {n!r}")
   if n > num_train:
-    raise ValueError(f"{name}: num_inference_steps={n} cannot exceed num_train_timesteps={num_train}")
+    raise ValueError(
+      f"{name}: num_inference_steps={n} cannot exceed num_train_timesteps={num_train}"
+    )
   return int(n)
 
 
@@ -298,18 +320,25 @@ def beta_sigmas(sigma_min: float, sigma_max: float, n: int, a: float = 0.6, b: f
 
 def convert_sigmas(cfg: Mapping[str, Any], sigmas: np.ndarray, n: int) -> tuple[np.ndarray, bool]:
   """Applies `use_karras_sigmas` / `use_exponential_sigmas` / `use_beta_sigmas`; returns (sigmas, changed)."""
-  chosen = [k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas") if cfg.get(k)]
+  chosen = [
+    k for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas") if cfg.get(k)
+  ]
   if len(chosen) > 1:
-    raise ValueError(f"only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas may be set; "
-                     f"got {chosen}")
+    raise ValueError(
+      f"only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas may be set; "
+      f"got {chosen}"
+    )
   if not chosen:
     return sigmas, False
   lo = cfg.get("sigma_min")
   hi = cfg.get("sigma_max")
   lo = float(sigmas[-1]) if lo is None else lo
   hi = float(sigmas[0]) if hi is None else hi
-  fn = {"use_karras_sigmas": karras_sigmas, "use_exponential_sigmas": exponential_sigmas,
-        "use_beta_sigmas": beta_sigmas}[chosen[0]]
+  fn = {
+    "use_karras_sigmas": karras_sigmas,
+    "use_exponential_sigmas": exponential_sigmas,
+    "use_beta_sigmas": beta_sigmas,
+  }[chosen[0]]
   return fn(lo, hi, n), True
 
 
@@ -357,7 +386,9 @@ def check_choice(name: str, key: str, value: Any, allowed: Sequence[Any]) -> Non
     raise ValueError(f"{name}: {key}={value!r} is not supported; expected one of {list(allowed)}")
 
 
-def merge_config(name: str, defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def merge_config(
+  name: str, defaults: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
   """Defaults updated by `overrides`; an option the scheduler does not have is an error."""
   unknown = sorted(set(overrides) - set(defaults))
   if unknown:
@@ -367,8 +398,9 @@ def merge_config(name: str, defaults: Mapping[str, Any], overrides: Mapping[str,
   return cfg
 
 
-def split_prediction(pred: str, sample: jax.Array, model_output: jax.Array, sqrt_a: jax.Array,
-                     sqrt_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def split_prediction(
+  pred: str, sample: jax.Array, model_output: jax.Array, sqrt_a: jax.Array, sqrt_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """(x0, epsilon) from a model output, given sqrt(alphā) and sqrt(1 - alphā) at the timestep."""
   if pred == "epsilon":
     return (sample - sqrt_b * model_output) / sqrt_a, model_output
@@ -376,8 +408,9 @@ def split_prediction(pred: str, sample: jax.Array, model_output: jax.Array, sqrt
     return model_output, (sample - sqrt_a * model_output) / sqrt_b
   if pred == "v_prediction":
     return sqrt_a * sample - sqrt_b * model_output, sqrt_a * model_output + sqrt_b * sample
-  raise ValueError(f"prediction_type={pred!r} is not supported; expected 'epsilon', 'sample' or "
-                   "'v_prediction'")
+  raise ValueError(
+    f"prediction_type={pred!r} is not supported; expected 'epsilon', 'sample' or 'v_prediction'"
+  )
 
 
 ALPHA_BAR_DEFAULTS: dict[str, Any] = {

@@ -34,35 +34,95 @@ SCHEDULERS: dict[str, tuple[Callable[..., _base.Scheduler], dict[str, Any], tupl
   "EulerAncestralDiscreteScheduler": (_euler.euler_ancestral, _euler.EULER_ANCESTRAL_DEFAULTS, ()),
   "HeunDiscreteScheduler": (_heun.heun, _heun.HEUN_DEFAULTS, ()),
   "DPMSolverMultistepScheduler": (_dpm.dpm_solver_multistep, _dpm.DPM_DEFAULTS, ()),
-  "DPMSolverSinglestepScheduler": (_dpm_single.dpm_solver_singlestep, _dpm_single.DPM_SINGLE_DEFAULTS,
-                                   ()),
+  "DPMSolverSinglestepScheduler": (
+    _dpm_single.dpm_solver_singlestep,
+    _dpm_single.DPM_SINGLE_DEFAULTS,
+    (),
+  ),
   "UniPCMultistepScheduler": (_unipc.unipc_multistep, _unipc.UNIPC_DEFAULTS, ()),
   "LCMScheduler": (_lcm.lcm, _lcm.LCM_DEFAULTS, ()),
   "TCDScheduler": (_lcm.tcd, _lcm.TCD_DEFAULTS, ("eta",)),
-  "FlowMatchEulerDiscreteScheduler": (_flow_match.flow_match_euler,
-                                      _flow_match.FLOW_MATCH_EULER_DEFAULTS, ()),
-  "FlowMatchHeunDiscreteScheduler": (_flow_match.flow_match_heun, _flow_match.FLOW_MATCH_HEUN_DEFAULTS,
-                                     ()),
-  "LTXEulerAncestralRFScheduler": (_ltx.ltx_euler_ancestral_rf, _ltx.LTX_EULER_ANCESTRAL_RF_DEFAULTS,
-                                   ()),
+  "FlowMatchEulerDiscreteScheduler": (
+    _flow_match.flow_match_euler,
+    _flow_match.FLOW_MATCH_EULER_DEFAULTS,
+    (),
+  ),
+  "FlowMatchHeunDiscreteScheduler": (
+    _flow_match.flow_match_heun,
+    _flow_match.FLOW_MATCH_HEUN_DEFAULTS,
+    (),
+  ),
+  "LTXEulerAncestralRFScheduler": (
+    _ltx.ltx_euler_ancestral_rf,
+    _ltx.LTX_EULER_ANCESTRAL_RF_DEFAULTS,
+    (),
+  ),
 }
 
 # Options of reference schedulers md does not implement, which configs of the supported ones carry
 # (a config is shared between compatible schedulers; the reference ignores options a class lacks).
-_OTHER_REFERENCE_OPTIONS = frozenset({
-  "use_dynamic_shifting", "skip_prk_steps", "set_alpha_to_one", "clip_sample", "clip_sample_range",
-  "interpolation_type", "sample_max_value", "variance_type", "predict_x0", "timestep_type",
-  "dynamic_thresholding_ratio", "thresholding", "solver_order", "solver_type", "algorithm_type",
-  "lower_order_final", "euler_at_final", "use_karras_sigmas", "use_exponential_sigmas",
-  "use_beta_sigmas", "use_lu_lambdas", "use_flow_sigmas", "flow_shift", "final_sigmas_type",
-  "lambda_min_clipped", "rescale_betas_zero_snr", "sigma_min", "sigma_max", "sigma_data", "rho",
-  "original_inference_steps", "timestep_scaling", "shift", "base_shift", "max_shift",
-  "base_image_seq_len", "max_image_seq_len", "invert_sigmas", "shift_terminal", "time_shift_type",
-  "stochastic_sampling", "disable_corrector", "solver_p", "eta", "s_noise", "beta_start", "beta_end",
-  "beta_schedule", "trained_betas", "prediction_type", "timestep_spacing", "steps_offset",
-  "num_train_timesteps", "use_beta_sigmas", "noise_sampler_seed", "solver_p", "beta_min", "beta_max",
-  "sigma_schedule", "use_sigmoid",
-})
+_OTHER_REFERENCE_OPTIONS = frozenset(
+  {
+    "use_dynamic_shifting",
+    "skip_prk_steps",
+    "set_alpha_to_one",
+    "clip_sample",
+    "clip_sample_range",
+    "interpolation_type",
+    "sample_max_value",
+    "variance_type",
+    "predict_x0",
+    "timestep_type",
+    "dynamic_thresholding_ratio",
+    "thresholding",
+    "solver_order",
+    "solver_type",
+    "algorithm_type",
+    "lower_order_final",
+    "euler_at_final",
+    "use_karras_sigmas",
+    "use_exponential_sigmas",
+    "use_beta_sigmas",
+    "use_lu_lambdas",
+    "use_flow_sigmas",
+    "flow_shift",
+    "final_sigmas_type",
+    "lambda_min_clipped",
+    "rescale_betas_zero_snr",
+    "sigma_min",
+    "sigma_max",
+    "sigma_data",
+    "rho",
+    "original_inference_steps",
+    "timestep_scaling",
+    "shift",
+    "base_shift",
+    "max_shift",
+    "base_image_seq_len",
+    "max_image_seq_len",
+    "invert_sigmas",
+    "shift_terminal",
+    "time_shift_type",
+    "stochastic_sampling",
+    "disable_corrector",
+    "solver_p",
+    "eta",
+    "s_noise",
+    "beta_start",
+    "beta_end",
+    "beta_schedule",
+    "trained_betas",
+    "prediction_type",
+    "timestep_spacing",
+    "steps_offset",
+    "num_train_timesteps",
+    "noise_sampler_seed",
+    "beta_min",
+    "beta_max",
+    "sigma_schedule",
+    "use_sigmoid",
+  }
+)
 
 
 def known_options() -> frozenset[str]:
@@ -74,8 +134,9 @@ def known_options() -> frozenset[str]:
   return frozenset(names)
 
 
-def from_config(config: Mapping[str, Any], /, *, name: str | None = None,
-                **overrides: Any) -> _base.Scheduler:
+def from_config(
+  config: Mapping[str, Any], /, *, name: str | None = None, **overrides: Any
+) -> _base.Scheduler:
   """Builds the scheduler a diffusers `scheduler_config.json` describes.
 
   Args:
@@ -103,12 +164,16 @@ def from_config(config: Mapping[str, Any], /, *, name: str | None = None,
   merged.update(overrides)
   unknown = sorted(k for k in merged if k not in known)
   if unknown:
-    raise ValueError(f"{cls}: unknown options {unknown} (no scheduler understands them); known for "
-                     f"{cls}: {sorted(set(defaults) | set(extra))}")
+    raise ValueError(
+      f"{cls}: unknown options {unknown} (no scheduler understands them); known for "
+      f"{cls}: {sorted(set(defaults) | set(extra))}"
+    )
   kwargs = {k: v for k, v in merged.items() if k in defaults or k in extra}
   for k in overrides:
     if k not in defaults and k not in extra:
-      raise ValueError(f"{cls} has no option {k!r}; its options: {sorted(set(defaults) | set(extra))}")
+      raise ValueError(
+        f"{cls} has no option {k!r}; its options: {sorted(set(defaults) | set(extra))}"
+      )
   return factory(**kwargs)
 
 
@@ -123,8 +188,9 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     return json.load(f)
 
 
-def load(source: str | os.PathLike, *, subfolder: str | None = "scheduler",
-         **overrides: Any) -> _base.Scheduler:
+def load(
+  source: str | os.PathLike, *, subfolder: str | None = "scheduler", **overrides: Any
+) -> _base.Scheduler:
   """Builds the scheduler of a checkpoint: a local diffusers folder or a hub id (through md-core).
 
   Args:

@@ -16,7 +16,9 @@ DDIM_DEFAULTS: dict[str, Any] = {
 }
 
 
-def ddim(*, eta: float = 0.0, use_clipped_model_output: bool = False, **config: Any) -> _base.Scheduler:
+def ddim(
+  *, eta: float = 0.0, use_clipped_model_output: bool = False, **config: Any
+) -> _base.Scheduler:
   """DDIMScheduler.
 
   Args:
@@ -27,8 +29,9 @@ def ddim(*, eta: float = 0.0, use_clipped_model_output: bool = False, **config: 
   """
   name = "DDIMScheduler"
   cfg = _base.merge_config(name, DDIM_DEFAULTS, config)
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "sample", "v_prediction"))
+  _base.check_choice(
+    name, "prediction_type", cfg["prediction_type"], ("epsilon", "sample", "v_prediction")
+  )
   acp = _base.train_alphas_cumprod(cfg)
   final = np.float32(1.0) if cfg["set_alpha_to_one"] else acp[0]
   n_train = int(cfg["num_train_timesteps"])
@@ -56,8 +59,9 @@ def ddim(*, eta: float = 0.0, use_clipped_model_output: bool = False, **config: 
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step
     tb = {k: v[i] for k, v in state.tables.items()}
-    x0, eps = _base.split_prediction(cfg["prediction_type"], sample, model_output, tb["sqrt_a"],
-                                     tb["sqrt_b"])
+    x0, eps = _base.split_prediction(
+      cfg["prediction_type"], sample, model_output, tb["sqrt_a"], tb["sqrt_b"]
+    )
     x0 = _base.postprocess_x0(cfg, x0)
     if use_clipped_model_output:
       eps = (sample - tb["sqrt_a"] * x0) / tb["sqrt_b"]

@@ -26,8 +26,9 @@ def ddpm(**config: Any) -> _base.Scheduler:
   name = "DDPMScheduler"
   cfg = _base.merge_config(name, DDPM_DEFAULTS, config)
   _base.check_choice(name, "variance_type", cfg["variance_type"], _VARIANCES)
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "sample", "v_prediction"))
+  _base.check_choice(
+    name, "prediction_type", cfg["prediction_type"], ("epsilon", "sample", "v_prediction")
+  )
   acp = _base.train_alphas_cumprod(cfg)
   n_train = int(cfg["num_train_timesteps"])
 
@@ -40,7 +41,9 @@ def ddpm(**config: Any) -> _base.Scheduler:
       if np.any(np.diff(ts) >= 0):
         raise ValueError(f"{name}: custom timesteps must descend, got {ts.tolist()}")
       if ts[0] >= n_train:
-        raise ValueError(f"{name}: timesteps must start below num_train_timesteps={n_train}, got {ts[0]}")
+        raise ValueError(
+          f"{name}: timesteps must start below num_train_timesteps={n_train}, got {ts[0]}"
+        )
     else:
       n = _base.check_steps(num_inference_steps, n_train, name)
       ts = _base.spaced_timesteps(cfg["timestep_spacing"], n_train, n, cfg["steps_offset"])
@@ -72,8 +75,9 @@ def ddpm(**config: Any) -> _base.Scheduler:
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step
     tb = {k: v[i] for k, v in state.tables.items()}
-    x0, _ = _base.split_prediction(cfg["prediction_type"], sample, model_output, tb["sqrt_a"],
-                                   tb["sqrt_b"])
+    x0, _ = _base.split_prediction(
+      cfg["prediction_type"], sample, model_output, tb["sqrt_a"], tb["sqrt_b"]
+    )
     x0 = _base.postprocess_x0(cfg, x0)
     prev = tb["x0_coef"] * x0 + tb["sample_coef"] * sample
     prev = prev + tb["std"] * _base.draw_noise(key, noise, sample, name)

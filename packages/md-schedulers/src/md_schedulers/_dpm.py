@@ -71,8 +71,9 @@ def _lambda_t_f32(acp: np.ndarray) -> np.ndarray:
     return np.log(a) - np.log(s)
 
 
-def dpm_schedule(cfg: dict[str, Any], acp: np.ndarray, n: int, *, timesteps=None,
-                 flow_shift: float) -> tuple[np.ndarray, np.ndarray]:
+def dpm_schedule(
+  cfg: dict[str, Any], acp: np.ndarray, n: int, *, timesteps=None, flow_shift: float
+) -> tuple[np.ndarray, np.ndarray]:
   """DPMSolverMultistep's (timesteps [n'] int64, sigmas [n' + 1] float32)."""
   n_train = int(cfg["num_train_timesteps"])
   if timesteps is not None:
@@ -92,8 +93,10 @@ def dpm_schedule(cfg: dict[str, Any], acp: np.ndarray, n: int, *, timesteps=None
       ts = np.arange(last, 0, -n_train / n).round().copy().astype(np.int64)
       ts -= 1
     else:
-      raise ValueError(f"timestep_spacing={spacing!r} is not supported; expected 'linspace', 'leading' "
-                       "or 'trailing'")
+      raise ValueError(
+        f"timestep_spacing={spacing!r} is not supported; expected 'linspace', 'leading' "
+        "or 'trailing'"
+      )
   train = _base.train_sigmas(acp)
   log_train = np.log(train)
   rounded = cfg["beta_schedule"] != "squaredcos_cap_v2"
@@ -145,8 +148,11 @@ def dpm_multistep_weights(cfg: dict[str, Any], sigmas: np.ndarray) -> np.ndarray
   rows = np.zeros((n, width))
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
     for i in range(n):
-      final = i == n - 1 and (cfg["euler_at_final"] or (cfg["lower_order_final"] and n < 15)
-                              or cfg["final_sigmas_type"] == "zero")
+      final = i == n - 1 and (
+        cfg["euler_at_final"]
+        or (cfg["lower_order_final"] and n < 15)
+        or cfg["final_sigmas_type"] == "zero"
+      )
       second = i == n - 2 and cfg["lower_order_final"] and n < 15
       warm = min(i, k)
       if k == 1 or warm < 1 or final:
@@ -179,16 +185,22 @@ def _update(algo, solver, order, x, noise, d0, d1, d2, at, st, as0, ss0, h):
   if algo == "dpmsolver++":
     out = (st / ss0) * x - (at * (em - 1.0)) * d0
     if order == 2:
-      out = out - (0.5 * at * (em - 1.0)) * d1 if solver == "midpoint" else \
-        out + (at * ((em - 1.0) / h + 1.0)) * d1
+      out = (
+        out - (0.5 * at * (em - 1.0)) * d1
+        if solver == "midpoint"
+        else out + (at * ((em - 1.0) / h + 1.0)) * d1
+      )
     elif order == 3:
       out = out + (at * ((em - 1.0) / h + 1.0)) * d1 - (at * ((em - 1.0 + h) / h**2 - 0.5)) * d2
     return out
   if algo == "dpmsolver":
     out = (at / as0) * x - (st * (ep - 1.0)) * d0
     if order == 2:
-      out = out - (0.5 * st * (ep - 1.0)) * d1 if solver == "midpoint" else \
-        out - (st * ((ep - 1.0) / h - 1.0)) * d1
+      out = (
+        out - (0.5 * st * (ep - 1.0)) * d1
+        if solver == "midpoint"
+        else out - (st * ((ep - 1.0) / h - 1.0)) * d1
+      )
     elif order == 3:
       out = out - (st * ((ep - 1.0) / h - 1.0)) * d1 - (st * ((ep - 1.0 - h) / h**2 - 0.5)) * d2
     return out
@@ -196,17 +208,28 @@ def _update(algo, solver, order, x, noise, d0, d1, d2, at, st, as0, ss0, h):
   if algo == "sde-dpmsolver++":
     out = (st / ss0 * em) * x + (at * (1 - e2)) * d0 + (st * math.sqrt(1.0 - e2)) * noise
     if order == 2:
-      out = out + (0.5 * at * (1 - e2)) * d1 if solver == "midpoint" else \
-        out + (at * ((1.0 - e2) / (-2.0 * h) + 1.0)) * d1
+      out = (
+        out + (0.5 * at * (1 - e2)) * d1
+        if solver == "midpoint"
+        else out + (at * ((1.0 - e2) / (-2.0 * h) + 1.0)) * d1
+      )
     elif order == 3:
-      out = out + (at * ((1.0 - e2) / (-2.0 * h) + 1.0)) * d1 + \
-        (at * ((1.0 - e2 - 2.0 * h) / (2.0 * h) ** 2 - 0.5)) * d2
+      out = (
+        out
+        + (at * ((1.0 - e2) / (-2.0 * h) + 1.0)) * d1
+        + (at * ((1.0 - e2 - 2.0 * h) / (2.0 * h) ** 2 - 0.5)) * d2
+      )
     return out
   # sde-dpmsolver
-  out = (at / as0) * x - (2.0 * st * (ep - 1.0)) * d0 + (st * math.sqrt(math.exp(2 * h) - 1.0)) * noise
+  out = (
+    (at / as0) * x - (2.0 * st * (ep - 1.0)) * d0 + (st * math.sqrt(math.exp(2 * h) - 1.0)) * noise
+  )
   if order == 2:
-    out = out - (st * (ep - 1.0)) * d1 if solver == "midpoint" else \
-      out - (2.0 * st * ((ep - 1.0) / h - 1.0)) * d1
+    out = (
+      out - (st * (ep - 1.0)) * d1
+      if solver == "midpoint"
+      else out - (2.0 * st * ((ep - 1.0) / h - 1.0)) * d1
+    )
   elif order == 3:
     raise ValueError("sde-dpmsolver has no third-order update; use solver_order <= 2")
   return out
@@ -238,16 +261,26 @@ def _validate(name: str, cfg: dict[str, Any]) -> None:
   _base.check_choice(name, "algorithm_type", cfg["algorithm_type"], _ALGORITHMS)
   _base.check_choice(name, "solver_type", cfg["solver_type"], ("midpoint", "heun"))
   _base.check_choice(name, "solver_order", cfg["solver_order"], (1, 2, 3))
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "sample", "v_prediction", "flow_prediction"))
+  _base.check_choice(
+    name,
+    "prediction_type",
+    cfg["prediction_type"],
+    ("epsilon", "sample", "v_prediction", "flow_prediction"),
+  )
   _base.check_choice(name, "final_sigmas_type", cfg["final_sigmas_type"], ("zero", "sigma_min"))
   if cfg["variance_type"] is not None:
-    raise ValueError(f"{name}: variance_type={cfg['variance_type']!r} (learned variance) is not supported")
+    raise ValueError(
+      f"{name}: variance_type={cfg['variance_type']!r} (learned variance) is not supported"
+    )
   if cfg["algorithm_type"] in ("dpmsolver", "sde-dpmsolver") and cfg["final_sigmas_type"] == "zero":
-    raise ValueError(f"{name}: final_sigmas_type='zero' needs algorithm_type dpmsolver++ or "
-                     "sde-dpmsolver++; use final_sigmas_type='sigma_min'")
-  if cfg["prediction_type"] == "flow_prediction" and cfg["algorithm_type"] in ("dpmsolver",
-                                                                                 "sde-dpmsolver"):
+    raise ValueError(
+      f"{name}: final_sigmas_type='zero' needs algorithm_type dpmsolver++ or "
+      "sde-dpmsolver++; use final_sigmas_type='sigma_min'"
+    )
+  if cfg["prediction_type"] == "flow_prediction" and cfg["algorithm_type"] in (
+    "dpmsolver",
+    "sde-dpmsolver",
+  ):
     raise ValueError(f"{name}: flow_prediction needs algorithm_type dpmsolver++ or sde-dpmsolver++")
   _base.convert_sigmas(cfg, np.ones(2), 2)
 
@@ -265,18 +298,26 @@ def _build(name, cfg, schedule_fn, weights_fn) -> _base.Scheduler:
     flow_shift = cfg["flow_shift"]
     if mu is not None:
       if not (cfg["use_dynamic_shifting"] and cfg["time_shift_type"] == "exponential"):
-        raise ValueError(f"{name}: mu needs use_dynamic_shifting=True and time_shift_type='exponential'")
+        raise ValueError(
+          f"{name}: mu needs use_dynamic_shifting=True and time_shift_type='exponential'"
+        )
       flow_shift = float(np.exp(mu))
     if (num_inference_steps is None) == (timesteps is None):
       raise ValueError(f"{name}.init: pass exactly one of num_inference_steps or timesteps")
-    if timesteps is not None and any(cfg[o] for o in ("use_karras_sigmas", "use_lu_lambdas",
-                                                      "use_exponential_sigmas", "use_beta_sigmas")):
+    if timesteps is not None and any(
+      cfg[o]
+      for o in ("use_karras_sigmas", "use_lu_lambdas", "use_exponential_sigmas", "use_beta_sigmas")
+    ):
       raise ValueError(f"{name}: custom timesteps cannot be combined with converted sigmas")
     n = _base.check_steps(num_inference_steps or len(timesteps), n_train, name)
     ts, s = schedule_fn(cfg, acp, n, timesteps=timesteps, flow_shift=flow_shift)
     alpha, sig = alpha_sigma(s, flow)
-    tables = {"weights": weights_fn(cfg, s), "alpha": alpha[:-1], "sigma_t": sig[:-1],
-              "sigma": s[:-1]}
+    tables = {
+      "weights": weights_fn(cfg, s),
+      "alpha": alpha[:-1],
+      "sigma_t": sig[:-1],
+      "sigma": s[:-1],
+    }
     memory = _base.zeros_memory(shape, dtype, name, outputs=k)
     return _base.make_state(timesteps=ts, sigmas=s, tables=tables, memory=memory)
 
@@ -302,8 +343,9 @@ def _build(name, cfg, schedule_fn, weights_fn) -> _base.Scheduler:
     else:
       eps = a * model_output + s * sample
     if cfg["thresholding"]:
-      x0 = _base.threshold((sample - s * eps) / a, cfg["dynamic_thresholding_ratio"],
-                           cfg["sample_max_value"])
+      x0 = _base.threshold(
+        (sample - s * eps) / a, cfg["dynamic_thresholding_ratio"], cfg["sample_max_value"]
+      )
       eps = (sample - a * x0) / s
     return eps
 
@@ -315,7 +357,7 @@ def _build(name, cfg, schedule_fn, weights_fn) -> _base.Scheduler:
     hist = jnp.concatenate([hist[1:], converted[None].astype(hist.dtype)])
     w = tb["weights"]
     x = sample.astype(jnp.float32)
-    prev = w[0] * x + jnp.tensordot(w[1:1 + k], hist.astype(jnp.float32), axes=1)
+    prev = w[0] * x + jnp.tensordot(w[1 : 1 + k], hist.astype(jnp.float32), axes=1)
     if stochastic:
       prev = prev + w[-1] * _base.draw_noise(key, noise, x, name)
     return prev.astype(model_output.dtype), state._replace(step=i + 1, memory={"outputs": hist})

@@ -14,9 +14,16 @@ import numpy as np
 from md_schedulers import _base, _dpm
 
 DPM_SINGLE_DEFAULTS: dict[str, Any] = {
-  k: v for k, v in _dpm.DPM_DEFAULTS.items()
-  if k not in ("euler_at_final", "use_lu_lambdas", "timestep_spacing", "steps_offset",
-               "rescale_betas_zero_snr")
+  k: v
+  for k, v in _dpm.DPM_DEFAULTS.items()
+  if k
+  not in (
+    "euler_at_final",
+    "use_lu_lambdas",
+    "timestep_spacing",
+    "steps_offset",
+    "rescale_betas_zero_snr",
+  )
 }
 DPM_SINGLE_DEFAULTS["lower_order_final"] = False
 
@@ -116,11 +123,17 @@ def dpm_solver_singlestep(**config: Any) -> _base.Scheduler:
       lof = True
     orders = order_list(n, k, lof, full["final_sigmas_type"] == "zero")
     if len(orders) != n:
-      raise ValueError(f"{name}: {n} steps do not split into blocks of order {k}; set "
-                       "lower_order_final=True")
+      raise ValueError(
+        f"{name}: {n} steps do not split into blocks of order {k}; set lower_order_final=True"
+      )
     alpha, sig = _dpm.alpha_sigma(s, flow)
-    tables = {"weights": _weights(full, s, orders), "alpha": alpha[:-1], "sigma_t": sig[:-1],
-              "sigma": s[:-1], "block_start": (np.asarray(orders) == 1).astype(np.float32)}
+    tables = {
+      "weights": _weights(full, s, orders),
+      "alpha": alpha[:-1],
+      "sigma_t": sig[:-1],
+      "sigma": s[:-1],
+      "block_start": (np.asarray(orders) == 1).astype(np.float32),
+    }
     memory = _base.zeros_memory(shape, dtype, name, outputs=k, block_sample=0)
     return _base.make_state(timesteps=ts, sigmas=s, tables=tables, memory=memory)
 
@@ -128,17 +141,24 @@ def dpm_solver_singlestep(**config: Any) -> _base.Scheduler:
     a, s = tb["alpha"], tb["sigma_t"]
     pred = full["prediction_type"]
     if predicts_x0:
-      x0 = {"epsilon": lambda: (sample - s * model_output) / a, "sample": lambda: model_output,
-            "v_prediction": lambda: a * sample - s * model_output,
-            "flow_prediction": lambda: sample - tb["sigma"] * model_output}[pred]()
+      x0 = {
+        "epsilon": lambda: (sample - s * model_output) / a,
+        "sample": lambda: model_output,
+        "v_prediction": lambda: a * sample - s * model_output,
+        "flow_prediction": lambda: sample - tb["sigma"] * model_output,
+      }[pred]()
       if full["thresholding"]:
         x0 = _base.threshold(x0, full["dynamic_thresholding_ratio"], full["sample_max_value"])
       return x0
-    eps = {"epsilon": lambda: model_output, "sample": lambda: (sample - a * model_output) / s,
-           "v_prediction": lambda: a * model_output + s * sample}[pred]()
+    eps = {
+      "epsilon": lambda: model_output,
+      "sample": lambda: (sample - a * model_output) / s,
+      "v_prediction": lambda: a * model_output + s * sample,
+    }[pred]()
     if full["thresholding"]:
-      x0 = _base.threshold((sample - s * eps) / a, full["dynamic_thresholding_ratio"],
-                           full["sample_max_value"])
+      x0 = _base.threshold(
+        (sample - s * eps) / a, full["dynamic_thresholding_ratio"], full["sample_max_value"]
+      )
       eps = (sample - a * x0) / s
     return eps
 
@@ -150,7 +170,7 @@ def dpm_solver_singlestep(**config: Any) -> _base.Scheduler:
     hist = jnp.concatenate([hist[1:], converted[None].astype(hist.dtype)])
     start = jnp.where(tb["block_start"] > 0, sample, state.memory["block_sample"])
     w = tb["weights"]
-    prev = w[0] * start + jnp.tensordot(w[1:1 + k], hist, axes=1)
+    prev = w[0] * start + jnp.tensordot(w[1 : 1 + k], hist, axes=1)
     if stochastic:
       prev = prev + w[-1] * _base.draw_noise(key, noise, sample, name)
     memory = {"outputs": hist, "block_sample": start.astype(state.memory["block_sample"].dtype)}

@@ -39,8 +39,9 @@ EULER_DEFAULTS: dict[str, Any] = {
 EULER_ANCESTRAL_DEFAULTS: dict[str, Any] = {**K_DEFAULTS, "rescale_betas_zero_snr": False}
 
 
-def k_schedule(cfg: dict[str, Any], acp: np.ndarray, n: int, *, convert: bool = True,
-               timesteps=None, sigmas=None) -> tuple[np.ndarray, np.ndarray]:
+def k_schedule(
+  cfg: dict[str, Any], acp: np.ndarray, n: int, *, convert: bool = True, timesteps=None, sigmas=None
+) -> tuple[np.ndarray, np.ndarray]:
   """(timesteps [n] float, sigmas [n] float64 before the final sigma) of a k-diffusion scheduler."""
   n_train = int(cfg["num_train_timesteps"])
   train = _base.train_sigmas(acp)
@@ -51,8 +52,9 @@ def k_schedule(cfg: dict[str, Any], acp: np.ndarray, n: int, *, convert: bool = 
   if timesteps is not None:
     ts = np.asarray(timesteps).astype(np.float32)
   else:
-    ts = _base.spaced_timesteps(cfg["timestep_spacing"], n_train, n, cfg["steps_offset"],
-                                dtype=np.float32)
+    ts = _base.spaced_timesteps(
+      cfg["timestep_spacing"], n_train, n, cfg["steps_offset"], dtype=np.float32
+    )
   s = np.interp(ts, np.arange(0, len(train)), train)
   if convert:
     s, changed = _base.convert_sigmas(cfg, s, n)
@@ -77,8 +79,9 @@ def k_x0(pred: str, sample, model_output, sigma):
     return model_output * (-sigma / (sigma**2 + 1) ** 0.5) + sample / (sigma**2 + 1)
   if pred in ("sample", "original_sample"):
     return model_output
-  raise ValueError(f"prediction_type={pred!r} is not supported; expected 'epsilon', 'v_prediction' or "
-                   "'sample'")
+  raise ValueError(
+    f"prediction_type={pred!r} is not supported; expected 'epsilon', 'v_prediction' or 'sample'"
+  )
 
 
 def euler(**config: Any) -> _base.Scheduler:
@@ -91,8 +94,12 @@ def euler(**config: Any) -> _base.Scheduler:
   _base.check_choice(name, "interpolation_type", cfg["interpolation_type"], ("linear",))
   _base.check_choice(name, "final_sigmas_type", cfg["final_sigmas_type"], ("zero", "sigma_min"))
   _base.check_choice(name, "timestep_type", cfg["timestep_type"], ("discrete", "continuous"))
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "v_prediction", "sample", "original_sample"))
+  _base.check_choice(
+    name,
+    "prediction_type",
+    cfg["prediction_type"],
+    ("epsilon", "v_prediction", "sample", "original_sample"),
+  )
   _base.convert_sigmas(cfg, np.ones(2), 2)
   acp = _base.train_alphas_cumprod(cfg, zero_snr_floor=True)
   n_train = int(cfg["num_train_timesteps"])
@@ -103,9 +110,12 @@ def euler(**config: Any) -> _base.Scheduler:
     given = [x is not None for x in (num_inference_steps, timesteps, sigmas)]
     if sum(given) != 1:
       raise ValueError(f"{name}.init: pass exactly one of num_inference_steps, timesteps, sigmas")
-    if timesteps is not None and any(cfg[k] for k in ("use_karras_sigmas", "use_exponential_sigmas",
-                                                      "use_beta_sigmas")):
-      raise ValueError(f"{name}: custom timesteps cannot be combined with Karras/exponential/beta sigmas")
+    if timesteps is not None and any(
+      cfg[k] for k in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
+    ):
+      raise ValueError(
+        f"{name}: custom timesteps cannot be combined with Karras/exponential/beta sigmas"
+      )
     if num_inference_steps is None:
       num_inference_steps = len(timesteps) if timesteps is not None else len(sigmas) - 1
     n = _base.check_steps(num_inference_steps, n_train, name)
@@ -147,8 +157,9 @@ def euler_ancestral(**config: Any) -> _base.Scheduler:
     n = _base.check_steps(num_inference_steps, n_train, name)
     ts, s = k_schedule(cfg, acp, n, convert=False)
     s = np.concatenate([s, [0.0]]).astype(np.float32)
-    return _base.make_state(timesteps=np.asarray(ts, np.float32), sigmas=s,
-                            init_noise_sigma=init_noise_sigma(cfg, s))
+    return _base.make_state(
+      timesteps=np.asarray(ts, np.float32), sigmas=s, init_noise_sigma=init_noise_sigma(cfg, s)
+    )
 
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step

@@ -65,12 +65,15 @@ def flow_sigmas(
   if cfg["use_dynamic_shifting"] and mu is None:
     raise ValueError(f"{name}: use_dynamic_shifting=True needs init(..., mu=...)")
   if sigmas is not None and timesteps is not None and len(sigmas) != len(timesteps):
-    raise ValueError(f"{name}: sigmas ({len(sigmas)}) and timesteps ({len(timesteps)}) differ in length")
+    raise ValueError(
+      f"{name}: sigmas ({len(sigmas)}) and timesteps ({len(timesteps)}) differ in length"
+    )
   if num_inference_steps is not None:
     for given, what in ((sigmas, "sigmas"), (timesteps, "timesteps")):
       if given is not None and len(given) != num_inference_steps:
-        raise ValueError(f"{name}: {len(given)} {what} given for num_inference_steps="
-                         f"{num_inference_steps}")
+        raise ValueError(
+          f"{name}: {len(given)} {what} given for num_inference_steps={num_inference_steps}"
+        )
   elif sigmas is None and timesteps is None:
     raise ValueError(f"{name}.init needs num_inference_steps, sigmas or timesteps")
   else:
@@ -105,8 +108,13 @@ def flow_sigmas(
   return ts, s
 
 
-def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
-                    base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+def calculate_shift(
+  image_seq_len: int,
+  base_seq_len: int = 256,
+  max_seq_len: int = 4096,
+  base_shift: float = 0.5,
+  max_shift: float = 1.15,
+) -> float:
   """The dynamic shift `mu` for a token count: linear from (base_seq_len, base_shift) to the max point.
 
   Flux uses the defaults; LTX-Video and LTX-2 use (1024, 4096, 0.95, 2.05) from their configs.
@@ -146,8 +154,9 @@ def flow_match_euler(**config: Any) -> _base.Scheduler:
   _base.convert_sigmas(cfg, np.ones(2), 2)  # validates that at most one conversion is set
   stochastic = bool(cfg["stochastic_sampling"])
 
-  def init(num_inference_steps=None, *, sigmas=None, timesteps=None, mu=None, shape=None,
-           dtype=jnp.float32):
+  def init(
+    num_inference_steps=None, *, sigmas=None, timesteps=None, mu=None, shape=None, dtype=jnp.float32
+  ):
     del shape, dtype
     ts, s = flow_sigmas(cfg, num_inference_steps, sigmas=sigmas, timesteps=timesteps, mu=mu)
     return _base.make_state(timesteps=ts, sigmas=s)
@@ -212,8 +221,10 @@ def flow_match_heun(**config: Any) -> _base.Scheduler:
       return prev, state.memory["derivative"], state.memory["sample"]
 
     prev, d, x = jax.lax.cond(first, predictor, corrector, None)
-    memory = {"derivative": d.astype(state.memory["derivative"].dtype),
-              "sample": x.astype(state.memory["sample"].dtype)}
+    memory = {
+      "derivative": d.astype(state.memory["derivative"].dtype),
+      "sample": x.astype(state.memory["sample"].dtype),
+    }
     return prev.astype(model_output.dtype), state._replace(step=i + 1, memory=memory)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, False, None)

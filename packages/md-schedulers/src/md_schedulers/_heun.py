@@ -29,11 +29,13 @@ def heun(**config: Any) -> _base.Scheduler:
   """
   name = "HeunDiscreteScheduler"
   cfg = _base.merge_config(name, HEUN_DEFAULTS, config)
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "v_prediction", "sample"))
+  _base.check_choice(
+    name, "prediction_type", cfg["prediction_type"], ("epsilon", "v_prediction", "sample")
+  )
   _base.convert_sigmas(cfg, np.ones(2), 2)
   acp = _base.train_alphas_cumprod(
-    cfg, allowed=("linear", "scaled_linear", "squaredcos_cap_v2", "exp"))
+    cfg, allowed=("linear", "scaled_linear", "squaredcos_cap_v2", "exp")
+  )
   n_train = int(cfg["num_train_timesteps"])
 
   def init(num_inference_steps=None, *, timesteps=None, shape=None, dtype=jnp.float32):
@@ -46,8 +48,9 @@ def heun(**config: Any) -> _base.Scheduler:
     ts = np.asarray(ts)
     ts = np.concatenate([ts[:1], np.repeat(ts[1:], 2)]).astype(np.float32)
     memory = _base.zeros_memory(shape, dtype, name, derivative=0, sample=0)
-    return _base.make_state(timesteps=ts, sigmas=s, memory=memory,
-                            init_noise_sigma=_euler.init_noise_sigma(cfg, s))
+    return _base.make_state(
+      timesteps=ts, sigmas=s, memory=memory, init_noise_sigma=_euler.init_noise_sigma(cfg, s)
+    )
 
   def step(state, model_output, sample, key=None, *, noise=None):
     del key, noise
@@ -73,8 +76,10 @@ def heun(**config: Any) -> _base.Scheduler:
       return prev, state.memory["derivative"], state.memory["sample"]
 
     prev, d, x = jax.lax.cond(i % 2 == 0, predictor, corrector, None)
-    memory = {"derivative": d.astype(state.memory["derivative"].dtype),
-              "sample": x.astype(state.memory["sample"].dtype)}
+    memory = {
+      "derivative": d.astype(state.memory["derivative"].dtype),
+      "sample": x.astype(state.memory["sample"].dtype),
+    }
     return prev, state._replace(step=i + 1, memory=memory)
 
   def scale_model_input(state, sample):

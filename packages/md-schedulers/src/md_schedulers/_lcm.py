@@ -26,8 +26,10 @@ TCD_DEFAULTS: dict[str, Any] = dict(LCM_DEFAULTS)
 def _skip_timesteps(origin: np.ndarray, n: int, name: str) -> np.ndarray:
   """`n` timesteps picked evenly (by index) from the descending distillation schedule `origin`."""
   if len(origin) // n < 1:
-    raise ValueError(f"{name}: num_inference_steps={n} exceeds the {len(origin)} timesteps of the "
-                     "distillation schedule (original_inference_steps x strength)")
+    raise ValueError(
+      f"{name}: num_inference_steps={n} exceeds the {len(origin)} timesteps of the "
+      "distillation schedule (original_inference_steps x strength)"
+    )
   origin = origin[::-1].copy()
   idx = np.floor(np.linspace(0, len(origin), num=n, endpoint=False)).astype(np.int64)
   return origin[idx]
@@ -38,9 +40,11 @@ def _custom(timesteps, n_train: int, strength: float, name: str) -> np.ndarray:
   if np.any(np.diff(ts) >= 0):
     raise ValueError(f"{name}: custom timesteps must descend, got {ts.tolist()}")
   if ts[0] >= n_train:
-    raise ValueError(f"{name}: timesteps must start below num_train_timesteps={n_train}, got {ts[0]}")
+    raise ValueError(
+      f"{name}: timesteps must start below num_train_timesteps={n_train}, got {ts[0]}"
+    )
   keep = min(int(len(ts) * strength), len(ts))
-  return ts[max(len(ts) - keep, 0):]
+  return ts[max(len(ts) - keep, 0) :]
 
 
 def lcm(**config: Any) -> _base.Scheduler:
@@ -50,18 +54,28 @@ def lcm(**config: Any) -> _base.Scheduler:
   """
   name = "LCMScheduler"
   cfg = _base.merge_config(name, LCM_DEFAULTS, config)
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "sample", "v_prediction"))
+  _base.check_choice(
+    name, "prediction_type", cfg["prediction_type"], ("epsilon", "sample", "v_prediction")
+  )
   acp = _base.train_alphas_cumprod(cfg)
   final = np.float32(1.0) if cfg["set_alpha_to_one"] else acp[0]
   n_train = int(cfg["num_train_timesteps"])
 
-  def init(num_inference_steps=None, *, timesteps=None, original_inference_steps=None, strength=1.0,
-           shape=None, dtype=jnp.float32):
+  def init(
+    num_inference_steps=None,
+    *,
+    timesteps=None,
+    original_inference_steps=None,
+    strength=1.0,
+    shape=None,
+    dtype=jnp.float32,
+  ):
     del shape, dtype
     orig = original_inference_steps or cfg["original_inference_steps"]
     if orig > n_train:
-      raise ValueError(f"{name}: original_inference_steps={orig} exceeds num_train_timesteps={n_train}")
+      raise ValueError(
+        f"{name}: original_inference_steps={orig} exceeds num_train_timesteps={n_train}"
+      )
     k = n_train // orig
     origin = np.asarray(list(range(1, int(orig * strength) + 1))) * k - 1
     if (num_inference_steps is None) == (timesteps is None):
@@ -97,8 +111,9 @@ def lcm(**config: Any) -> _base.Scheduler:
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step
     tb = {k: v[i] for k, v in state.tables.items()}
-    x0, _ = _base.split_prediction(cfg["prediction_type"], sample, model_output, tb["sqrt_a"],
-                                   tb["sqrt_b"])
+    x0, _ = _base.split_prediction(
+      cfg["prediction_type"], sample, model_output, tb["sqrt_a"], tb["sqrt_b"]
+    )
     x0 = _base.postprocess_x0(cfg, x0)
     denoised = tb["c_out"] * x0 + tb["c_skip"] * sample
     eps = _base.draw_noise(key, noise, sample, name)
@@ -117,8 +132,9 @@ def tcd(*, eta: float = 0.3, **config: Any) -> _base.Scheduler:
   """
   name = "TCDScheduler"
   cfg = _base.merge_config(name, TCD_DEFAULTS, config)
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "sample", "v_prediction"))
+  _base.check_choice(
+    name, "prediction_type", cfg["prediction_type"], ("epsilon", "sample", "v_prediction")
+  )
   if not 0.0 <= eta <= 1.0:
     raise ValueError(f"{name}: eta must lie in [0, 1], got {eta}")
   acp = _base.train_alphas_cumprod(cfg)
@@ -126,14 +142,22 @@ def tcd(*, eta: float = 0.3, **config: Any) -> _base.Scheduler:
   n_train = int(cfg["num_train_timesteps"])
   stochastic = eta > 0
 
-  def init(num_inference_steps=None, *, timesteps=None, original_inference_steps=None, strength=1.0,
-           shape=None, dtype=jnp.float32):
+  def init(
+    num_inference_steps=None,
+    *,
+    timesteps=None,
+    original_inference_steps=None,
+    strength=1.0,
+    shape=None,
+    dtype=jnp.float32,
+  ):
     del shape, dtype
     orig = original_inference_steps or cfg["original_inference_steps"]
     if original_inference_steps is None:
       if orig > n_train:
-        raise ValueError(f"{name}: original_inference_steps={orig} exceeds num_train_timesteps="
-                         f"{n_train}")
+        raise ValueError(
+          f"{name}: original_inference_steps={orig} exceeds num_train_timesteps={n_train}"
+        )
       origin = np.asarray(list(range(1, int(orig * strength) + 1))) * (n_train // orig) - 1
     else:
       # As the reference does: an explicit original_inference_steps samples the full training range.
@@ -169,8 +193,9 @@ def tcd(*, eta: float = 0.3, **config: Any) -> _base.Scheduler:
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step
     tb = {k: v[i] for k, v in state.tables.items()}
-    x0, eps = _base.split_prediction(cfg["prediction_type"], sample, model_output, tb["sqrt_a"],
-                                     tb["sqrt_b"])
+    x0, eps = _base.split_prediction(
+      cfg["prediction_type"], sample, model_output, tb["sqrt_a"], tb["sqrt_b"]
+    )
     noised = tb["sqrt_a_s"] * x0 + tb["sqrt_b_s"] * eps
     prev = tb["keep"] * noised
     if stochastic:

@@ -39,8 +39,9 @@ def lms(**config: Any) -> _base.Scheduler:
   """LMSDiscreteScheduler of order 4 (its default), warming up from order 1."""
   name = "LMSDiscreteScheduler"
   cfg = _base.merge_config(name, LMS_DEFAULTS, config)
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "v_prediction", "sample"))
+  _base.check_choice(
+    name, "prediction_type", cfg["prediction_type"], ("epsilon", "v_prediction", "sample")
+  )
   _base.convert_sigmas(cfg, np.ones(2), 2)
   acp = _base.train_alphas_cumprod(cfg)
   n_train = int(cfg["num_train_timesteps"])
@@ -53,11 +54,15 @@ def lms(**config: Any) -> _base.Scheduler:
     for i in range(n):
       order = min(i + 1, ORDER)
       # History slot ORDER - 1 holds the newest derivative.
-      weights[i, ORDER - order:] = _lms_weights(s, i, order)[::-1]
+      weights[i, ORDER - order :] = _lms_weights(s, i, order)[::-1]
     memory = _base.zeros_memory(shape, dtype, name, derivatives=ORDER)
-    return _base.make_state(timesteps=np.asarray(ts, np.float32), sigmas=s,
-                            tables={"weights": weights}, memory=memory,
-                            init_noise_sigma=_euler.init_noise_sigma(cfg, s))
+    return _base.make_state(
+      timesteps=np.asarray(ts, np.float32),
+      sigmas=s,
+      tables={"weights": weights},
+      memory=memory,
+      init_noise_sigma=_euler.init_noise_sigma(cfg, s),
+    )
 
   def step(state, model_output, sample, key=None, *, noise=None):
     del key, noise

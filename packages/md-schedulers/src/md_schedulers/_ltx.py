@@ -19,12 +19,16 @@ from md_schedulers import _base, _flow_match
 LTX2_DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875)
 LTX2_STAGE2_DISTILLED_SIGMAS = (0.909375, 0.725, 0.421875)
 
-LTX_EULER_ANCESTRAL_RF_DEFAULTS: dict[str, Any] = {"num_train_timesteps": 1000, "eta": 1.0,
-                                                   "s_noise": 1.0}
+LTX_EULER_ANCESTRAL_RF_DEFAULTS: dict[str, Any] = {
+  "num_train_timesteps": 1000,
+  "eta": 1.0,
+  "s_noise": 1.0,
+}
 
 
-def linear_quadratic_sigmas(num_steps: int, threshold_noise: float = 0.025,
-                            linear_steps: int | None = None) -> np.ndarray:
+def linear_quadratic_sigmas(
+  num_steps: int, threshold_noise: float = 0.025, linear_steps: int | None = None
+) -> np.ndarray:
   """LTX-Video's linear-quadratic schedule: [num_steps] float32 sigmas from 1 down.
 
   The first half of the steps lowers the noise linearly to `1 - threshold_noise`; the rest follow a
@@ -56,8 +60,12 @@ def ltx_mu(num_tokens: int, config: dict[str, Any] | None = None) -> float:
   """The token-count shift `mu` LTX-Video / LTX-2 pipelines compute from the scheduler config."""
   c = config or {}
   return _flow_match.calculate_shift(
-    num_tokens, c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
-    c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+    num_tokens,
+    c.get("base_image_seq_len", 1024),
+    c.get("max_image_seq_len", 4096),
+    c.get("base_shift", 0.95),
+    c.get("max_shift", 2.05),
+  )
 
 
 def ltx_euler_ancestral_rf(**config: Any) -> _base.Scheduler:
@@ -75,8 +83,9 @@ def ltx_euler_ancestral_rf(**config: Any) -> _base.Scheduler:
   eta, s_noise = float(cfg["eta"]), float(cfg["s_noise"])
   stochastic = eta > 0.0 and s_noise > 0.0
 
-  def init(num_inference_steps=None, *, sigmas=None, timesteps=None, mu=None, shape=None,
-           dtype=jnp.float32):
+  def init(
+    num_inference_steps=None, *, sigmas=None, timesteps=None, mu=None, shape=None, dtype=jnp.float32
+  ):
     del shape, dtype
     n_train = float(cfg["num_train_timesteps"])
     if sigmas is None and timesteps is None:
@@ -85,8 +94,9 @@ def ltx_euler_ancestral_rf(**config: Any) -> _base.Scheduler:
       base = dict(_flow_match.FLOW_MATCH_EULER_DEFAULTS)
       base["num_train_timesteps"] = cfg["num_train_timesteps"]
       ts, s = _flow_match.flow_sigmas(base, num_inference_steps, mu=mu)
-      return _base.make_state(timesteps=ts, sigmas=s,
-                              tables=_tables(s, np.ones(len(ts), np.float32)))
+      return _base.make_state(
+        timesteps=ts, sigmas=s, tables=_tables(s, np.ones(len(ts), np.float32))
+      )
     s = np.asarray(sigmas if sigmas is not None else timesteps, np.float32)
     if s.ndim != 1:
       raise ValueError(f"{name}: sigmas must be 1-D, got shape {s.shape}")
@@ -106,12 +116,18 @@ def ltx_euler_ancestral_rf(**config: Any) -> _base.Scheduler:
       sigma_down = sigma_next * ratio
       alpha_next, alpha_down = f(1.0) - sigma_next, f(1.0) - sigma_down
       r = sigma_down / sigma
-      renoise = np.sqrt(np.maximum(
-        sigma_next**2 - sigma_down**2 * alpha_next**2 / (alpha_down**2 + f(1e-12)), f(0)))
+      renoise = np.sqrt(
+        np.maximum(sigma_next**2 - sigma_down**2 * alpha_next**2 / (alpha_down**2 + f(1e-12)), f(0))
+      )
       scale = alpha_next / (alpha_down + f(1e-12))
     final = np.abs(sigma_next) < 1e-8
-    return {"moves": moves, "r": np.where(final, 0, r), "keep": np.where(final, 1, f(1.0) - r),
-            "scale": np.where(final, 1, scale), "renoise": np.where(final, 0, renoise)}
+    return {
+      "moves": moves,
+      "r": np.where(final, 0, r),
+      "keep": np.where(final, 1, f(1.0) - r),
+      "scale": np.where(final, 1, scale),
+      "renoise": np.where(final, 0, renoise),
+    }
 
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step

@@ -21,8 +21,12 @@ PNDM_DEFAULTS: dict[str, Any] = {
 PNDM_DEFAULTS.pop("rescale_betas_zero_snr")
 
 # Adams–Bashforth weights on the stored outputs (oldest first) for 1 … 4 stored outputs.
-_AB = {1: (0, 0, 0, 1.0), 2: (0, 0, -0.5, 1.5), 3: (0, 5 / 12, -16 / 12, 23 / 12),
-       4: (-9 / 24, 37 / 24, -59 / 24, 55 / 24)}
+_AB = {
+  1: (0, 0, 0, 1.0),
+  2: (0, 0, -0.5, 1.5),
+  3: (0, 5 / 12, -16 / 12, 23 / 12),
+  4: (-9 / 24, 37 / 24, -59 / 24, 55 / 24),
+}
 
 
 def _ascending_timesteps(cfg: dict[str, Any], n: int) -> np.ndarray:
@@ -36,8 +40,9 @@ def _ascending_timesteps(cfg: dict[str, Any], n: int) -> np.ndarray:
   if spacing == "trailing":
     ts = np.round(np.arange(n_train, 0, -n_train / n))[::-1].astype(np.int64)
     return ts - 1
-  raise ValueError(f"timestep_spacing={spacing!r} is not supported; expected 'linspace', 'leading' or "
-                   "'trailing'")
+  raise ValueError(
+    f"timestep_spacing={spacing!r} is not supported; expected 'linspace', 'leading' or 'trailing'"
+  )
 
 
 def pndm(**config: Any) -> _base.Scheduler:
@@ -45,8 +50,10 @@ def pndm(**config: Any) -> _base.Scheduler:
   name = "PNDMScheduler"
   cfg = _base.merge_config(name, PNDM_DEFAULTS, config)
   if not cfg["skip_prk_steps"]:
-    raise ValueError(f"{name}: skip_prk_steps=False (Runge–Kutta warm-up) is not supported; set "
-                     "skip_prk_steps=True as the Stable Diffusion configs do")
+    raise ValueError(
+      f"{name}: skip_prk_steps=False (Runge–Kutta warm-up) is not supported; set "
+      "skip_prk_steps=True as the Stable Diffusion configs do"
+    )
   _base.check_choice(name, "prediction_type", cfg["prediction_type"], ("epsilon", "v_prediction"))
   acp = _base.train_alphas_cumprod(cfg)
   final = np.float32(1.0) if cfg["set_alpha_to_one"] else acp[0]

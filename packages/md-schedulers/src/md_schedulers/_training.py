@@ -49,7 +49,9 @@ def min_snr_weight(snr_values: jax.Array, gamma: float = 5.0, prediction_type: s
     return clipped / (snr_values + 1)
   if prediction_type == "sample":
     return clipped
-  raise ValueError(f"prediction_type={prediction_type!r}; expected 'epsilon', 'v_prediction' or 'sample'")
+  raise ValueError(
+    f"prediction_type={prediction_type!r}; expected 'epsilon', 'v_prediction' or 'sample'"
+  )
 
 
 def flow_noise(x0: jax.Array, noise: jax.Array, sigmas: jax.Array) -> jax.Array:
@@ -68,10 +70,22 @@ def shift_sigmas(sigmas: jax.Array, shift: float) -> jax.Array:
   return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-def sample_timesteps(key: jax.Array, batch: int, *, kind: str = "uniform", num_train_timesteps=1000,
-                     logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29,
-                     shift: float = 1.0, bias: str = "none", bias_portion: float = 0.25,
-                     bias_begin: int = 0, bias_end: int = 1000, bias_multiplier: float = 5.0):
+def sample_timesteps(
+  key: jax.Array,
+  batch: int,
+  *,
+  kind: str = "uniform",
+  num_train_timesteps=1000,
+  logit_mean: float = 0.0,
+  logit_std: float = 1.0,
+  mode_scale: float = 1.29,
+  shift: float = 1.0,
+  bias: str = "none",
+  bias_portion: float = 0.25,
+  bias_begin: int = 0,
+  bias_end: int = 1000,
+  bias_multiplier: float = 5.0,
+):
   """Draws training noise levels: returns (sigmas [B] float32 in (0, 1], timesteps [B] float32 = 1000 σ).
 
   Args:
@@ -98,20 +112,23 @@ def sample_timesteps(key: jax.Array, batch: int, *, kind: str = "uniform", num_t
   elif kind == "shifted":
     u = shift_sigmas(jax.random.uniform(k1, (batch,)), shift)
   else:
-    raise ValueError(f"timestep sampler {kind!r} not supported; expected uniform, logit_normal, mode "
-                     "or shifted")
+    raise ValueError(
+      f"timestep sampler {kind!r} not supported; expected uniform, logit_normal, mode or shifted"
+    )
   if bias != "none":
     n = num_train_timesteps
     portion = jax.random.uniform(k2, (batch,)) < bias_portion
     v = jax.random.uniform(k3, (batch,))
     if bias == "earlier":
-      alt = (v ** bias_multiplier) * 0.25
+      alt = (v**bias_multiplier) * 0.25
     elif bias == "later":
-      alt = 1 - (v ** bias_multiplier) * 0.25
+      alt = 1 - (v**bias_multiplier) * 0.25
     elif bias == "range":
       alt = (bias_begin + v * (bias_end - bias_begin)) / n
     else:
-      raise ValueError(f"timestep bias {bias!r} not supported; expected none, earlier, later or range")
+      raise ValueError(
+        f"timestep bias {bias!r} not supported; expected none, earlier, later or range"
+      )
     u = jnp.where(portion, alt, u)
   sigmas = jnp.clip(u.astype(jnp.float32), 1.0 / num_train_timesteps, 1.0)
   return sigmas, sigmas * num_train_timesteps

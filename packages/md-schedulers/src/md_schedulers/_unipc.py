@@ -48,8 +48,9 @@ UNIPC_DEFAULTS: dict[str, Any] = {
 }
 
 
-def unipc_schedule(cfg: dict[str, Any], acp: np.ndarray, n: int, *, sigmas=None,
-                   mu=None) -> tuple[np.ndarray, np.ndarray]:
+def unipc_schedule(
+  cfg: dict[str, Any], acp: np.ndarray, n: int, *, sigmas=None, mu=None
+) -> tuple[np.ndarray, np.ndarray]:
   """UniPCMultistep's (timesteps [n] int64, sigmas [n + 1] float32)."""
   n_train = int(cfg["num_train_timesteps"])
   ts = _base.spaced_timesteps(cfg["timestep_spacing"], n_train, n, cfg["steps_offset"], extra=True)
@@ -76,7 +77,9 @@ def unipc_schedule(cfg: dict[str, Any], acp: np.ndarray, n: int, *, sigmas=None,
       ts = _base.sigma_to_t(s, log_s)
     last = s[-1] if last_kind == "sigma_min" else 0
   elif flow:
-    s = np.linspace(1, 1 / n_train, n + 1)[:-1] if sigmas is None else np.asarray(sigmas, np.float64)
+    s = (
+      np.linspace(1, 1 / n_train, n + 1)[:-1] if sigmas is None else np.asarray(sigmas, np.float64)
+    )
     if cfg["use_dynamic_shifting"]:
       s = _base.time_shift(cfg["time_shift_type"], mu, s)
     else:
@@ -189,8 +192,12 @@ def unipc_multistep(**config: Any) -> _base.Scheduler:
   _base.check_choice(name, "solver_type", cfg["solver_type"], ("bh1", "bh2"))
   _base.check_choice(name, "solver_order", cfg["solver_order"], (1, 2, 3))
   _base.check_choice(name, "final_sigmas_type", cfg["final_sigmas_type"], ("zero", "sigma_min"))
-  _base.check_choice(name, "prediction_type", cfg["prediction_type"],
-                     ("epsilon", "sample", "v_prediction", "flow_prediction"))
+  _base.check_choice(
+    name,
+    "prediction_type",
+    cfg["prediction_type"],
+    ("epsilon", "sample", "v_prediction", "flow_prediction"),
+  )
   if cfg["solver_p"] is not None:
     raise ValueError(f"{name}: solver_p (an external predictor scheduler) is not supported")
   if cfg["shift_terminal"] is not None and not cfg["use_flow_sigmas"]:
@@ -214,8 +221,13 @@ def unipc_multistep(**config: Any) -> _base.Scheduler:
     ts, s = unipc_schedule(cfg, acp, n, sigmas=sigmas, mu=mu)
     alpha, sig = _dpm.alpha_sigma(s, flow)
     cw, pw = unipc_weights(cfg, s)
-    tables = {"corrector": cw, "predictor": pw, "alpha": alpha[:-1], "sigma_t": sig[:-1],
-              "sigma": s[:-1]}
+    tables = {
+      "corrector": cw,
+      "predictor": pw,
+      "alpha": alpha[:-1],
+      "sigma_t": sig[:-1],
+      "sigma": s[:-1],
+    }
     memory = _base.zeros_memory(shape, dtype, name, outputs=k, last_sample=0)
     return _base.make_state(timesteps=ts, sigmas=s, tables=tables, memory=memory)
 
@@ -249,12 +261,15 @@ def unipc_multistep(**config: Any) -> _base.Scheduler:
     hist = state.memory["outputs"].astype(jnp.float32)
     last = state.memory["last_sample"].astype(jnp.float32)
     cw, pw = tb["corrector"], tb["predictor"]
-    corrected = (cw[0] * x + cw[1] * last + jnp.tensordot(cw[2:2 + k], hist, axes=1)
-                 + cw[-1] * converted)
+    corrected = (
+      cw[0] * x + cw[1] * last + jnp.tensordot(cw[2 : 2 + k], hist, axes=1) + cw[-1] * converted
+    )
     hist = jnp.concatenate([hist[1:], converted[None]])
     prev = pw[0] * corrected + jnp.tensordot(pw[1:], hist, axes=1)
-    memory = {"outputs": hist.astype(state.memory["outputs"].dtype),
-              "last_sample": corrected.astype(state.memory["last_sample"].dtype)}
+    memory = {
+      "outputs": hist.astype(state.memory["outputs"].dtype),
+      "last_sample": corrected.astype(state.memory["last_sample"].dtype),
+    }
     return prev.astype(sample.dtype), state._replace(step=i + 1, memory=memory)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, False, acp)
