@@ -1,5 +1,26 @@
 """md-text: text and image encoders for md (CLIP, OpenCLIP, T5/UMT5, Qwen3, Gemma) and tokenizer loading."""
 
+# CLIP text / vision encoders (SD 1.x/2.x, SDXL, Flux; Wan 2.1 I2V image encoder) and tokenizers.
+from md_text._clip import (
+  CLIP_TEXT_VARIANTS,
+  CLIP_VISION_VARIANTS,
+  CLIPTextConfig,
+  CLIPTextModel,
+  CLIPTextModelWithProjection,
+  CLIPTextOutput,
+  CLIPVisionConfig,
+  CLIPVisionModel,
+  CLIPVisionModelWithProjection,
+  CLIPVisionOutput,
+  nchw_to_nhwc,
+)
+from md_text._clip_weights import (
+  clip_text_convert_key,
+  clip_vision_convert_key,
+  load_clip_text,
+  load_clip_vision,
+)
+
 # T5 / UMT5 encoders (Flux, LTX: T5-XXL; Wan: UMT5-XXL).
 from md_text._t5 import (
   T5_ALLOW_UNUSED,
@@ -11,8 +32,28 @@ from md_text._t5 import (
   make_t5_keymap,
   relative_position_buckets,
 )
+from md_text._tokenizer import Tokens, load_tokenizer, tokenize
 
 __all__ = [
+  # CLIP and tokenizers
+  "CLIP_TEXT_VARIANTS",
+  "CLIP_VISION_VARIANTS",
+  "CLIPTextConfig",
+  "CLIPTextModel",
+  "CLIPTextModelWithProjection",
+  "CLIPTextOutput",
+  "CLIPVisionConfig",
+  "CLIPVisionModel",
+  "CLIPVisionModelWithProjection",
+  "CLIPVisionOutput",
+  "Tokens",
+  "clip_text_convert_key",
+  "clip_vision_convert_key",
+  "load_clip_text",
+  "load_clip_vision",
+  "load_tokenizer",
+  "nchw_to_nhwc",
+  "tokenize",
   # T5 / UMT5
   "T5_ALLOW_UNUSED",
   "T5_VARIANTS",
