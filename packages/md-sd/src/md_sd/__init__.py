@@ -1,1 +1,32 @@
-"""Placeholder; filled by its issue."""
+"""md-sd: Stable Diffusion 1.x / 2.x / XL for md: the UNet, ControlNets, weight maps and loaders."""
+
+from md_sd._config import CONTROLNET_VARIANTS, VARIANTS, ControlNetConfig, UNetConfig
+from md_sd._controlnet import (
+  ControlNetConditioningEmbedding,
+  ControlNetModel,
+  MultiControlNetModel,
+)
+from md_sd._unet import UNet2DConditionModel
+from md_sd._weights import (
+  convert_controlnet_key,
+  convert_unet_key,
+  load_controlnet,
+  load_unet,
+  unet_key_map,
+)
+
+__all__ = [
+  "CONTROLNET_VARIANTS",
+  "ControlNetConditioningEmbedding",
+  "ControlNetConfig",
+  "ControlNetModel",
+  "MultiControlNetModel",
+  "UNet2DConditionModel",
+  "UNetConfig",
+  "VARIANTS",
+  "convert_controlnet_key",
+  "convert_unet_key",
+  "load_controlnet",
+  "load_unet",
+  "unet_key_map",
+]

@@ -1,0 +1,80 @@
+"""md-sd UNet against diffusers' UNet2DConditionModel (tools/fixtures/unet.py): SD 1.x, 2.x and XL shapes."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_sd
+from md_core.testing import fixture_path, load_arrays
+
+
+def _nhwc(x):
+  return jnp.asarray(x).transpose(0, 2, 3, 1)
+
+
+def _residuals(io, scale=1.0):
+  n = len([k for k in io if k.startswith("res_") and k != "res_mid"])
+  down = [scale * _nhwc(io[f"res_{i}"]) for i in range(n)]
+  return down, scale * _nhwc(io["res_mid"])
+
+
+@pytest.fixture(scope="module", params=("sd1", "sd2", "sdxl"))
+def outputs(request):
+  """The fixture's inputs, the reference outputs and md's, from one compiled forward per model (the plain
+  output is the forward with zero residuals)."""
+  folder = fixture_path("unet") / request.param
+  model = md_sd.load_unet(folder, subfolder=None, progress=False)
+  io = load_arrays(folder / "io.npz")
+  graphdef, state = nnx.split(model)
+  added = None
+  if "text_embeds" in io:
+    added = {"text_embeds": jnp.asarray(io["text_embeds"]), "time_ids": jnp.asarray(io["time_ids"])}
+
+  @jax.jit
+  def run(state, down, mid):
+    m = nnx.merge(graphdef, state)
+    return m(
+      _nhwc(io["sample"]),
+      jnp.asarray(io["timestep"]),
+      jnp.asarray(io["encoder_hidden_states"]),
+      added_cond_kwargs=added,
+      down_block_additional_residuals=down,
+      mid_block_additional_residual=mid,
+    )
+
+  got = {}
+  for key, scale in (("out", 0.0), ("out_res", 1.0)):
+    down, mid = _residuals(io, scale)
+    got[key] = np.asarray(run(state, down, mid)).transpose(0, 3, 1, 2)
+  return request.param, io, got
+
+
+def test_unet_matches_reference(outputs):
+  _, io, got = outputs
+  assert np.abs(io["out"]).max() > 0.1  # the reference output is not trivially small
+  chex.assert_trees_all_close(got["out"], io["out"], atol=1e-4, rtol=0)
+
+
+def test_unet_with_controlnet_residuals_matches_reference(outputs):
+  _, io, got = outputs
+  assert np.abs(io["out_res"] - io["out"]).max() > 0.1  # the residuals change the result
+  chex.assert_trees_all_close(got["out_res"], io["out_res"], atol=1e-4, rtol=0)
+
+
+def test_text_mask_and_nchw_layout_match_reference():
+  folder = fixture_path("unet") / "sd1"
+  model = md_sd.load_unet(folder, subfolder=None, progress=False)
+  io = load_arrays(folder / "io.npz")
+  args = (
+    jnp.asarray(io["sample"]),
+    jnp.asarray(io["timestep"]),
+    jnp.asarray(io["encoder_hidden_states"]),
+  )
+  out = nnx.jit(lambda m, *a, mask: m.call_nchw(*a, encoder_attention_mask=mask))(
+    model, *args, mask=jnp.asarray(io["mask"])
+  )
+  assert np.abs(io["out_mask"] - io["out"]).max() > 1e-3  # the mask matters
+  chex.assert_trees_all_close(out, io["out_mask"], atol=1e-4, rtol=0)
