@@ -225,7 +225,8 @@ def train_alphas_cumprod(
 def train_sigmas(alphas_cumprod: np.ndarray) -> np.ndarray:
   """sqrt((1 - alphā) / alphā), float32, indexed by training timestep."""
   a = alphas_cumprod
-  return (((np.float32(1.0) - a) / a) ** np.float32(0.5)).astype(np.float32)
+  with np.errstate(divide="ignore"):  # a zero-SNR schedule ends at alphā = 0: sigma = inf there
+    return (((np.float32(1.0) - a) / a) ** np.float32(0.5)).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- schedules
