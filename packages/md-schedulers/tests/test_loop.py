@@ -98,3 +98,20 @@ def test_state_is_a_pytree_with_the_documented_fields():
   assert mdsch.current_timestep(state) == state.timesteps[0]
   leaves = jax.tree_util.tree_leaves(state)
   assert all(isinstance(v, jax.Array) for v in leaves)
+
+
+@pytest.mark.parametrize("name", sorted(mdsch.SCHEDULERS))
+def test_step_keeps_the_sample_dtype(name):
+  # A loop carry must keep its dtype: f32 latents stay f32 with a bf16 model output, bf16 stays bf16.
+  extra = {"skip_prk_steps": True} if name == "PNDMScheduler" else {}
+  sched = mdsch.from_config({"_class_name": name, **extra})
+  state = sched.init(6, shape=SHAPE)
+  key = jax.random.key(0) if sched.stochastic else None
+  for sample_dtype in (jnp.float32, jnp.bfloat16):
+    x = jnp.ones(SHAPE, sample_dtype)
+    out, new_state = sched.step(state, jnp.full(SHAPE, 0.1, jnp.bfloat16), x, key)
+    assert out.dtype == sample_dtype
+    assert int(new_state.step) == 1
+    assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(state)
+    for a, b in zip(jax.tree_util.tree_leaves(new_state), jax.tree_util.tree_leaves(state)):
+      assert a.dtype == b.dtype and a.shape == b.shape

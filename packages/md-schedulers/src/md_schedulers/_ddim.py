@@ -68,7 +68,7 @@ def ddim(
     prev = tb["sqrt_a_prev"] * x0 + tb["direction"] * eps
     if stochastic:
       prev = prev + tb["std"] * _base.draw_noise(key, noise, sample, name)
-    return prev, state._replace(step=i + 1)
+    return prev.astype(sample.dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, stochastic, acp)
 

@@ -81,6 +81,6 @@ def ddpm(**config: Any) -> _base.Scheduler:
     x0 = _base.postprocess_x0(cfg, x0)
     prev = tb["x0_coef"] * x0 + tb["sample_coef"] * sample
     prev = prev + tb["std"] * _base.draw_noise(key, noise, sample, name)
-    return prev, state._replace(step=i + 1)
+    return prev.astype(sample.dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, True, acp)

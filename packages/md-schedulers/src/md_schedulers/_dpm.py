@@ -360,6 +360,6 @@ def _build(name, cfg, schedule_fn, weights_fn) -> _base.Scheduler:
     prev = w[0] * x + jnp.tensordot(w[1 : 1 + k], hist.astype(jnp.float32), axes=1)
     if stochastic:
       prev = prev + w[-1] * _base.draw_noise(key, noise, x, name)
-    return prev.astype(model_output.dtype), state._replace(step=i + 1, memory={"outputs": hist})
+    return prev.astype(sample.dtype), state._replace(step=i + 1, memory={"outputs": hist})
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, stochastic, acp)

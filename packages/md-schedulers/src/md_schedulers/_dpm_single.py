@@ -174,6 +174,6 @@ def dpm_solver_singlestep(**config: Any) -> _base.Scheduler:
     if stochastic:
       prev = prev + w[-1] * _base.draw_noise(key, noise, sample, name)
     memory = {"outputs": hist, "block_sample": start.astype(state.memory["block_sample"].dtype)}
-    return prev.astype(model_output.dtype), state._replace(step=i + 1, memory=memory)
+    return prev.astype(sample.dtype), state._replace(step=i + 1, memory=memory)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, stochastic, acp)

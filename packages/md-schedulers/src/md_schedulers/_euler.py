@@ -139,7 +139,7 @@ def euler(**config: Any) -> _base.Scheduler:
     x0 = k_x0(cfg["prediction_type"], x, model_output, sigma)
     derivative = (x - x0) / sigma
     prev = x + derivative * (sigma_next - sigma)
-    return prev.astype(model_output.dtype), state._replace(step=i + 1)
+    return prev.astype(sample.dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.sigma_scale, False, acp)
 
@@ -171,6 +171,6 @@ def euler_ancestral(**config: Any) -> _base.Scheduler:
     derivative = (x - x0) / sigma
     prev = x + derivative * (sigma_down - sigma)
     prev = prev + _base.draw_noise(key, noise, x, name) * sigma_up
-    return prev.astype(model_output.dtype), state._replace(step=i + 1)
+    return prev.astype(sample.dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.sigma_scale, True, acp)

@@ -164,6 +164,7 @@ def flow_match_euler(**config: Any) -> _base.Scheduler:
   def step(state, model_output, sample, key=None, *, noise=None):
     i = state.step
     sigma, sigma_next = state.sigmas[i], state.sigmas[i + 1]
+    dtype = sample.dtype
     sample = sample.astype(jnp.float32)
     if stochastic:
       eps = _base.draw_noise(key, noise, sample, name)
@@ -171,7 +172,7 @@ def flow_match_euler(**config: Any) -> _base.Scheduler:
       prev = (1.0 - sigma_next) * x0 + sigma_next * eps
     else:
       prev = sample + (sigma_next - sigma) * model_output
-    return prev.astype(model_output.dtype), state._replace(step=i + 1)
+    return prev.astype(dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, stochastic, None)
 
@@ -203,6 +204,7 @@ def flow_match_heun(**config: Any) -> _base.Scheduler:
   def step(state, model_output, sample, key=None, *, noise=None):
     del key, noise
     i = state.step
+    dtype = sample.dtype
     sample = sample.astype(jnp.float32)
     # Even calls predict (Euler to the next sigma); odd calls correct with the averaged slope.
     first = i % 2 == 0
@@ -225,6 +227,6 @@ def flow_match_heun(**config: Any) -> _base.Scheduler:
       "derivative": d.astype(state.memory["derivative"].dtype),
       "sample": x.astype(state.memory["sample"].dtype),
     }
-    return prev.astype(model_output.dtype), state._replace(step=i + 1, memory=memory)
+    return prev.astype(dtype), state._replace(step=i + 1, memory=memory)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, False, None)

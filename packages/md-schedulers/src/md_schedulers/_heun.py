@@ -56,6 +56,7 @@ def heun(**config: Any) -> _base.Scheduler:
     del key, noise
     i = state.step
     pred = cfg["prediction_type"]
+    d_dtype, x_dtype = state.memory["derivative"].dtype, state.memory["sample"].dtype
 
     def x0_at(sigma):
       x0 = _euler.k_x0(pred, sample, model_output, sigma)
@@ -66,21 +67,22 @@ def heun(**config: Any) -> _base.Scheduler:
     def predictor(_):
       sigma, sigma_next = state.sigmas[i], state.sigmas[i + 1]
       derivative = (sample - x0_at(sigma)) / sigma
-      return sample + derivative * (sigma_next - sigma), derivative, sample
+      prev = sample + derivative * (sigma_next - sigma)
+      return prev.astype(jnp.float32), derivative.astype(d_dtype), sample.astype(x_dtype)
 
     def corrector(_):
       sigma, sigma_next = state.sigmas[i - 1], state.sigmas[i]
       derivative = (sample - x0_at(sigma_next)) / sigma_next
       derivative = (state.memory["derivative"] + derivative) / 2
       prev = state.memory["sample"] + derivative * (sigma_next - sigma)
-      return prev, state.memory["derivative"], state.memory["sample"]
+      return prev.astype(jnp.float32), state.memory["derivative"], state.memory["sample"]
 
     prev, d, x = jax.lax.cond(i % 2 == 0, predictor, corrector, None)
     memory = {
       "derivative": d.astype(state.memory["derivative"].dtype),
       "sample": x.astype(state.memory["sample"].dtype),
     }
-    return prev, state._replace(step=i + 1, memory=memory)
+    return prev.astype(sample.dtype), state._replace(step=i + 1, memory=memory)
 
   def scale_model_input(state, sample):
     return _base.sigma_scale(state, sample)

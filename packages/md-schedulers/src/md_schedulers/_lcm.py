@@ -118,7 +118,7 @@ def lcm(**config: Any) -> _base.Scheduler:
     denoised = tb["c_out"] * x0 + tb["c_skip"] * sample
     eps = _base.draw_noise(key, noise, sample, name)
     prev = tb["sqrt_a_prev"] * denoised + tb["noise_coef"] * eps
-    return prev, state._replace(step=i + 1)
+    return prev.astype(sample.dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, True, acp)
 
@@ -200,6 +200,6 @@ def tcd(*, eta: float = 0.3, **config: Any) -> _base.Scheduler:
     prev = tb["keep"] * noised
     if stochastic:
       prev = prev + tb["noise_coef"] * _base.draw_noise(key, noise, sample, name)
-    return prev, state._replace(step=i + 1)
+    return prev.astype(sample.dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, stochastic, acp)

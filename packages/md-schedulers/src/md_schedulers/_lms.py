@@ -74,6 +74,6 @@ def lms(**config: Any) -> _base.Scheduler:
     hist = jnp.concatenate([hist[1:], derivative[None].astype(hist.dtype)])
     w = state.tables["weights"][i].reshape((ORDER,) + (1,) * sample.ndim)
     prev = sample + jnp.sum(w * hist, axis=0)
-    return prev, state._replace(step=i + 1, memory={"derivatives": hist})
+    return prev.astype(sample.dtype), state._replace(step=i + 1, memory={"derivatives": hist})
 
   return _base.Scheduler(name, cfg, init, step, _base.sigma_scale, False, acp)

@@ -111,6 +111,6 @@ def pndm(**config: Any) -> _base.Scheduler:
       combined = tb["sqrt_a"] * combined + tb["sqrt_b"] * x
     prev = tb["sample_coef"] * x - tb["output_coef"] * combined
     memory = {"outputs": ets, "first_sample": first.astype(state.memory["first_sample"].dtype)}
-    return prev, state._replace(step=i + 1, memory=memory)
+    return prev.astype(sample.dtype), state._replace(step=i + 1, memory=memory)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, False, acp)
