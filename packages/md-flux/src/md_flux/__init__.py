@@ -2,6 +2,7 @@
 
 from md_flux._config import FLUX2_VARIANTS, FLUX_VARIANTS, Flux2Config, FluxConfig
 from md_flux._flux1 import BlockKV, FluxTransformer
+from md_flux._flux2 import Flux2Transformer
 from md_flux._weights1 import (
   bfl_view,
   bfl_virtual_names,
@@ -11,12 +12,14 @@ from md_flux._weights1 import (
   load_flux,
   single_file_layout,
 )
+from md_flux._weights2 import convert_key_flux2, load_flux2
 
 __all__ = [
   "FLUX2_VARIANTS",
   "FLUX_VARIANTS",
   "BlockKV",
   "Flux2Config",
+  "Flux2Transformer",
   "FluxConfig",
   "FluxTransformer",
   "bfl_view",
@@ -24,6 +27,8 @@ __all__ = [
   "config_from_bfl",
   "convert_key",
   "convert_key_bfl",
+  "convert_key_flux2",
   "load_flux",
+  "load_flux2",
   "single_file_layout",
 ]

@@ -44,14 +44,19 @@ def remat(fn, policy: str):
   return jax.checkpoint(fn, policy=policies[policy])
 
 
-def scan_blocks(stack: nnx.Module, body, carry, *xs, policy: str = "none"):
-  """Runs `body(block, carry, *xs) -> (carry, per_layer_out)` over the stacked blocks with one compile."""
+def scan_blocks(stack: nnx.Module, body, carry, *xs, per_layer=None, policy: str = "none"):
+  """Runs `body(block, carry, layer_input, *xs) -> (carry, per_layer_out)` over stacked blocks.
+
+  One block is compiled; `per_layer` (a pytree with a leading layers axis, or None) is sliced per
+  block into `layer_input`; `xs` are the same for every block.
+  """
   graphdef, state = nnx.split(stack)
 
-  def step(c, layer_state):
-    return body(nnx.merge(graphdef, layer_state), c, *xs)
+  def step(c, layer):
+    layer_state, layer_input = layer
+    return body(nnx.merge(graphdef, layer_state), c, layer_input, *xs)
 
-  return jax.lax.scan(remat(step, policy), carry, state)
+  return jax.lax.scan(remat(step, policy), carry, (state, per_layer))
 
 
 def constrain(x: jax.Array) -> jax.Array:

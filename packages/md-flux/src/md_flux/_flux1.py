@@ -264,7 +264,7 @@ class FluxTransformer(nnx.Module):
     rope = cm.rope_tables(cm.join_ids(txt_ids, img_ids, b), cfg.axes_dims_rope, cfg.rope_theta)
     attention = cfg.attention
 
-    def double(block, carry, temb, rope):
+    def double(block, carry, _, temb, rope):
       img, txt = carry
       img, txt, kv = block(img, txt, temb, rope, attention)
       return (cm.constrain(img), cm.constrain(txt)), (kv if return_kv else None)
@@ -273,7 +273,7 @@ class FluxTransformer(nnx.Module):
       self.transformer_blocks, double, (x, c), temb, rope, policy=cfg.remat
     )
 
-    def single(block, h, temb, rope):
+    def single(block, h, _, temb, rope):
       h, kv = block(h, temb, rope, attention)
       return cm.constrain(h), (kv if return_kv else None)
 
