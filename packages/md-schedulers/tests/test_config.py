@@ -142,7 +142,6 @@ def test_load_from_a_local_checkpoint_folder(tmp_path):
       {"flow_shift": 3.0},
       "DDIMScheduler has no option 'flow_shift'",
     ),
-    ({"_class_name": "PNDMScheduler"}, {}, "skip_prk_steps=False"),
     ({"_class_name": "DDPMScheduler", "variance_type": "learned_range"}, {}, "variance_type"),
     (
       {"_class_name": "EulerDiscreteScheduler", "interpolation_type": "log_linear"},
