@@ -1,1 +1,37 @@
-"""Placeholder; filled by its issue."""
+"""md-vae: autoencoders for md (SD/SDXL/Flux KL, Flux.2, Wan 2.1/2.2, LTX, LTX-2) with tiling."""
+
+# AutoencoderKL (SD 1.x/2.x, SDXL, Flux).
+from md_vae._kl import (
+  KL_VARIANTS,
+  AutoencoderKL,
+  AutoencoderKLConfig,
+  DiagonalGaussian,
+  nchw_to_nhwc,
+  nhwc_to_nchw,
+)
+from md_vae._kl_weights import load_vae_kl, vae_kl_convert_key
+
+# Wan 2.1 / 2.2 causal video VAE.
+from md_vae._wan import WanLatentDist, WanVAE, video_to_uint8
+from md_vae._wan_config import WAN_VARIANTS, WanVAEConfig
+from md_vae._wan_weights import load_vae_wan, vae_wan_convert_key
+
+__all__ = [
+  # AutoencoderKL
+  "KL_VARIANTS",
+  "AutoencoderKL",
+  "AutoencoderKLConfig",
+  "DiagonalGaussian",
+  "load_vae_kl",
+  "nchw_to_nhwc",
+  "nhwc_to_nchw",
+  "vae_kl_convert_key",
+  # Wan VAE
+  "WAN_VARIANTS",
+  "WanLatentDist",
+  "WanVAE",
+  "WanVAEConfig",
+  "load_vae_wan",
+  "vae_wan_convert_key",
+  "video_to_uint8",
+]
