@@ -41,7 +41,7 @@ def _check_inputs(q, k, v, mask):
     raise ValueError(f"mask must be [B, S_kv] = {(b, k.shape[1])}, got {mask.shape}")
 
 
-def _local(implementation, *, causal, scale, config, block_q, block_kv, s_kv):
+def _local(implementation, *, causal, scale, config, block_q, block_kv, s_kv, has_mask=True):
   """Local attention as `(q, k, v, kv_valid, q_pos, k_pos) -> out`."""
   if implementation == "auto":
     implementation = "blockwise" if s_kv >= config.min_seq_length else "dot_product"
@@ -51,15 +51,17 @@ def _local(implementation, *, causal, scale, config, block_q, block_kv, s_kv):
     return lambda q, k, v, valid, q_pos, k_pos: blockwise_attention(
       q, k, v, valid, q_pos, k_pos, causal, scale, block_q, block_kv
     )
-  # cuDNN and splash mask causally by index from 0, which is what the local (unsharded) call needs.
+  # cuDNN and splash mask causally by index from 0, which is what the local (unsharded) call needs;
+  # without a mask they skip the key-padding machinery.
   if implementation == "cudnn":
     return lambda q, k, v, valid, q_pos, k_pos: cudnn_attention(
-      q, k, v, valid, causal=causal, scale=scale
+      q, k, v, valid if has_mask else None, causal=causal, scale=scale
     )
   if implementation == "splash":
     return lambda q, k, v, valid, q_pos, k_pos: splash_attention(
-      q, k, v, valid, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
-    )
+      q, k, v, valid if has_mask else None, causal=causal, scale=scale, block_q=block_q,
+      block_kv=block_kv,
+    )  # fmt: skip
   raise AssertionError(implementation)
 
 
@@ -169,6 +171,7 @@ def attention(
     block_q=block_q,
     block_kv=block_kv,
     s_kv=s_kv,
+    has_mask=mask is not None,
   )
   q_pos, k_pos = jnp.arange(s_q, dtype=jnp.int32), jnp.arange(s_kv, dtype=jnp.int32)
   if mesh is None or mesh.size == 1:

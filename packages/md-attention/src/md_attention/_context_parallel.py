@@ -34,7 +34,7 @@ def ulysses_degree(
   heads_note = (
     f"{local_heads} heads per device (num_heads={heads}"
     + (f" split {heads // local_heads} ways by the mesh" if local_heads != heads else "")
-    + f") with ulysses_chunks={chunks}"
+    + ")"
   )
   if implementation == "ring":
     return 1
