@@ -50,7 +50,7 @@ def test_snr_and_min_snr_weights():
 
 def test_timestep_samplers():
   key = jax.random.key(0)
-  n = 20000
+  n = 8000
   u, t = mdsch.sample_timesteps(key, n)
   assert u.shape == (n,) and t.shape == (n,)
   assert float(u.min()) >= 1e-3 and float(u.max()) <= 1.0
