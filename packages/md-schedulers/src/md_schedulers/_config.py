@@ -59,69 +59,11 @@ SCHEDULERS: dict[str, tuple[Callable[..., _base.Scheduler], dict[str, Any], tupl
   ),
 }
 
-# Options of reference schedulers md does not implement, which configs of the supported ones carry
-# (a config is shared between compatible schedulers; the reference ignores options a class lacks).
+# Options that only reference schedulers md does not implement have (EDM, DPM-SDE, consistency models…).
+# Configs are shared between compatible schedulers and the reference ignores options a class lacks, so
+# these are accepted and dropped; a key no scheduler knows is an error (most likely a typo).
 _OTHER_REFERENCE_OPTIONS = frozenset(
-  {
-    "use_dynamic_shifting",
-    "skip_prk_steps",
-    "set_alpha_to_one",
-    "clip_sample",
-    "clip_sample_range",
-    "interpolation_type",
-    "sample_max_value",
-    "variance_type",
-    "predict_x0",
-    "timestep_type",
-    "dynamic_thresholding_ratio",
-    "thresholding",
-    "solver_order",
-    "solver_type",
-    "algorithm_type",
-    "lower_order_final",
-    "euler_at_final",
-    "use_karras_sigmas",
-    "use_exponential_sigmas",
-    "use_beta_sigmas",
-    "use_lu_lambdas",
-    "use_flow_sigmas",
-    "flow_shift",
-    "final_sigmas_type",
-    "lambda_min_clipped",
-    "rescale_betas_zero_snr",
-    "sigma_min",
-    "sigma_max",
-    "sigma_data",
-    "rho",
-    "original_inference_steps",
-    "timestep_scaling",
-    "shift",
-    "base_shift",
-    "max_shift",
-    "base_image_seq_len",
-    "max_image_seq_len",
-    "invert_sigmas",
-    "shift_terminal",
-    "time_shift_type",
-    "stochastic_sampling",
-    "disable_corrector",
-    "solver_p",
-    "eta",
-    "s_noise",
-    "beta_start",
-    "beta_end",
-    "beta_schedule",
-    "trained_betas",
-    "prediction_type",
-    "timestep_spacing",
-    "steps_offset",
-    "num_train_timesteps",
-    "noise_sampler_seed",
-    "beta_min",
-    "beta_max",
-    "sigma_schedule",
-    "use_sigmoid",
-  }
+  {"sigma_data", "rho", "noise_sampler_seed", "beta_min", "beta_max", "sigma_schedule", "use_sigmoid"}
 )
 
 
