@@ -1,6 +1,7 @@
 """Flux.1 transformer: parity with diffusers (diffusers layout and BFL's single file), errors, config."""
 
 import dataclasses
+import functools
 import json
 
 import chex
@@ -32,10 +33,16 @@ def inputs(io, guidance=True):
   return kw
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, state, kw):
+  return nnx.merge(graphdef, state)(**kw)
+
+
 def run(model, kw):
-  """The model under jit as a pure function of its state (one compile per shape)."""
+  """The model under jit as a pure function of its state: models with the same structure (diffusers
+  and BFL loads) and inputs of the same shapes share one compile."""
   graphdef, state = nnx.split(model)
-  return jax.jit(lambda s, kw: nnx.merge(graphdef, s)(**kw))(state, kw)
+  return _apply(graphdef, state, kw)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,9 @@ def test_context_parallel_matches_one_device(io, implementation):
     attention=mda.AttentionConfig(implementation=implementation),
   )
   assert model.cfg.attention.implementation == implementation
+  # Stacked q kernels: (layers, embed, heads) → layers whole, embed over fsdp (heads: no tensor axis).
+  spec = model.transformer_blocks.attn.to_q.kernel[...].sharding.spec
+  assert tuple(spec) == (None, "fsdp", None), spec
   kw = inputs(io)
   with jax.sharding.set_mesh(mesh):
     out = run(model, kw)

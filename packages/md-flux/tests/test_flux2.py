@@ -1,5 +1,6 @@
 """Flux.2 transformer: parity with diffusers (plain, guided, reference KV cache), errors, manifests."""
 
+import functools
 import json
 
 import chex
@@ -9,8 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import md_attention as mda
 import md_core
 import md_flux
+import md_sharding as mds
 from md_core.testing import fixture_path, load_arrays, repo_root
 
 ATOL = 1e-4
@@ -26,12 +29,17 @@ def klein():
   return md_flux.load_flux2(fixture_path("flux2_transformer") / "klein")
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _apply(graphdef, state, arrays, static):
+  return nnx.merge(graphdef, state)(**arrays, **dict(static))
+
+
 def run(model, **kw):
   """The model under jit as a pure function of its state; static keywords stay Python values."""
   arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array | md_flux.BlockKV)}
-  static = {k: v for k, v in kw.items() if k not in arrays}
+  static = tuple(sorted((k, v) for k, v in kw.items() if k not in arrays))
   graphdef, state = nnx.split(model)
-  return jax.jit(lambda s, a: nnx.merge(graphdef, s)(**a, **static))(state, arrays)
+  return _apply(graphdef, state, arrays, static)
 
 
 def base(io, *names):
@@ -66,6 +74,30 @@ def test_reference_kv_cache_matches_diffusers(io, klein):
   )
   out = run(klein, **kw, kv_cache=cache)
   chex.assert_trees_all_close(out, io["out_cached"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["ulysses", "ring"])
+def test_reference_kv_cache_context_parallel(io, implementation):
+  mesh = mds.make_mesh(mds.MeshConfig(ici_fsdp_parallelism=2, ici_context_parallelism=4))
+  model = md_flux.load_flux2(
+    fixture_path("flux2_transformer") / "klein",
+    mesh=mesh,
+    attention=mda.AttentionConfig(implementation=implementation),
+  )
+  r = io["ref_hidden_states"].shape[1]
+  kw = base(io, "timestep")
+  kw["hidden_states"] = jnp.concatenate([io["ref_hidden_states"], io["hidden_states"]], axis=1)
+  kw["img_ids"] = jnp.concatenate([io["ref_ids"], io["img_ids"]], axis=0)
+  with jax.sharding.set_mesh(mesh):
+    out, cache = run(model, **kw, num_ref_tokens=r)
+    kw = base(io, "img_ids")
+    kw.update(
+      hidden_states=jnp.asarray(io["hidden_states_2"]), timestep=jnp.asarray(io["timestep_2"])
+    )
+    cached = run(model, **kw, kv_cache=cache)
+  chex.assert_trees_all_close(out, io["out_extract"], atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(cached, io["out_cached"], atol=1e-5, rtol=0)
 
 
 def test_return_kv_without_references(io, klein):
