@@ -63,7 +63,15 @@ SCHEDULERS: dict[str, tuple[Callable[..., _base.Scheduler], dict[str, Any], tupl
 # Configs are shared between compatible schedulers and the reference ignores options a class lacks, so
 # these are accepted and dropped; a key no scheduler knows is an error (most likely a typo).
 _OTHER_REFERENCE_OPTIONS = frozenset(
-  {"sigma_data", "rho", "noise_sampler_seed", "beta_min", "beta_max", "sigma_schedule", "use_sigmoid"}
+  {
+    "sigma_data",
+    "rho",
+    "noise_sampler_seed",
+    "beta_min",
+    "beta_max",
+    "sigma_schedule",
+    "use_sigmoid",
+  }
 )
 
 

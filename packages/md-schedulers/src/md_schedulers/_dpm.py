@@ -181,6 +181,12 @@ def dpm_multistep_weights(cfg: dict[str, Any], sigmas: np.ndarray) -> np.ndarray
 
 
 def _update(algo, solver, order, x, noise, d0, d1, d2, at, st, as0, ss0, h):
+  """One DPM-Solver update from level s0 to t as a weight vector.
+
+  `x`, `noise` and the differences `d0`/`d1`/`d2` are vectors over the step's inputs (basis vectors and
+  their combinations), so the result holds each input's weight. `at`/`st` and `as0`/`ss0` are alpha and
+  sigma at t and s0, `h` the log-SNR step (infinite when t is the final sigma 0).
+  """
   em, ep = math.exp(-h), (math.exp(h) if h < 700 else math.inf)
   if algo == "dpmsolver++":
     out = (st / ss0) * x - (at * (em - 1.0)) * d0
