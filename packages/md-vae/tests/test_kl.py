@@ -210,7 +210,9 @@ def test_config_errors():
     )
   with pytest.raises(ValueError, match="norm_num_groups=32 must divide block_out_channels 8"):
     md_vae.AutoencoderKLConfig(block_out_channels=(8, 16))
-  assert md_vae.AutoencoderKLConfig.from_dict({"sample_size": [64, 64]}).sample_size == 64
+  # Missing keys take diffusers' defaults; a list sample_size reads as square.
+  cfg = md_vae.AutoencoderKLConfig.from_dict({"sample_size": [64, 64]})
+  assert cfg.sample_size == 64 and cfg.block_out_channels == (64,) and cfg.downscale == 1
 
 
 def test_input_errors():

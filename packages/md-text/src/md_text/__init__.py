@@ -14,6 +14,7 @@ from md_text._clip import (
   CLIPVisionOutput,
   nchw_to_nhwc,
 )
+from md_text._clip_image import CLIP_IMAGE_MEAN, CLIP_IMAGE_STD, clip_image_preprocess
 from md_text._clip_weights import (
   clip_text_convert_key,
   clip_vision_convert_key,
@@ -36,6 +37,8 @@ from md_text._tokenizer import Tokens, load_tokenizer, tokenize
 
 __all__ = [
   # CLIP and tokenizers
+  "CLIP_IMAGE_MEAN",
+  "CLIP_IMAGE_STD",
   "CLIP_TEXT_VARIANTS",
   "CLIP_VISION_VARIANTS",
   "CLIPTextConfig",
@@ -47,6 +50,7 @@ __all__ = [
   "CLIPVisionModelWithProjection",
   "CLIPVisionOutput",
   "Tokens",
+  "clip_image_preprocess",
   "clip_text_convert_key",
   "clip_vision_convert_key",
   "load_clip_text",

@@ -132,6 +132,8 @@ def _read_json(path: str | os.PathLike) -> dict:
 class CLIPTextConfig:
   """A CLIP text encoder (transformers `CLIPTextConfig`).
 
+  Defaults are transformers' (so a config.json that omits a key means the same here).
+
   Attributes:
     vocab_size: token vocabulary.
     hidden_size: model width.
@@ -148,15 +150,15 @@ class CLIPTextConfig:
   """
 
   vocab_size: int = 49408
-  hidden_size: int = 768
-  intermediate_size: int = 3072
+  hidden_size: int = 512
+  intermediate_size: int = 2048
   num_hidden_layers: int = 12
-  num_attention_heads: int = 12
+  num_attention_heads: int = 8
   max_position_embeddings: int = 77
   hidden_act: str = "quick_gelu"
   layer_norm_eps: float = 1e-5
-  projection_dim: int = 768
-  eos_token_id: int = 2
+  projection_dim: int = 512
+  eos_token_id: int = 49407
   remat: bool = False
 
   def __post_init__(self):
@@ -246,7 +248,13 @@ class CLIPVisionConfig:
 # Real sizes from the published config.json files (see tools/configs/sd/ for the full files and sources).
 CLIP_TEXT_VARIANTS: dict[str, CLIPTextConfig] = {
   # openai/clip-vit-large-patch14: SD 1.x text_encoder, SDXL text_encoder, Flux text_encoder.
-  "clip-l": CLIPTextConfig(),
+  "clip-l": CLIPTextConfig(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_attention_heads=12,
+    projection_dim=768,
+    eos_token_id=2,
+  ),
   # OpenCLIP ViT-H/14 text tower as SD 2.x ships it (23 of its 24 layers).
   "openclip-h": CLIPTextConfig(
     hidden_size=1024,
@@ -255,6 +263,7 @@ CLIP_TEXT_VARIANTS: dict[str, CLIPTextConfig] = {
     num_attention_heads=16,
     hidden_act="gelu",
     projection_dim=512,
+    eos_token_id=2,
   ),
   # OpenCLIP ViT-bigG/14: SDXL text_encoder_2 (CLIPTextModelWithProjection).
   "openclip-bigg": CLIPTextConfig(
@@ -264,6 +273,7 @@ CLIP_TEXT_VARIANTS: dict[str, CLIPTextConfig] = {
     num_attention_heads=20,
     hidden_act="gelu",
     projection_dim=1280,
+    eos_token_id=2,
   ),
   "tiny": CLIPTextConfig(
     vocab_size=1000,
@@ -273,6 +283,7 @@ CLIP_TEXT_VARIANTS: dict[str, CLIPTextConfig] = {
     num_attention_heads=4,
     max_position_embeddings=16,
     projection_dim=12,
+    eos_token_id=2,
   ),
 }
 

@@ -33,6 +33,9 @@ _IGNORED_KEYS = frozenset(
 class AutoencoderKLConfig:
   """An `AutoencoderKL` (diffusers `vae/config.json`).
 
+  Defaults are diffusers' (a config.json that omits a key means the same here); `KL_VARIANTS` holds the real
+  models.
+
   Attributes:
     in_channels: image channels in.
     out_channels: image channels out.
@@ -57,11 +60,11 @@ class AutoencoderKLConfig:
 
   in_channels: int = 3
   out_channels: int = 3
-  block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
-  layers_per_block: int = 2
+  block_out_channels: tuple[int, ...] = (64,)
+  layers_per_block: int = 1
   latent_channels: int = 4
   norm_num_groups: int = 32
-  sample_size: int = 512
+  sample_size: int = 32
   scaling_factor: float = 0.18215
   shift_factor: float | None = None
   latents_mean: tuple[float, ...] | None = None
@@ -131,15 +134,19 @@ class AutoencoderKLConfig:
       return cls.from_dict(json.load(f), where=os.fspath(path))
 
 
+# Every released KL VAE: four levels of 128-512 channels, two resnets per encoder level.
+_SD_LAYOUT = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+
 KL_VARIANTS: dict[str, AutoencoderKLConfig] = {
   # runwayml/stable-diffusion-v1-5 vae (also SD 1.4 and most SD 1.x fine-tunes).
-  "sd": AutoencoderKLConfig(sample_size=512),
+  "sd": AutoencoderKLConfig(**_SD_LAYOUT, sample_size=512),
   # stabilityai/stable-diffusion-2-1 vae.
-  "sd2": AutoencoderKLConfig(sample_size=768),
+  "sd2": AutoencoderKLConfig(**_SD_LAYOUT, sample_size=768),
   # stabilityai/stable-diffusion-xl-base-1.0 vae.
-  "sdxl": AutoencoderKLConfig(sample_size=1024, scaling_factor=0.13025),
+  "sdxl": AutoencoderKLConfig(**_SD_LAYOUT, sample_size=1024, scaling_factor=0.13025),
   # black-forest-labs/FLUX.1-dev vae.
   "flux": AutoencoderKLConfig(
+    **_SD_LAYOUT,
     latent_channels=16,
     sample_size=1024,
     scaling_factor=0.3611,
