@@ -259,3 +259,26 @@ def test_image_preprocess_close_to_clip_image_processor(ref):
   chex.assert_trees_all_close(floats, pixels, atol=1e-5, rtol=0)
   with pytest.raises(ValueError, match=r"images must be channels-last RGB \[B, H, W, 3\]"):
     md_text.clip_image_preprocess(jnp.zeros((1, 3, 8, 8)))
+
+
+def _abstract_call(cls, config, x):
+  model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  return jax.eval_shape(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
+
+
+def test_real_size_output_shapes():
+  # Wan 2.1 I2V: 224 px in 14 px patches → 257 tokens; it reads hidden_states[-2].
+  vision = md_text.CLIP_VISION_VARIANTS["openclip-h"]
+  out = _abstract_call(
+    md_text.CLIPVisionModelWithProjection,
+    vision,
+    jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32),
+  )
+  assert out.hidden_states.shape == (33, 2, 257, 1280) and out.image_embeds.shape == (2, 1024)
+  # SDXL's bigG: 77 tokens, penultimate hidden state and 1280-d pooled projection.
+  text = md_text.CLIP_TEXT_VARIANTS["openclip-bigg"]
+  out = _abstract_call(
+    md_text.CLIPTextModelWithProjection, text, jax.ShapeDtypeStruct((2, 77), jnp.int32)
+  )
+  assert out.hidden_states.shape == (33, 2, 77, 1280) and out.text_embeds.shape == (2, 1280)
