@@ -150,6 +150,28 @@ def test_unknown_single_file_layout(tmp_path):
     md_flux.load_flux(tmp_path / "d.safetensors")
 
 
+def test_pipeline_folder_and_mismatched_config(tmp_path):
+  src = fixture_path("flux_transformer") / "dev"
+  (tmp_path / "transformer").mkdir()
+  (tmp_path / "model_index.json").write_text("{}")
+  for f in src.iterdir():
+    (tmp_path / "transformer" / f.name).write_bytes(f.read_bytes())
+  model = md_flux.load_flux(tmp_path)
+  ckpt = md_core.open_checkpoint(src)
+  np.testing.assert_array_equal(model.proj_out.kernel[...], np.asarray(ckpt["proj_out.weight"]).T)
+  np.testing.assert_array_equal(
+    model.transformer_blocks.attn.to_q.kernel[...][1],
+    np.asarray(ckpt["transformer_blocks.1.attn.to_q.weight"]).T,
+  )
+  schnell = dataclasses.replace(tiny_config(), guidance_embeds=False)
+  with pytest.raises(
+    md_core.WeightLoadError,
+    match=r"(?s)4 problem.*'time_text_embed.guidance_embedder.linear_1.weight' maps to "
+    r"'time_text_embed/guidance_embedder/linear_1/kernel', which the model does not have",
+  ):
+    md_flux.load_flux(src, config=schnell)
+
+
 def test_key_maps():
   T = md_core.Target
   assert md_flux.convert_key("transformer_blocks.3.attn.to_out.0.weight") == T(

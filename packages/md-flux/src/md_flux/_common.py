@@ -31,7 +31,7 @@ def stack_blocks(make: Callable[[nnx.Rngs], nnx.Module], num: int, rngs: nnx.Rng
   stacked = build(rngs)
   for _, var in nnx.to_flat_state(nnx.state(stacked)):
     axes = md_core.logical_axes(var)
-    ndim = md_core._loading.variable_value(var).ndim
+    ndim = (var.get_value() if hasattr(var, "get_value") else var.value).ndim
     var.set_metadata(logical_axes=("layers",) + (axes or (None,) * (ndim - 1)))
   return stacked
 
@@ -126,12 +126,11 @@ def check_ids(name: str, ids: jax.Array, tokens: int, axes: int, batch: int) -> 
 
 
 def join_ids(txt_ids: jax.Array, img_ids: jax.Array, batch: int) -> jax.Array:
-  """`[txt; img]` ids along the tokens, broadcasting a shared `[S, N]` set against a per-sample one."""
-  if txt_ids.ndim != img_ids.ndim or (txt_ids.ndim == 3 and txt_ids.shape[0] != img_ids.shape[0]):
-    if txt_ids.ndim == 2:
-      txt_ids = jnp.broadcast_to(txt_ids[None], (batch,) + txt_ids.shape)
-    if img_ids.ndim == 2:
-      img_ids = jnp.broadcast_to(img_ids[None], (batch,) + img_ids.shape)
-    txt_ids = jnp.broadcast_to(txt_ids, (batch,) + txt_ids.shape[1:])
-    img_ids = jnp.broadcast_to(img_ids, (batch,) + img_ids.shape[1:])
-  return jnp.concatenate([txt_ids, img_ids], axis=-2)
+  """`[txt; img]` ids along the tokens: `[S, N]` when both are shared, else `[B, S, N]`."""
+  if txt_ids.ndim == img_ids.ndim == 2:
+    return jnp.concatenate([txt_ids, img_ids], axis=0)
+
+  def per_sample(ids):
+    return jnp.broadcast_to(ids if ids.ndim == 3 else ids[None], (batch,) + ids.shape[-2:])
+
+  return jnp.concatenate([per_sample(txt_ids), per_sample(img_ids)], axis=1)

@@ -188,6 +188,8 @@ FLUX_VARIANTS: dict[str, FluxConfig] = {
 }
 
 FLUX2_VARIANTS: dict[str, Flux2Config] = {
+  # black-forest-labs/FLUX.2-dev: the reference's defaults (48 heads, 8 + 48 blocks, Mistral joint dim).
+  "dev": Flux2Config(),
   # black-forest-labs/FLUX.2-klein-4B and -9B (transformer/config.json).
   "klein-4b": Flux2Config(
     num_attention_heads=24,
