@@ -22,11 +22,8 @@ ATOL = 1e-5
 
 
 def _scheduler(case):
-  cfg = case["config"]
-  extra = {}
-  if "eta" in case["step"]:
-    extra["eta"] = case["step"]["eta"]
-  return mdsch.from_config(cfg, **extra)
+  # The reference's step arguments (DDIM/TCD eta, Euler churn) are factory options in md.
+  return mdsch.from_config(case["config"], **case["step"])
 
 
 def _trajectory(sched, state):

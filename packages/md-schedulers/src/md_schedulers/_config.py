@@ -30,7 +30,11 @@ SCHEDULERS: dict[str, tuple[Callable[..., _base.Scheduler], dict[str, Any], tupl
   "DDIMScheduler": (_ddim.ddim, _ddim.DDIM_DEFAULTS, ("eta", "use_clipped_model_output")),
   "PNDMScheduler": (_pndm.pndm, _pndm.PNDM_DEFAULTS, ()),
   "LMSDiscreteScheduler": (_lms.lms, _lms.LMS_DEFAULTS, ()),
-  "EulerDiscreteScheduler": (_euler.euler, _euler.EULER_DEFAULTS, ()),
+  "EulerDiscreteScheduler": (
+    _euler.euler,
+    _euler.EULER_DEFAULTS,
+    ("s_churn", "s_tmin", "s_tmax", "s_noise"),
+  ),
   "EulerAncestralDiscreteScheduler": (_euler.euler_ancestral, _euler.EULER_ANCESTRAL_DEFAULTS, ()),
   "HeunDiscreteScheduler": (_heun.heun, _heun.HEUN_DEFAULTS, ()),
   "DPMSolverMultistepScheduler": (_dpm.dpm_solver_multistep, _dpm.DPM_DEFAULTS, ()),

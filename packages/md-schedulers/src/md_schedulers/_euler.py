@@ -84,10 +84,25 @@ def k_x0(pred: str, sample, model_output, sigma):
   )
 
 
-def euler(**config: Any) -> _base.Scheduler:
-  """EulerDiscreteScheduler (without churn).
+def euler(
+  *,
+  s_churn: float = 0.0,
+  s_tmin: float = 0.0,
+  s_tmax: float = float("inf"),
+  s_noise: float = 1.0,
+  **config: Any,
+) -> _base.Scheduler:
+  """EulerDiscreteScheduler.
 
-  `init(num_inference_steps=None, *, timesteps=None, sigmas=None)`; `sigmas` include the final one.
+  Args:
+    s_churn, s_tmin, s_tmax, s_noise: Karras et al.'s stochastic "churn" (step arguments in the
+      reference): calls whose sigma lies in [s_tmin, s_tmax] first raise the noise level by a factor
+      1 + min(s_churn / n, sqrt(2) - 1) with fresh noise scaled by `s_noise`. 0 churn is deterministic.
+    **config: the reference's options.
+
+  Returns:
+    A Scheduler; `init(num_inference_steps=None, *, timesteps=None, sigmas=None)` (custom `sigmas`
+    include the final one).
   """
   name = "EulerDiscreteScheduler"
   cfg = _base.merge_config(name, EULER_DEFAULTS, config)
@@ -104,6 +119,7 @@ def euler(**config: Any) -> _base.Scheduler:
   acp = _base.train_alphas_cumprod(cfg, zero_snr_floor=True)
   n_train = int(cfg["num_train_timesteps"])
   continuous = cfg["timestep_type"] == "continuous" and cfg["prediction_type"] == "v_prediction"
+  stochastic = s_churn > 0
 
   def init(num_inference_steps=None, *, timesteps=None, sigmas=None, shape=None, dtype=jnp.float32):
     del shape, dtype
@@ -129,19 +145,34 @@ def euler(**config: Any) -> _base.Scheduler:
     if continuous:
       ts = (np.float32(0.25) * np.log(s[:-1])).astype(np.float32)
     ts = np.asarray(ts).astype(np.float32)
-    return _base.make_state(timesteps=ts, sigmas=s, init_noise_sigma=init_noise_sigma(cfg, s))
+    gamma = min(s_churn / (len(s) - 1), 2**0.5 - 1)
+    churn = np.where((s_tmin <= s[:-1]) & (s[:-1] <= s_tmax), gamma, 0.0)
+    tables = {"churn": np.float32(1) + churn.astype(np.float32)}
+    return _base.make_state(
+      timesteps=ts, sigmas=s, tables=tables, init_noise_sigma=init_noise_sigma(cfg, s)
+    )
 
   def step(state, model_output, sample, key=None, *, noise=None):
-    del key, noise
     i = state.step
     sigma, sigma_next = state.sigmas[i], state.sigmas[i + 1]
     x = sample.astype(jnp.float32)
-    x0 = k_x0(cfg["prediction_type"], x, model_output, sigma)
-    derivative = (x - x0) / sigma
-    prev = x + derivative * (sigma_next - sigma)
+    sigma_hat = sigma
+    if stochastic:
+      sigma_hat = sigma * state.tables["churn"][i]
+      eps = _base.draw_noise(key, noise, x, name) * s_noise
+      # Only churned calls get noise: without churn the difference is 0, but a fused multiply-add
+      # may round it to a tiny value whose square root is not small.
+      lift = jnp.where(state.tables["churn"][i] > 1, jnp.maximum(sigma_hat**2 - sigma**2, 0.0), 0.0)
+      x = x + eps * lift**0.5
+    if cfg["prediction_type"] == "epsilon":
+      x0 = x - sigma_hat * model_output
+    else:
+      x0 = k_x0(cfg["prediction_type"], x, model_output, sigma)
+    derivative = (x - x0) / sigma_hat
+    prev = x + derivative * (sigma_next - sigma_hat)
     return prev.astype(sample.dtype), state._replace(step=i + 1)
 
-  return _base.Scheduler(name, cfg, init, step, _base.sigma_scale, False, acp)
+  return _base.Scheduler(name, cfg, init, step, _base.sigma_scale, stochastic, acp)
 
 
 def euler_ancestral(**config: Any) -> _base.Scheduler:
