@@ -93,8 +93,8 @@ def test_short_clip_and_single_frame_match_reference(name):
 
 
 def test_chunked_decode_memory_does_not_grow_with_frames():
-  vae = md_vae.WanVAE(md_vae.WAN_VARIANTS["tiny"], rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(vae)
+  vae = nnx.eval_shape(lambda: md_vae.WanVAE(md_vae.WAN_VARIANTS["tiny"], rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(vae)  # shapes only: compiled, never run
 
   def decode(state, latents):
     return nnx.merge(graphdef, state).decode(latents)
@@ -220,7 +220,8 @@ def _real_config(version):
 
 @pytest.fixture(scope="module")
 def tiny():
-  return md_vae.WanVAE(md_vae.WAN_VARIANTS["tiny"], rngs=nnx.Rngs(0))
+  # Shapes only: the checks run before any computation.
+  return nnx.eval_shape(lambda: md_vae.WanVAE(md_vae.WAN_VARIANTS["tiny"], rngs=nnx.Rngs(0)))
 
 
 def test_input_errors(tiny):
@@ -249,20 +250,35 @@ def test_input_errors(tiny):
     md_vae.video_to_uint8(jnp.zeros((1, 2, 4, 4, 12)))
 
 
-def test_distribution_and_latent_statistics(tiny):
-  mean = jnp.linspace(-1, 1, 2 * 2 * 3 * 4).reshape(1, 2, 2, 3, 4)
-  dist = md_vae.WanLatentDist(mean, jnp.full_like(mean, jnp.log(0.25)))
-  assert dist.mode() is mean
-  key = jax.random.key(3)
-  want = mean + 0.5 * jax.random.normal(key, mean.shape)
-  chex.assert_trees_all_close(dist.sample(key), want, atol=1e-6, rtol=0)
-  # Per-channel statistics as the Wan pipelines apply them.
+def test_distribution_and_latent_statistics():
   cfg = md_vae.WAN_VARIANTS["wan2.1"]
-  vae = nnx.eval_shape(lambda: md_vae.WanVAE(cfg, rngs=nnx.Rngs(0)))
-  z = jax.random.normal(jax.random.key(0), (1, 2, 2, 2, 16))
+  vae = nnx.eval_shape(
+    lambda: md_vae.WanVAE(cfg, rngs=nnx.Rngs(0))
+  )  # the statistics need no weights
+  key = jax.random.key(3)
+
+  @jax.jit
+  def run(mean, z):
+    dist = md_vae.WanLatentDist(mean, jnp.full_like(mean, jnp.log(0.25)))
+    noise = jax.random.normal(key, mean.shape)
+    normalized = vae.normalize_latents(z)
+    return (
+      dist.sample(key),
+      noise,
+      normalized,
+      vae.denormalize_latents(z),
+      vae.denormalize_latents(normalized),
+    )
+
+  rng = np.random.default_rng(0)
+  mean = rng.normal(size=(1, 2, 2, 3, 16)).astype(np.float32)
+  z = rng.normal(size=(1, 2, 2, 3, 16)).astype(np.float32)
+  sample, noise, normalized, denormalized, roundtrip = run(mean, z)
+  chex.assert_trees_all_close(sample, mean + 0.5 * np.asarray(noise), atol=1e-6, rtol=0)
+  dist = md_vae.WanLatentDist(mean, mean)
+  assert dist.mode() is mean
+  # Per-channel statistics as the Wan pipelines apply them.
   m, s = np.asarray(cfg.latents_mean), np.asarray(cfg.latents_std)
-  chex.assert_trees_all_close(vae.normalize_latents(z), (np.asarray(z) - m) / s, atol=1e-5, rtol=0)
-  chex.assert_trees_all_close(vae.denormalize_latents(z), np.asarray(z) * s + m, atol=1e-5, rtol=0)
-  chex.assert_trees_all_close(
-    vae.denormalize_latents(vae.normalize_latents(z)), z, atol=1e-5, rtol=0
-  )
+  chex.assert_trees_all_close(normalized, (z - m) / s, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(denormalized, z * s + m, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(roundtrip, z, atol=1e-5, rtol=0)
