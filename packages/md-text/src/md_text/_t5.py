@@ -210,16 +210,18 @@ def _remat(fn, policy: str):
   return jax.checkpoint(fn, policy=policies[policy])
 
 
-def stack_layers(make, num_layers: int) -> nnx.Module:
-  """`num_layers` modules from `make()` as one module whose parameters are stacked on a leading axis.
+def stack_layers(make, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+  """`num_layers` independently initialised `make(rngs)` modules as one module whose parameters are
+  stacked on a leading axis.
 
-  The stacked parameters get the logical axis `layers` in front of their own, so the loader fills
-  them with `Target(layer=i)` and md-sharding keeps that axis whole.
+  The modules are built under `jax.vmap` over split keys, so one block is traced whatever the depth
+  (abstract builds of 40-layer models stay fast). The stacked parameters get the logical axis `layers`
+  in front of their own, so the loader fills them with `Target(layer=i)` and md-sharding keeps that
+  axis whole.
   """
-  modules = [make() for _ in range(num_layers)]
-  graphdef, _ = nnx.split(modules[0])
-  states = [nnx.split(m)[1] for m in modules]
-  stacked = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+  keys = jax.random.split(rngs.params(), num_layers)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  stacked = nnx.merge(graphdef, jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys))
   for _, var in nnx.to_flat_state(nnx.state(stacked)):
     axes = md_core.logical_axes(var)
     var.set_metadata("logical_axes", ("layers",) + (axes or (None,) * (var.get_value().ndim - 1)))
@@ -294,7 +296,7 @@ class T5Encoder(nnx.Module):
       self.relative_attention_bias = nn.Embed(
         cfg.relative_attention_num_buckets, cfg.num_heads, axes=(None, "heads"), rngs=rngs
       )
-    self.blocks = stack_layers(lambda: _Block(cfg, rngs=rngs), cfg.num_layers)
+    self.blocks = stack_layers(lambda r: _Block(cfg, rngs=r), cfg.num_layers, rngs)
     self.final_layer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_epsilon, rngs=rngs)
 
   def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:

@@ -1,0 +1,174 @@
+"""Wan transformer against diffusers' outputs (tests/fixtures/wan_transformer), layouts, errors, and context
+parallelism on 8 virtual devices."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_sharding as mds
+import md_wan
+from md_core.testing import fixture_path, load_arrays
+
+CASES = ("t2v", "i2v", "flf2v", "ti2v")
+TOL = 1e-4
+
+
+@jax.jit(static_argnames=("layout",))
+def _apply(graphdef, state, x, t, text, image, layout="BCFHW"):
+  return nnx.merge(graphdef, state)(x, t, text, image, layout=layout)
+
+
+def run(model, ref, layout="BCFHW"):
+  graphdef, state = nnx.split(model)
+  image = ref.get("encoder_hidden_states_image")
+  x = jnp.asarray(ref["hidden_states"])
+  if layout == "BFHWC":
+    x = x.transpose(0, 2, 3, 4, 1)
+  return _apply(
+    graphdef, state, x, jnp.asarray(ref["timestep"]), jnp.asarray(ref["encoder_hidden_states"]),
+    None if image is None else jnp.asarray(image), layout=layout,
+  )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models():
+  return {case: md_wan.load_transformer(fixture_path("wan_transformer") / case) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_diffusers(models, case):
+  ref = load_arrays(fixture_path("wan_transformer") / f"{case}.npz")
+  out = run(models[case], ref)
+  chex.assert_shape(out, ref["sample"].shape)
+  chex.assert_trees_all_close(out, ref["sample"], atol=TOL, rtol=0)
+
+
+def test_channels_last_layout(models):
+  ref = load_arrays(fixture_path("wan_transformer") / "t2v.npz")
+  out = run(models["t2v"], ref, layout="BFHWC")
+  chex.assert_trees_all_close(out.transpose(0, 4, 1, 2, 3), ref["sample"], atol=TOL, rtol=0)
+
+
+def test_configs_read_from_the_fixture(models):
+  assert models["i2v"].cfg.added_kv_proj_dim == 48 and models["i2v"].image_embedder is not None
+  assert models["ti2v"].cfg.cross_attn_norm is False and models["ti2v"].blocks.norm2 is None
+  assert models["flf2v"].cfg.pos_embed_seq_len == 10
+  assert models["t2v"].blocks.attn1.to_q.kernel[...].shape == (2, 48, 48)
+
+
+def test_rope_tables_split_the_head_dim():
+  cfg = md_wan.VARIANTS["2.1-t2v-14b"]
+  assert cfg.rope_dims == (44, 42, 42)
+  cos, sin = md_wan.rope_tables(md_wan.VARIANTS["tiny"], 2, 3, 4)  # head dim 12 → (4, 4, 4)
+  chex.assert_shape(cos, (24, 12))
+  cos = np.asarray(cos).reshape(2, 3, 4, 12)
+  # Frame part depends on the frame only, row part on the row, column part on the column.
+  np.testing.assert_allclose(cos[1, 0, 0, :4], cos[1, 2, 3, :4])
+  np.testing.assert_allclose(cos[0, 2, 0, 4:8], cos[1, 2, 3, 4:8])
+  np.testing.assert_allclose(cos[0, 0, 3, 8:], cos[1, 2, 3, 8:])
+  # Angle of pair i at position p is p / 10000**(2i/d): pair 1 of the column part (d=4) at column 3.
+  np.testing.assert_allclose(cos[0, 0, 3, 10], np.cos(3 / 100.0), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(sin).reshape(2, 3, 4, 12)[1, 0, 0, 0], np.sin(1.0), rtol=1e-6
+  )
+
+
+def _tiny_inputs(cfg, f=2, h=4, w=4, text=16, batch=1):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((batch, cfg.in_channels, f, h, w)), jnp.float32)
+  t = jnp.full((batch,), 500.0)
+  ctx = jnp.asarray(rng.standard_normal((batch, 7, text)), jnp.float32)
+  return x, t, ctx
+
+
+def _abstract(cfg):
+  return nnx.eval_shape(lambda: md_wan.WanTransformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _trace(model, *args, **kwargs):
+  """Runs the model's checks by tracing it with abstract parameters and inputs (no compute)."""
+  graphdef, state = nnx.split(model)
+  args = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+  return jax.eval_shape(lambda st, *a: nnx.merge(graphdef, st)(*a, **kwargs), state, *args)
+
+
+def _tiny_dict(**overrides):
+  cfg = md_wan.VARIANTS["tiny"]
+  return dict(
+    num_attention_heads=cfg.num_attention_heads, attention_head_dim=cfg.attention_head_dim,
+    in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+  ) | overrides  # fmt: skip
+
+
+def test_input_errors(models):
+  model = models["t2v"]
+  x, t, ctx = _tiny_inputs(model.cfg)
+  assert _trace(model, x, t, ctx).shape == x.shape
+  with pytest.raises(
+    ValueError, match=r"frames/height/width \(2, 5, 4\) must be multiples of .*H=5 % 2"
+  ):
+    _trace(model, np.zeros((1, 4, 2, 5, 4)), t, ctx)
+  with pytest.raises(
+    ValueError, match=r"\[B=1, S, text_dim=16\] \(UMT5 states\), got \(1, 7, 32\)"
+  ):
+    _trace(model, x, t, np.zeros((1, 7, 32)))
+  with pytest.raises(ValueError, match="has 3 channels; the config has in_channels=4"):
+    _trace(model, x[:, :3], t, ctx)
+  with pytest.raises(
+    ValueError, match=r"timestep must be \[B\]=\(1,\) or per token \[B, tokens\]=\(1, 8\)"
+  ):
+    _trace(model, x, np.zeros((1, 5)), ctx)
+  with pytest.raises(ValueError, match="no image branch"):
+    _trace(model, x, t, ctx, np.zeros((1, 5, 20)))
+  with pytest.raises(ValueError, match="layout='NCHW'"):
+    _trace(model, x, t, ctx, layout="NCHW")
+  i2v = models["i2v"]
+  x8 = np.zeros((1, 8, 2, 4, 4))
+  with pytest.raises(ValueError, match="pass encoder_hidden_states_image"):
+    _trace(i2v, x8, t, ctx)
+  with pytest.raises(ValueError, match=r"\[B, tokens, image_dim=20\], got \(1, 5, 21\)"):
+    _trace(i2v, x8, t, ctx, np.zeros((1, 5, 21)))
+  with pytest.raises(
+    ValueError, match="with pos_embed_seq_len=10 the model takes 2 images per video"
+  ):
+    _trace(models["flf2v"], x8, t, ctx, np.zeros((1, 5, 20)))
+  long = _abstract(md_wan.WanConfig(**_tiny_dict(rope_max_seq_len=2)))
+  with pytest.raises(ValueError, match="3 latent frames after patching exceed rope_max_seq_len=2"):
+    _trace(long, np.zeros((1, 4, 3, 2, 2)), t, ctx)
+
+
+def test_heads_not_divisible_by_tensor_or_ulysses_degree():
+  six = _tiny_dict(num_attention_heads=6, attention_head_dim=8)
+  model = _abstract(md_wan.WanConfig(**six))
+  x, t, ctx = _tiny_inputs(model.cfg)
+  mesh = mds.make_mesh(mds.MeshConfig(ici_fsdp_parallelism=2, ici_tensor_parallelism=4))
+  with jax.set_mesh(mesh):
+    with pytest.raises(
+      ValueError,
+      match=r"num_attention_heads=6 .* tensor parallelism 4; tensor degrees that work: \[1, 2, 3, 6\]",
+    ):
+      _trace(model, x, t, ctx)
+  uly = _abstract(md_wan.WanConfig(**six, attention="ulysses"))
+  mesh = mds.make_mesh(mds.MeshConfig(ici_fsdp_parallelism=2, ici_context_parallelism=4))
+  with jax.set_mesh(mesh):
+    with pytest.raises(
+      ValueError, match=r"context axis of size 4.*Ulysses degrees that work: \[1, 2, 3, 6\]"
+    ):
+      _trace(uly, x, t, ctx)
+
+
+@pytest.mark.parametrize("implementation", ["ulysses", "ring"])
+def test_context_parallel_matches_single_device(models, implementation):
+  """The tiny T2V transformer with its 18 tokens split 4 ways over `context` (batch over fsdp) gives the
+  single-device dot-product result."""
+  ref = load_arrays(fixture_path("wan_transformer") / "t2v.npz")
+  want = run(models["t2v"], ref)
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / "t2v", attention=implementation)
+  assert model.blocks.attn1.cfg.attention == implementation
+  mesh = mds.make_mesh(mds.MeshConfig(ici_fsdp_parallelism=2, ici_context_parallelism=4))
+  with jax.set_mesh(mesh):
+    got = run(model, ref)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
