@@ -7,7 +7,8 @@ of --repeats, after a warm-up/compile run) and the compiled forward+backward pro
 (`memory_analysis().temp_size_in_bytes`, per device), next to `dot_product` at the same length. On CPU
 the context-parallel variants run on virtual devices (XLA_FLAGS device count, default 8) that share
 the host's cores: their times show overhead, not speed-up. dot_product is skipped where its S x S
-scores would not fit --max_dense_bytes; its memory is then still reported from compilation alone.
+scores would not fit --max_dense_bytes, and every implementation from --compile_only_from on; their
+memory is then still reported from compilation alone.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def bench_one(implementation, s, args, mesh):
   abstract = [jax.ShapeDtypeStruct(shape, dtype)] * 3
   temp = fwd_bwd.lower(*abstract).compile().memory_analysis().temp_size_in_bytes
   dense = args.batch * args.heads * s * s * 4
-  if implementation == "dot_product" and dense > args.max_dense_bytes:
+  if s >= args.compile_only_from or (
+    implementation == "dot_product" and dense > args.max_dense_bytes
+  ):
     return dict(fwd=None, fwd_bwd=None, temp=temp)
   rng = np.random.default_rng(0)
   qkv = [jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(3)]
@@ -85,6 +88,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--context", type=int, default=8, help="context axis size for ring/ulysses")
   parser.add_argument("--max_dense_bytes", type=float, default=4e9)
+  parser.add_argument(
+    "--compile_only_from", type=int, default=1 << 62, help="only compile (memory) from this S on"
+  )
   args = parser.parse_args()
 
   mesh = mdat.make_mesh((1, 1, args.context, 1)) if len(jax.devices()) >= args.context else None

@@ -49,7 +49,7 @@ def test_cudnn_wrapper(cudnn_calls, s_q, s_kv, head_dim, mask, causal):
     out = mda.cudnn_attention(q, k, v, keep, causal=causal)
     return jnp.sum(out.astype(jnp.float32) * d_out), out
 
-  (_, got), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*bf16)
+  (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*bf16)
   assert got.shape == q.shape and got.dtype == jnp.bfloat16
   # bf16 inputs: errors of a correct wrapper are ~1e-2; a wrong mask or key order gives O(1).
   assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))) < 3e-2
