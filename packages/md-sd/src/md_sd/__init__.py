@@ -1,10 +1,17 @@
-"""md-sd: Stable Diffusion 1.x / 2.x / XL for md: the UNet, ControlNets, weight maps and loaders."""
+"""md-sd: Stable Diffusion 1.x / 2.x / XL for md: the UNet, ControlNets, weight maps, loaders and pipelines."""
 
 from md_sd._config import CONTROLNET_VARIANTS, VARIANTS, ControlNetConfig, UNetConfig
 from md_sd._controlnet import (
   ControlNetConditioningEmbedding,
   ControlNetModel,
   MultiControlNetModel,
+)
+from md_sd._pipeline import (
+  StableDiffusionPipeline,
+  check_size,
+  load_pipeline,
+  load_unet_file,
+  rescale_noise_cfg,
 )
 from md_sd._unet import UNet2DConditionModel
 from md_sd._weights import (
@@ -21,12 +28,17 @@ __all__ = [
   "ControlNetConfig",
   "ControlNetModel",
   "MultiControlNetModel",
+  "StableDiffusionPipeline",
   "UNet2DConditionModel",
   "UNetConfig",
   "VARIANTS",
+  "check_size",
   "convert_controlnet_key",
   "convert_unet_key",
   "load_controlnet",
+  "load_pipeline",
   "load_unet",
+  "load_unet_file",
+  "rescale_noise_cfg",
   "unet_key_map",
 ]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import md_attention as mda
+import md_core
 from md_core import nn
 from md_sd._config import ControlNetConfig
 from md_sd._unet import (
@@ -28,8 +29,10 @@ Residuals = tuple[tuple[jax.Array, ...], jax.Array]
 def _zero_conv(channels: int, *, dtype, rngs) -> nn.Conv:
   # Zero-initialised in the reference; the loader fills real values, and a fresh model should add nothing.
   conv = nn.Conv(channels, channels, (1, 1), dtype=dtype, rngs=rngs)
-  conv.kernel[...] = jnp.zeros_like(conv.kernel[...])
-  conv.bias[...] = jnp.zeros_like(conv.bias[...])
+  # New variables rather than in-place writes: cheaper to trace under nnx.eval_shape.
+  for name in ("kernel", "bias"):
+    var = getattr(conv, name)
+    setattr(conv, name, nnx.Param(jnp.zeros_like(var[...]), logical_axes=md_core.logical_axes(var)))
   return conv
 
 
@@ -44,7 +47,7 @@ class ControlNetConditioningEmbedding(nnx.Module):
     widths: tuple[int, ...],
     *,
     dtype=None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     kw = dict(dtype=dtype, rngs=rngs)
     self.conv_in = nn.Conv(in_channels, widths[0], (3, 3), padding=1, **kw)
@@ -74,7 +77,7 @@ class ControlNetModel(nnx.Module):
     self,
     cfg: ControlNetConfig,
     *,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
     dtype: Any = None,
     attention: mda.AttentionConfig | None = None,
   ):

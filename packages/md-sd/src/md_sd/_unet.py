@@ -37,7 +37,7 @@ class TimeConditioning(nnx.Module):
   """The time embedding and, for SDXL (`addition_embed_type="text_time"`), the added embedding of the
   pooled text embedding and the six size/crop numbers (`time_ids`)."""
 
-  def __init__(self, cfg: UNetConfig, *, dtype: Any = None, rngs: nnx.Rngs):
+  def __init__(self, cfg: UNetConfig, *, dtype: Any = None, rngs: nnx.Rngs | None = None):
     self.cfg, self.dtype = cfg, dtype
     c0, temb = cfg.block_out_channels[0], cfg.time_embed_dim
     self.time_embedding = nn.TimestepEmbedding(c0, temb, act=cfg.act_fn, dtype=dtype, rngs=rngs)
@@ -51,6 +51,8 @@ class TimeConditioning(nnx.Module):
     self, timesteps: jax.Array, dtype: Any, added_cond_kwargs: Mapping[str, jax.Array] | None
   ) -> jax.Array:
     cfg = self.cfg
+    if self.add_embedding is not None:
+      text_embeds, time_ids = self.check_added(added_cond_kwargs)
     t = nn.timestep_embedding(
       timesteps,
       cfg.block_out_channels[0],
@@ -60,6 +62,19 @@ class TimeConditioning(nnx.Module):
     emb = self.time_embedding(t.astype(dtype))  # [B, T]
     if self.add_embedding is None:
       return emb
+    b = text_embeds.shape[0]
+    time_embeds = nn.timestep_embedding(
+      time_ids.reshape(-1),
+      cfg.addition_time_embed_dim,
+      flip_sin_to_cos=cfg.flip_sin_to_cos,
+      downscale_freq_shift=cfg.freq_shift,
+    ).reshape(b, -1)  # [B, n·addition_time_embed_dim]
+    add = jnp.concatenate([text_embeds.astype(time_embeds.dtype), time_embeds], axis=-1)
+    return emb + self.add_embedding(add.astype(emb.dtype))
+
+  def check_added(self, added_cond_kwargs) -> tuple[jax.Array, jax.Array]:
+    """SDXL's `(text_embeds [B, D], time_ids [B, n])`, checked against the config (static shapes only)."""
+    cfg = self.cfg
     added = dict(added_cond_kwargs or {})
     missing = [k for k in ("text_embeds", "time_ids") if k not in added]
     if missing:
@@ -69,23 +84,19 @@ class TimeConditioning(nnx.Module):
       )
     text_embeds, time_ids = jnp.asarray(added["text_embeds"]), jnp.asarray(added["time_ids"])
     b = text_embeds.shape[0]
-    if time_ids.ndim != 2 or time_ids.shape[0] != b:
-      raise ValueError(f"time_ids must be [B={b}, n], got shape {time_ids.shape}")
-    time_embeds = nn.timestep_embedding(
-      time_ids.reshape(-1),
-      cfg.addition_time_embed_dim,
-      flip_sin_to_cos=cfg.flip_sin_to_cos,
-      downscale_freq_shift=cfg.freq_shift,
-    ).reshape(b, -1)
-    add = jnp.concatenate([text_embeds.astype(time_embeds.dtype), time_embeds], axis=-1)
-    want = cfg.projection_class_embeddings_input_dim
-    if add.shape[-1] != want:
+    if text_embeds.ndim != 2 or time_ids.ndim != 2 or time_ids.shape[0] != b:
       raise ValueError(
-        f"text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give {add.shape[-1]} features "
+        f"text_embeds must be [B, D] and time_ids [B, n], got {text_embeds.shape} and {time_ids.shape}"
+      )
+    got = text_embeds.shape[1] + time_ids.shape[1] * cfg.addition_time_embed_dim
+    want = cfg.projection_class_embeddings_input_dim
+    if got != want:
+      raise ValueError(
+        f"text_embeds {text_embeds.shape} and time_ids {time_ids.shape} give {got} features "
         f"(text dim + n·{cfg.addition_time_embed_dim}); the UNet expects "
         f"projection_class_embeddings_input_dim={want}"
       )
-    return emb + self.add_embedding(add.astype(emb.dtype))
+    return text_embeds, time_ids
 
 
 def check_inputs(
@@ -195,7 +206,7 @@ class UNet2DConditionModel(nnx.Module):
     self,
     cfg: UNetConfig,
     *,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
     dtype: Any = None,
     attention: mda.AttentionConfig | None = None,
   ):
@@ -283,16 +294,18 @@ class UNet2DConditionModel(nnx.Module):
     context = encoder_hidden_states.astype(dtype)
     mask = None if encoder_attention_mask is None else jnp.asarray(encoder_attention_mask) > 0
     timesteps = broadcast_timesteps(timestep, x.shape[0])
+    if down_block_additional_residuals is not None:
+      residuals = tuple(down_block_additional_residuals)
+      if len(residuals) != self.num_residuals:
+        raise ValueError(
+          f"down_block_additional_residuals has {len(residuals)} tensors, the UNet has "
+          f"{self.num_residuals} skips"
+        )
     emb = self.time(timesteps, dtype, added_cond_kwargs)
 
     x = self.conv_in(x)
     x, skips = run_down_path(self, cfg, x, emb, context, mask)
     if down_block_additional_residuals is not None:
-      residuals = tuple(down_block_additional_residuals)
-      if len(residuals) != len(skips):
-        raise ValueError(
-          f"down_block_additional_residuals has {len(residuals)} tensors, the UNet has {len(skips)} skips"
-        )
       for i, (s, r) in enumerate(zip(skips, residuals)):
         if r.shape != s.shape:
           raise ValueError(

@@ -35,7 +35,7 @@ class ResnetBlock2D(nnx.Module):
     act: str = "silu",
     output_scale_factor: float = 1.0,
     dtype: Any = None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     kw = dict(dtype=dtype, rngs=rngs)
     self.act = nn.activation(act)
@@ -74,7 +74,7 @@ class Attention(nnx.Module):
     context_dim: int | None = None,
     attention: mda.AttentionConfig | None = None,
     dtype: Any = None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     kw = dict(dtype=dtype, rngs=rngs)
     inner = heads * head_dim
@@ -112,7 +112,7 @@ class BasicTransformerBlock(nnx.Module):
     *,
     attention: mda.AttentionConfig | None = None,
     dtype: Any = None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     akw = dict(attention=attention, dtype=dtype, rngs=rngs)
     self.norm1 = nn.LayerNorm(dim, eps=1e-5, rngs=rngs)
@@ -143,7 +143,7 @@ class Transformer2D(nnx.Module):
     linear_projection: bool,
     attention: mda.AttentionConfig | None = None,
     dtype: Any = None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     kw = dict(dtype=dtype, rngs=rngs)
     head_dim = channels // heads
@@ -183,7 +183,9 @@ class Transformer2D(nnx.Module):
 class Downsample2D(nnx.Module):
   """A stride-2 3×3 convolution."""
 
-  def __init__(self, channels: int, *, padding: int = 1, dtype: Any = None, rngs: nnx.Rngs):
+  def __init__(
+    self, channels: int, *, padding: int = 1, dtype: Any = None, rngs: nnx.Rngs | None = None
+  ):
     # padding=0 means the reference's asymmetric (0, 1) padding before a VALID convolution.
     pad = padding if padding else ((0, 1), (0, 1))
     self.conv = nn.Conv(channels, channels, (3, 3), stride=2, padding=pad, dtype=dtype, rngs=rngs)
@@ -195,7 +197,7 @@ class Downsample2D(nnx.Module):
 class Upsample2D(nnx.Module):
   """Nearest-neighbour ×2 upsampling followed by a 3×3 convolution."""
 
-  def __init__(self, channels: int, *, dtype: Any = None, rngs: nnx.Rngs):
+  def __init__(self, channels: int, *, dtype: Any = None, rngs: nnx.Rngs | None = None):
     self.conv = _conv(channels, channels, 3, dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -230,7 +232,7 @@ class DownBlock(nnx.Module):
     downsample_padding: int,
     attention: mda.AttentionConfig | None = None,
     dtype: Any = None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     kw = dict(dtype=dtype, rngs=rngs)
     rkw = dict(groups=groups, eps=eps, act=act, **kw)
@@ -295,7 +297,7 @@ class MidBlock(nnx.Module):
     linear_projection: bool,
     attention: mda.AttentionConfig | None = None,
     dtype: Any = None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     kw = dict(dtype=dtype, rngs=rngs)
     rkw = dict(groups=groups, eps=eps, act=act, output_scale_factor=output_scale_factor, **kw)
@@ -348,7 +350,7 @@ class UpBlock(nnx.Module):
     linear_projection: bool,
     attention: mda.AttentionConfig | None = None,
     dtype: Any = None,
-    rngs: nnx.Rngs,
+    rngs: nnx.Rngs | None = None,
   ):
     kw = dict(dtype=dtype, rngs=rngs)
     rkw = dict(groups=groups, eps=eps, act=act, **kw)

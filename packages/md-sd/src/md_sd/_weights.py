@@ -8,7 +8,6 @@ import re
 from typing import Any
 
 import jax
-from flax import nnx
 
 import md_core
 from md_core import Target
@@ -107,7 +106,8 @@ def _load(
   checkpoint = md_core.open_checkpoint(folder, variant=variant)
 
   def factory():
-    return make_model(cfg, rngs=nnx.Rngs(0), dtype=dtype)
+    # No nnx.Rngs: under eval_shape its per-parameter state updates cost time quadratic in the model size.
+    return make_model(cfg, rngs=None, dtype=dtype)
 
   return md_core.load_weights(
     factory,

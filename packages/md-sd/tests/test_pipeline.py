@@ -1,0 +1,242 @@
+"""SD pipelines against diffusers' on the tiny saved pipelines (tests/fixtures/sd_pipeline: 3 steps, 32 px).
+
+Each case repeats the reference's call (the settings below) on md's loaded pipeline and compares the float
+images (output_type="np") within 1e-3. Pipelines load once per module; each distinct shape and setting
+compiles once.
+"""
+
+import numpy as np
+import pytest
+
+import md_sd
+from md_core import testing
+
+ATOL = 1e-3
+PROMPTS = ["a photo of a cat", "an astronaut riding a horse on the moon"]
+COMMON = dict(height=32, width=32, num_inference_steps=3, progress=False)
+SCHEDULER = {
+  "ddim": "DDIMScheduler",
+  "euler": "EulerDiscreteScheduler",
+  "dpm": "DPMSolverMultistepScheduler",
+}
+
+
+@pytest.fixture(scope="module")
+def root():
+  return testing.fixture_path("sd_pipeline")
+
+
+@pytest.fixture(scope="module")
+def outputs(root):
+  cases = {}
+  for key, value in testing.load_arrays(root / "outputs.npz").items():
+    case, name = key.split("/")
+    cases.setdefault(case, {})[name] = value
+  return cases
+
+
+@pytest.fixture(scope="module")
+def sd(root):
+  return md_sd.load_pipeline(root / "sd")
+
+
+@pytest.fixture(scope="module")
+def sdxl(root):
+  return md_sd.load_pipeline(root / "sdxl")
+
+
+def check(images, want):
+  images = np.asarray(images)
+  assert images.shape == want.shape and images.dtype == np.float32
+  err = float(np.abs(images - want).max())
+  assert err < ATOL, f"max abs error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+  "sched",
+  [
+    "ddim",
+    pytest.param("euler", marks=pytest.mark.slow),
+    pytest.param("dpm", marks=pytest.mark.slow),
+  ],
+)
+def test_sd_text_to_image(sd, outputs, sched):
+  case = outputs[f"sd_{sched}"]
+  images = sd(
+    PROMPTS, latents=case["latents"], guidance_scale=5.0, scheduler=SCHEDULER[sched], **COMMON
+  )
+  check(images, case["images"])
+
+
+def test_sd_embeds_and_guidance_rescale(sd, outputs):
+  case = outputs["sd_embeds"]
+  images = sd(
+    prompt_embeds=case["prompt_embeds"],
+    negative_prompt_embeds=case["negative_prompt_embeds"],
+    latents=case["latents"],
+    guidance_scale=4.0,
+    guidance_rescale=0.6,
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.slow
+def test_sd_images_per_prompt_and_negative(sd, outputs):
+  case = outputs["sd_per_prompt"]
+  images = sd(
+    "a dog",
+    "a cat",
+    latents=case["latents"],
+    num_images_per_prompt=2,
+    guidance_scale=6.0,
+    guidance_rescale=0.7,
+    scheduler="EulerDiscreteScheduler",
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.slow
+def test_sd_without_guidance(sd, outputs):
+  case = outputs["sd_nocfg"]
+  check(sd(PROMPTS, latents=case["latents"], guidance_scale=1.0, **COMMON), case["images"])
+
+
+@pytest.mark.parametrize(
+  "sched,strength", [("ddim", 0.7), pytest.param("euler", 0.5, marks=pytest.mark.slow)]
+)
+def test_sd_image_to_image(sd, outputs, sched, strength):
+  case = outputs[f"img2img_{sched}"]
+  images = sd(
+    PROMPTS,
+    image=case["image"],
+    strength=strength,
+    noise=case["noise"],
+    encode_noise=case["encode_noise"],
+    guidance_scale=5.0,
+    scheduler=SCHEDULER[sched],
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sched", ["ddim", "dpm"])
+def test_sd2_v_prediction(root, outputs, sched):
+  sd2 = md_sd.load_pipeline(root / "sd2")
+  case = outputs[f"sd2_{sched}"]
+  images = sd2(
+    PROMPTS,
+    ["", "a dog"],
+    latents=case["latents"],
+    guidance_scale=5.0,
+    scheduler=SCHEDULER[sched],
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.parametrize(
+  "sched",
+  [
+    "euler",
+    pytest.param("ddim", marks=pytest.mark.slow),
+    pytest.param("dpm", marks=pytest.mark.slow),
+  ],
+)
+def test_sdxl_text_to_image(sdxl, outputs, sched):
+  case = outputs[f"sdxl_{sched}"]
+  images = sdxl(
+    PROMPTS, latents=case["latents"], guidance_scale=5.0, scheduler=SCHEDULER[sched], **COMMON
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.slow
+def test_sdxl_negative_rescale_and_micro_conditioning(sdxl, outputs):
+  case = outputs["sdxl_negative"]
+  images = sdxl(
+    PROMPTS,
+    ["a dog", ""],
+    latents=case["latents"],
+    guidance_scale=5.0,
+    guidance_rescale=0.5,
+    original_size=(64, 48),
+    crops_coords_top_left=(4, 8),
+    target_size=(40, 32),
+    scheduler="EulerDiscreteScheduler",
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.slow
+def test_sdxl_embeds(sdxl, outputs):
+  case = outputs["sdxl_embeds"]
+  images = sdxl(
+    prompt_embeds=case["prompt_embeds"],
+    negative_prompt_embeds=case["negative_prompt_embeds"],
+    pooled_prompt_embeds=case["pooled_prompt_embeds"],
+    negative_pooled_prompt_embeds=case["negative_pooled_prompt_embeds"],
+    latents=case["latents"],
+    guidance_scale=4.0,
+    scheduler="DDIMScheduler",
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.slow
+def test_sdxl_lightning_unet_file(root, outputs):
+  pipe = md_sd.load_pipeline(root / "sdxl", unet_file=root / "lightning_unet.safetensors")
+  case = outputs["sdxl_lightning"]
+  images = pipe(
+    PROMPTS,
+    latents=case["latents"],
+    guidance_scale=0.0,
+    scheduler="EulerDiscreteScheduler",
+    scheduler_options=dict(timestep_spacing="trailing"),
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+def test_controlnet_sd(root, outputs):
+  pipe = md_sd.load_pipeline(root / "sd", controlnet=root / "controlnet_sd")
+  case = outputs["controlnet_sd"]
+  images = pipe(
+    PROMPTS,
+    latents=case["latents"],
+    control_image=case["image"],
+    controlnet_conditioning_scale=0.8,
+    guidance_scale=5.0,
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+@pytest.mark.slow
+def test_controlnet_sdxl(root, outputs):
+  pipe = md_sd.load_pipeline(root / "sdxl", controlnet=root / "controlnet_sdxl")
+  case = outputs["controlnet_sdxl"]
+  images = pipe(
+    PROMPTS,
+    latents=case["latents"],
+    control_image=case["image"],
+    controlnet_conditioning_scale=0.6,
+    guidance_scale=5.0,
+    scheduler="EulerDiscreteScheduler",
+    **COMMON,
+  )
+  check(images, case["images"])
+
+
+def test_same_seed_same_images(sd):
+  kw = dict(COMMON, num_inference_steps=2, guidance_scale=5.0)
+  a = np.asarray(sd(PROMPTS, seed=3, **kw))
+  b = np.asarray(sd(PROMPTS, seed=3, **kw))
+  c = np.asarray(sd(PROMPTS, seed=4, **kw))
+  np.testing.assert_array_equal(a, b)
+  assert np.abs(a - c).max() > 1e-3
+  assert a.min() >= 0.0 and a.max() <= 1.0
