@@ -75,6 +75,16 @@ def test_bfl_single_file_matches_diffusers(io):
   chex.assert_trees_all_close(run(model, inputs(io)), io["out_dev"], atol=ATOL, rtol=0)
 
 
+def test_bfl_prefixed_names(tmp_path, dev):
+  """Files saved from the reference trainer carry `model.diffusion_model.` in front of every name."""
+  ckpt = md_core.open_checkpoint(fixture_path("flux_transformer") / "dev_bfl.safetensors")
+  md_core.save_safetensors(
+    tmp_path / "prefixed.safetensors", {f"model.diffusion_model.{k}": ckpt[k] for k in ckpt}
+  )
+  model = md_flux.load_flux(tmp_path / "prefixed.safetensors", config=tiny_config())
+  chex.assert_trees_all_equal(nnx.state(model), nnx.state(dev))
+
+
 def test_block_kv_and_batched_ids(io, dev):
   kw = inputs(io)
   out, kv = jax.jit(lambda kw: dev(**kw, return_kv=True))(kw)
@@ -109,6 +119,24 @@ def test_context_parallel_matches_one_device(io, implementation):
     out = run(model, kw)
   assert out.sharding.mesh.shape == mesh.shape
   chex.assert_trees_all_close(out, io["out_dev"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_remat_keeps_gradients(io):
+  """Recomputing blocks in the backward pass ("full", "dots") changes no gradient."""
+  kw = inputs(io)
+  grads = []
+  for policy in ("none", "full", "dots"):
+    model = md_flux.load_flux(fixture_path("flux_transformer") / "dev", remat=policy)
+    graphdef, state = nnx.split(model)
+
+    def loss(s, kw, graphdef=graphdef):
+      return jnp.mean(jnp.square(nnx.merge(graphdef, s)(**kw)))
+
+    grads.append(jax.jit(jax.grad(loss))(state, kw))
+  chex.assert_tree_all_finite(grads[0])
+  chex.assert_trees_all_close(grads[1], grads[0], atol=1e-6, rtol=0)
+  chex.assert_trees_all_close(grads[2], grads[0], atol=1e-6, rtol=0)
 
 
 def test_input_errors(io, dev):
