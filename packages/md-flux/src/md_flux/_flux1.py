@@ -18,7 +18,6 @@ from md_core import nn
 from md_flux import _common as cm
 from md_flux._config import FluxConfig
 
-_F32 = jnp.float32
 _TIME_CHANNELS = 256
 
 

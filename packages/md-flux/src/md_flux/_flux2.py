@@ -24,8 +24,6 @@ from md_flux import _common as cm
 from md_flux._config import Flux2Config
 from md_flux._flux1 import BlockKV, _per_sample
 
-_F32 = jnp.float32
-
 
 def _dense(d_in: int, d_out: int, rngs: nnx.Rngs, axes=("embed", "heads")) -> nn.Dense:
   return nn.Dense(d_in, d_out, use_bias=False, axes=axes, rngs=rngs)
