@@ -1,5 +1,6 @@
 """AutoencoderKL against diffusers (tests/fixtures/vae_kl, tools/fixtures/vae_kl.py)."""
 
+import dataclasses
 import json
 import shutil
 
@@ -82,12 +83,17 @@ def test_tiled_encode_decode_match_diffusers(sd):
   assert float(np.max(np.abs(ref["tiled_decoded"] - ref["untiled_decoded"]))) > 1e-3
 
 
-def test_batch_slicing_matches(sd):
+def test_batch_slicing_and_attention_chunks_match(sd):
   model, ref = sd
-  sliced = _jit(model, "decode", nhwc(ref["z"]), batch_slice=1)
+  # Mid-block attention at 16x16 latents with at most 48 query positions: chunks of 2 rows (the largest
+  # divisor of 16 with 16 * rows <= 48), eight of them, each one lax.map step.
+  config = dataclasses.replace(model.config, attention_query_chunk=48)
+  chunked = nnx.eval_shape(lambda: md_vae.AutoencoderKL(config, rngs=nnx.Rngs(0)))
+  nnx.update(chunked, nnx.state(model))
+  sliced = _jit(chunked, "decode", nhwc(ref["z"]), batch_slice=1)
   chex.assert_trees_all_close(nchw(sliced), ref["decoded"], atol=ATOL, rtol=0)
   with pytest.raises(ValueError, match="batch_slice=3 must divide the batch size 4"):
-    model.decode(jnp.zeros((4, 16, 16, 4)), batch_slice=3)
+    chunked.decode(jnp.zeros((4, 16, 16, 4)), batch_slice=3)
 
 
 def test_posterior_sample_kl_and_scaling(flux, flux_run):

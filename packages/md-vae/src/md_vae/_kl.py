@@ -56,6 +56,8 @@ class AutoencoderKLConfig:
     act_fn: activation (silu in every released model).
     down_block_types: only `DownEncoderBlock2D` levels.
     up_block_types: only `UpDecoderBlock2D` levels.
+    attention_query_chunk: md only: the mid-block attention handles at most this many query positions at a
+      time (whole latent rows), bounding its memory; the result does not depend on it.
   """
 
   in_channels: int = 3
@@ -76,6 +78,7 @@ class AutoencoderKLConfig:
   act_fn: str = "silu"
   down_block_types: tuple[str, ...] | None = None
   up_block_types: tuple[str, ...] | None = None
+  attention_query_chunk: int = 4096
 
   def __post_init__(self):
     n = len(self.block_out_channels)
@@ -217,10 +220,16 @@ class ResnetBlock2D(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """Single-head self-attention over all positions, GroupNorm first, residual added (the VAE mid block)."""
+  """Single-head self-attention over all positions, GroupNorm first, residual added (the VAE mid block).
 
-  def __init__(self, channels: int, groups: int, *, rngs: nnx.Rngs):
+  Queries go in chunks of whole latent rows, at most `query_chunk` positions each (`lax.map`), so the
+  float32 score matrix stays `[B, chunk, h*w]` instead of `[B, h*w, h*w]` (16k x 16k for a 1024 px SDXL
+  image); every query's softmax is complete, so the result is exact.
+  """
+
+  def __init__(self, channels: int, groups: int, *, query_chunk: int = 4096, rngs: nnx.Rngs):
     axes = ("conv_in", "conv_out")
+    self.query_chunk = query_chunk
     self.group_norm = nn.GroupNorm(groups, channels, eps=1e-6, rngs=rngs)
     self.to_q = nn.Dense(channels, channels, axes=axes, rngs=rngs)
     self.to_k = nn.Dense(channels, channels, axes=axes, rngs=rngs)
@@ -229,12 +238,22 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, h, w, c = x.shape
-    t = self.group_norm(x).reshape(b, h * w, 1, c)  # [B, S, 1 head, C]
+    t = self.group_norm(x).reshape(b, h * w, c)  # [B, S, C]
     q, k, v = self.to_q(t), self.to_k(t), self.to_v(t)
-    # Scores and softmax in float32 whatever the activations' dtype.
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_F32) / math.sqrt(c)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v, preferred_element_type=_F32).astype(x.dtype)
+    scale = 1.0 / math.sqrt(c)
+
+    def attend(q_chunk):  # [B, Q, C] → [B, Q, C]
+      # Scores and softmax in float32 whatever the activations' dtype.
+      scores = jnp.einsum("bqd,bkd->bqk", q_chunk, k, preferred_element_type=_F32) * scale
+      probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+      return jnp.einsum("bqk,bkd->bqd", probs, v, preferred_element_type=_F32).astype(x.dtype)
+
+    rows = max(r for r in range(1, h + 1) if h % r == 0 and (r * w <= self.query_chunk or r == 1))
+    if rows == h:
+      out = attend(q)
+    else:
+      chunks = q.reshape(b, h // rows, rows * w, c).transpose(1, 0, 2, 3)  # [N, B, Q, C]
+      out = jax.lax.map(attend, chunks).transpose(1, 0, 2, 3).reshape(b, h * w, c)
     return x + self.to_out(out).reshape(b, h, w, c)
 
 
@@ -292,11 +311,13 @@ class UpDecoderBlock2D(nnx.Module):
 class UNetMidBlock2D(nnx.Module):
   """resnet → (attention → resnet)."""
 
-  def __init__(self, channels, groups, act, attention, *, rngs):
+  def __init__(self, channels, groups, act, attention, query_chunk, *, rngs):
     self.resnets = nnx.List(
       [ResnetBlock2D(channels, channels, groups, act, rngs=rngs) for _ in range(2)]
     )
-    self.attentions = nnx.List([Attention(channels, groups, rngs=rngs)] if attention else [])
+    self.attentions = nnx.List(
+      [Attention(channels, groups, query_chunk=query_chunk, rngs=rngs)] if attention else []
+    )
 
   def __call__(self, x):
     x = self.resnets[0](x)
@@ -321,7 +342,9 @@ class Encoder(nnx.Module):
         for i in range(len(ch))
       ]
     )
-    self.mid_block = UNetMidBlock2D(ch[-1], g, act, c.mid_block_add_attention, rngs=rngs)
+    self.mid_block = UNetMidBlock2D(
+      ch[-1], g, act, c.mid_block_add_attention, c.attention_query_chunk, rngs=rngs
+    )
     self.conv_norm_out = nn.GroupNorm(g, ch[-1], eps=1e-6, rngs=rngs)
     self.conv_out = _conv(ch[-1], 2 * c.latent_channels, 3, rngs, padding=1)
 
@@ -341,7 +364,9 @@ class Decoder(nnx.Module):
     ch, g, act = tuple(reversed(c.block_out_channels)), c.norm_num_groups, c.act_fn
     self.act = nn.activation(act)
     self.conv_in = _conv(c.latent_channels, ch[0], 3, rngs, padding=1, axes=(None, "conv_out"))
-    self.mid_block = UNetMidBlock2D(ch[0], g, act, c.mid_block_add_attention, rngs=rngs)
+    self.mid_block = UNetMidBlock2D(
+      ch[0], g, act, c.mid_block_add_attention, c.attention_query_chunk, rngs=rngs
+    )
     self.up_blocks = nnx.List(
       [
         UpDecoderBlock2D(
