@@ -403,6 +403,53 @@ def _unpatchify(x: jax.Array, p: int) -> jax.Array:
   return x.reshape(b, f, h * p, w * p, cpp // (p * p))
 
 
+def _blend(above: jax.Array, tile: jax.Array, extent: int, axis: int) -> jax.Array:
+  """The reference's `blend_v`/`blend_h`: the first `extent` rows (columns) of `tile` fade in linearly from
+  the last `extent` of the tile `above` (to its left)."""
+  extent = min(above.shape[axis], tile.shape[axis], extent)
+  if extent <= 0:
+    return tile
+  shape = [1] * tile.ndim
+  shape[axis] = extent
+  ramp = (jnp.arange(extent, dtype=_F32) / extent).reshape(shape)
+  tail = jax.lax.slice_in_dim(above, above.shape[axis] - extent, above.shape[axis], axis=axis)
+  head = jax.lax.slice_in_dim(tile, 0, extent, axis=axis)
+  mixed = (tail.astype(_F32) * (1 - ramp) + head.astype(_F32) * ramp).astype(tile.dtype)
+  rest = jax.lax.slice_in_dim(tile, extent, tile.shape[axis], axis=axis)
+  return jnp.concatenate([mixed, rest], axis=axis)
+
+
+def _tiled(x: jax.Array, tile: int, stride: int, blend: int, keep: int, fn) -> jax.Array:
+  """Runs `fn` on overlapping spatial tiles of `x [B, F, H, W, C]` (every `stride`, `tile` wide; edge tiles are
+  smaller) and stitches the results `[B, F', H', W', C']` as the reference: each result tile is blended with the
+  already blended tiles above and to its left over `blend` rows / columns, then cropped to `keep`. Tiles of one
+  shape go through one `jax.lax.map`, so `fn` compiles once per tile shape (at most four)."""
+  starts_h, starts_w = range(0, x.shape[2], stride), range(0, x.shape[3], stride)
+  tiles = {(i, j): x[:, :, i : i + tile, j : j + tile] for i in starts_h for j in starts_w}
+  by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+  for pos, t in tiles.items():
+    by_shape.setdefault(t.shape, []).append(pos)
+  results = {}
+  for positions in by_shape.values():
+    outs = jax.lax.map(fn, jnp.stack([tiles[pos] for pos in positions]))
+    results.update({pos: outs[k] for k, pos in enumerate(positions)})
+  rows = []
+  for i in starts_h:
+    kept = []
+    for j in starts_w:
+      t = results[(i, j)]
+      if i > 0:
+        t = _blend(results[(i - stride, j)], t, blend, axis=2)
+      if j > 0:
+        t = _blend(results[(i, j - stride)], t, blend, axis=3)
+      results[(i, j)] = (
+        t  # later tiles blend with this blended tile, as the reference's in-place update
+      )
+      kept.append(t[:, :, :keep, :keep])
+    rows.append(jnp.concatenate(kept, axis=3))
+  return jnp.concatenate(rows, axis=2)
+
+
 class WanLatentDist(NamedTuple):
   """The encoder's diagonal Gaussian over latents (the reference's `DiagonalGaussianDistribution`)."""
 
@@ -485,8 +532,13 @@ class WanVAE(nnx.Module):
     x = _patchify(frames, self.config.patch)
     return self.quant_conv(self.encoder(x, caches))
 
-  def _decode_chunk(self, latents: jax.Array, caches: _Caches, first: bool) -> jax.Array:
+  def _decode_chunk(
+    self, latents: jax.Array, caches: _Caches, first: bool, finish: bool
+  ) -> jax.Array:
     x = self.decoder(self.post_quant_conv(latents), caches, first)
+    return self._finish(x) if finish else x
+
+  def _finish(self, x: jax.Array) -> jax.Array:
     return jnp.clip(_unpatchify(x, self.config.patch), -1.0, 1.0)
 
   # --- whole videos ---------------------------------------------------------------------------------------
@@ -517,19 +569,56 @@ class WanVAE(nnx.Module):
     mean, logvar = jnp.split(out, 2, axis=-1)
     return WanLatentDist(mean, jnp.clip(logvar, -30.0, 20.0))
 
-  def decode(self, latents: jax.Array) -> jax.Array:
+  def decode(
+    self,
+    latents: jax.Array,
+    *,
+    tiled: bool = False,
+    tile_sample_size: int = 256,
+    tile_sample_stride: int = 192,
+  ) -> jax.Array:
     """Decodes `latents [B, f, h, w, z_dim]` to frames `[B, 1 + 4(f - 1), s h, s w, 3]` clipped to [-1, 1].
 
     The output buffer is written chunk by chunk inside the scan, so the only memory that grows with `f` is the
     output itself.
 
+    Args:
+      latents: VAE latents (`denormalize_latents` of the denoiser's).
+      tiled: when the latents are larger than one tile, decode overlapping spatial tiles (each through the
+        whole chunked video decode) and blend them linearly, as the reference's `enable_tiling()`.
+      tile_sample_size: tile size in output pixels (the reference's `tile_sample_min_height/width`).
+      tile_sample_stride: distance between tiles in output pixels (`tile_sample_stride_height/width`).
+
     Raises:
-      ValueError: wrong rank or channels.
+      ValueError: wrong rank or channels, or tile sizes that are not multiples of the spatial factor.
     """
     self.check_latents(latents)
+    if tiled:
+      s, p = self.config.spatial_factor, self.config.patch
+      if (
+        tile_sample_size % s
+        or tile_sample_stride % s
+        or not 0 < tile_sample_stride <= tile_sample_size
+      ):
+        raise ValueError(
+          f"tile_sample_size={tile_sample_size} and tile_sample_stride={tile_sample_stride} must be multiples "
+          f"of the spatial factor {s} with 0 < stride <= size"
+        )
+      tile, stride = tile_sample_size // s, tile_sample_stride // s  # in latents
+      if latents.shape[2] > tile or latents.shape[3] > tile:
+        blend, keep = (tile_sample_size - tile_sample_stride) // p, tile_sample_stride // p
+        out = _tiled(
+          latents, tile, stride, blend, keep, lambda z: self._decode_video(z, finish=False)
+        )
+        h, w = latents.shape[2] * s // p, latents.shape[3] * s // p
+        return self._finish(out[:, :, :h, :w])
+    return self._decode_video(latents, finish=True)
+
+  def _decode_video(self, latents: jax.Array, finish: bool) -> jax.Array:
+    """The chunked decode: `[B, f, h, w, z]` → frames (unpatchified and clipped when `finish`)."""
     step = self.config.temporal_factor
     caches = _Caches(None)
-    first = self._decode_chunk(latents[:, :1], caches, True)  # [B, 1, H, W, 3]
+    first = self._decode_chunk(latents[:, :1], caches, True, finish)  # [B, 1, H, W, C]
     num = latents.shape[1]
     if num == 1:
       return first
@@ -541,7 +630,7 @@ class WanVAE(nnx.Module):
       previous, out = carry
       now = _Caches(previous)
       z = jax.lax.dynamic_slice_in_dim(latents, i, 1, axis=1)
-      frames = self._decode_chunk(z, now, False)  # [B, 4, H, W, 3]
+      frames = self._decode_chunk(z, now, False, finish)  # [B, 4, H, W, C]
       out = jax.lax.dynamic_update_slice_in_dim(out, frames, 1 + step * (i - 1), axis=1)
       return (now.new, out), None
 
