@@ -419,6 +419,14 @@ def _blend(above: jax.Array, tile: jax.Array, extent: int, axis: int) -> jax.Arr
   return jnp.concatenate([mixed, rest], axis=axis)
 
 
+def _check_tiles(size: int, stride: int, factor: int) -> None:
+  if size % factor or stride % factor or not 0 < stride <= size:
+    raise ValueError(
+      f"tile_sample_size={size} and tile_sample_stride={stride} must be multiples of the spatial factor "
+      f"{factor} with 0 < stride <= size"
+    )
+
+
 def _tiled(x: jax.Array, tile: int, stride: int, blend: int, keep: int, fn) -> jax.Array:
   """Runs `fn` on overlapping spatial tiles of `x [B, F, H, W, C]` (every `stride`, `tile` wide; edge tiles are
   smaller) and stitches the results `[B, F', H', W', C']` as the reference: each result tile is blended with the
@@ -528,8 +536,8 @@ class WanVAE(nnx.Module):
 
   # --- one chunk ------------------------------------------------------------------------------------------
 
-  def _encode_chunk(self, frames: jax.Array, caches: _Caches) -> jax.Array:
-    x = _patchify(frames, self.config.patch)
+  def _encode_chunk(self, frames: jax.Array, caches: _Caches, patchified: bool) -> jax.Array:
+    x = frames if patchified else _patchify(frames, self.config.patch)
     return self.quant_conv(self.encoder(x, caches))
 
   def _decode_chunk(
@@ -543,31 +551,70 @@ class WanVAE(nnx.Module):
 
   # --- whole videos ---------------------------------------------------------------------------------------
 
-  def encode(self, video: jax.Array) -> WanLatentDist:
+  def encode(
+    self,
+    video: jax.Array,
+    *,
+    tiled: bool = False,
+    tile_sample_size: int = 256,
+    tile_sample_stride: int = 192,
+  ) -> WanLatentDist:
     """Encodes `video [B, F, H, W, 3]` in [-1, 1] (F = 1 + 4k) to the latent distribution over
     `[B, 1 + k, H / s, W / s, z_dim]` (s = 8 in 2.1, 16 in 2.2).
 
+    Args:
+      video: the frames, channels last.
+      tiled: when the video is larger than one tile, encode overlapping spatial tiles (each through the whole
+        chunked encode) and blend their latents linearly, as the reference's `enable_tiling()`. As there, with
+        a patchify (2.2) the tiles are cut from the patchified frames with these sizes, so they cover
+        `patch_size` times more pixels.
+      tile_sample_size: tile size in pixels (the reference's `tile_sample_min_height/width`).
+      tile_sample_stride: distance between tiles in pixels (`tile_sample_stride_height/width`).
+
     Raises:
-      ValueError: wrong rank, frame count, height/width or channels (the message names valid values).
+      ValueError: wrong rank, frame count, height/width or channels (the message names valid values), or tile
+        sizes that are not multiples of the spatial factor.
     """
     self.check_video(video)
+    _, _, h, w, _ = video.shape
+    if tiled:
+      _check_tiles(tile_sample_size, tile_sample_stride, self.config.spatial_factor)
+    if tiled and (h > tile_sample_size or w > tile_sample_size):
+      p = self.config.patch
+      down = self.config.spatial_factor // p  # the encoder's own downsampling
+      tile, stride = tile_sample_size // down, tile_sample_stride // down  # in latents
+      out = _tiled(
+        _patchify(video, p),
+        tile_sample_size,
+        tile_sample_stride,
+        tile - stride,
+        stride,
+        lambda x: self._encode_video(x, patchified=True),
+      )
+      out = out[:, :, : h // self.config.spatial_factor, : w // self.config.spatial_factor]
+    else:
+      out = self._encode_video(video, patchified=False)
+    mean, logvar = jnp.split(out, 2, axis=-1)
+    return WanLatentDist(mean, jnp.clip(logvar, -30.0, 20.0))
+
+  def _encode_video(self, video: jax.Array, patchified: bool) -> jax.Array:
+    """The chunked encode: frames `[B, F, H, W, C]` → moments `[B, 1 + (F - 1) / 4, h, w, 2 z]`."""
     step = self.config.temporal_factor
     caches = _Caches(None)
-    out = self._encode_chunk(video[:, :1], caches)  # [B, 1, h, w, 2z]
+    out = self._encode_chunk(video[:, :1], caches, patchified)  # [B, 1, h, w, 2z]
     chunks = (video.shape[1] - 1) // step
     if chunks:
 
       def encode_chunk(previous, i):
         frames = jax.lax.dynamic_slice_in_dim(video, 1 + step * i, step, axis=1)
         now = _Caches(previous)
-        latents = self._encode_chunk(frames, now)  # [B, 1, h, w, 2z]
-        return now.new, latents
+        moments = self._encode_chunk(frames, now, patchified)  # [B, 1, h, w, 2z]
+        return now.new, moments
 
       _, rest = jax.lax.scan(encode_chunk, caches.new, jnp.arange(chunks))  # [n, B, 1, h, w, 2z]
       rest = jnp.moveaxis(rest[:, :, 0], 0, 1)  # [B, n, h, w, 2z]
       out = jnp.concatenate([out, rest], axis=1)
-    mean, logvar = jnp.split(out, 2, axis=-1)
-    return WanLatentDist(mean, jnp.clip(logvar, -30.0, 20.0))
+    return out
 
   def decode(
     self,
@@ -595,15 +642,7 @@ class WanVAE(nnx.Module):
     self.check_latents(latents)
     if tiled:
       s, p = self.config.spatial_factor, self.config.patch
-      if (
-        tile_sample_size % s
-        or tile_sample_stride % s
-        or not 0 < tile_sample_stride <= tile_sample_size
-      ):
-        raise ValueError(
-          f"tile_sample_size={tile_sample_size} and tile_sample_stride={tile_sample_stride} must be multiples "
-          f"of the spatial factor {s} with 0 < stride <= size"
-        )
+      _check_tiles(tile_sample_size, tile_sample_stride, s)
       tile, stride = tile_sample_size // s, tile_sample_stride // s  # in latents
       if latents.shape[2] > tile or latents.shape[3] > tile:
         blend, keep = (tile_sample_size - tile_sample_stride) // p, tile_sample_stride // p
