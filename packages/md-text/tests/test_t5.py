@@ -115,14 +115,22 @@ def test_tied_embedding_layout_is_accepted(tmp_path, io):
   chex.assert_trees_all_close(out, io["umt5_out"], atol=1e-5, rtol=0)
 
 
-def test_bf16_weights_keep_f32_where_the_reference_does(io):
+def test_half_precision_follows_transformers(io):
+  """bf16 as Wan loads it: everything bf16 (transformers keeps `wo` in float32 for float16 only); the
+  output is within bf16 noise of transformers' own bf16 run (measured 0.039 at output scale 4.6; the
+  bf16 reference itself is 0.059 from the float32 one)."""
   model = md_text.load_t5_encoder(fixture_path("umt5") / "umt5", dtype=jnp.bfloat16)
   assert model.blocks.q.kernel[...].dtype == jnp.bfloat16
-  assert model.blocks.wo.kernel[...].dtype == jnp.float32
-  assert model.final_layer_norm.scale[...].dtype == jnp.float32
+  assert model.blocks.wo.kernel[...].dtype == jnp.bfloat16
   out = _run(model, io["input_ids"], io["attention_mask"])
   assert out.dtype == jnp.bfloat16
-  assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - io["umt5_out"]))) < 0.1
+  err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - io["umt5_out_bf16"])))
+  assert err < 0.06, err
+  half = md_text.load_t5_encoder(fixture_path("umt5") / "umt5", dtype=jnp.float16)
+  assert half.blocks.wo.kernel[...].dtype == jnp.float32
+  out = _run(half, io["input_ids"], io["attention_mask"])
+  assert out.dtype == jnp.float16
+  assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - io["umt5_out"]))) < 0.02
 
 
 def test_config_errors():

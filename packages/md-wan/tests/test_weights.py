@@ -115,6 +115,8 @@ def test_bf16_load_keeps_reference_f32_tables():
     model.blocks.scale_shift_table,
     model.time_embedder.linear_1.kernel,
     model.blocks.norm2.scale,
+    model.image_embedder.norm1.scale,
+    model.image_embedder.norm2.bias,
   ):
     assert param[...].dtype == jnp.float32
 

@@ -228,6 +228,19 @@ def stack_layers(make, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
   return stacked
 
 
+class _T5LayerNorm(nn.RMSNorm):
+  """T5's RMS norm, rounded as the reference rounds it: the normalised value is computed in float32 and,
+  for half-precision weights, cast to the weight dtype before the scale multiplies it."""
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.scale[...]
+    h = x.astype(_F32)
+    h = h * jax.lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
+    if scale.dtype in (jnp.float16, jnp.bfloat16):
+      h = h.astype(scale.dtype)
+    return scale.reshape((1,) * (h.ndim - 1) + (-1,)) * h
+
+
 class _Block(nnx.Module):
   """One encoder layer: pre-norm self-attention and pre-norm feed-forward, residual adds in float32."""
 
@@ -235,7 +248,7 @@ class _Block(nnx.Module):
     inner = cfg.num_heads * cfg.d_kv
     kw = dict(use_bias=False, rngs=rngs)
     eps = cfg.layer_norm_epsilon
-    self.attn_norm = nn.RMSNorm(cfg.d_model, eps=eps, rngs=rngs)
+    self.attn_norm = _T5LayerNorm(cfg.d_model, eps=eps, rngs=rngs)
     self.q = nn.Dense(cfg.d_model, inner, axes=("embed", "heads"), **kw)
     self.k = nn.Dense(cfg.d_model, inner, axes=("embed", "heads"), **kw)
     self.v = nn.Dense(cfg.d_model, inner, axes=("embed", "heads"), **kw)
@@ -244,7 +257,7 @@ class _Block(nnx.Module):
       self.relative_attention_bias = nn.Embed(
         cfg.relative_attention_num_buckets, cfg.num_heads, axes=(None, "heads"), rngs=rngs
       )
-    self.ff_norm = nn.RMSNorm(cfg.d_model, eps=eps, rngs=rngs)
+    self.ff_norm = _T5LayerNorm(cfg.d_model, eps=eps, rngs=rngs)
     if cfg.gated:
       self.wi_0 = nn.Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **kw)
       self.wi_1 = nn.Dense(cfg.d_model, cfg.d_ff, axes=("embed", "mlp"), **kw)
@@ -253,40 +266,42 @@ class _Block(nnx.Module):
     self.wo = nn.Dense(cfg.d_ff, cfg.d_model, axes=("mlp", "embed"), **kw)
     self.cfg = cfg
 
-  def __call__(self, h, bias, buckets, key_bias, dtype):
-    """`h [B, S, D]` float32; `bias [1, H, S, S]` (shared) or None with `buckets [S, S]` (per layer);
-    `key_bias [B, 1, 1, S]` masks padded keys."""
+  def __call__(self, h, bias, buckets, key_bias):
+    """`h [B, S, D]` residual stream; `bias [1, H, S, S]` float32 (shared) or None with `buckets [S, S]`
+    (per-layer tables); `key_bias [B, 1, 1, S]` float32, very negative at padded keys."""
     cfg = self.cfg
     b, s, _ = h.shape
-    x = self.attn_norm(h).astype(dtype)
+    x = self.attn_norm(
+      h
+    )  # in the norm weight's dtype when that is half precision, as the reference
     heads = lambda t: t.reshape(b, s, cfg.num_heads, cfg.d_kv)  # noqa: E731
     q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
     if bias is None:
       bias = jnp.take(self.relative_attention_bias.embedding[...], buckets, axis=0)  # [S, S, H]
       bias = bias.transpose(2, 0, 1)[None].astype(_F32)
-    # T5 folds the 1/sqrt(d) scale into its initialisation: scores are plain dot products.
+    # T5 folds the 1/sqrt(d) scale into its initialisation: scores are plain dot products. Scores and
+    # softmax accumulate in float32.
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=_F32)
-    scores = scores + bias + key_bias
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    probs = jax.nn.softmax(scores + bias + key_bias, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, cfg.num_heads * cfg.d_kv)
-    h = h + self.o(out).astype(_F32)
+    h = h + self.o(out).astype(h.dtype)
 
-    x = self.ff_norm(h).astype(dtype)
+    x = self.ff_norm(h)
     act = _ACTIVATIONS[cfg.activation]
     if cfg.gated:
       x = act(self.wi_0(x)) * self.wi_1(x)
     else:
       x = act(self.wi(x))
-    # The reference keeps `wo` in float32 (`_keep_in_fp32_modules`), so the stream after it is float32.
+    # `wo` runs in its own dtype (float32 when loaded so for float16, as transformers keeps it).
     x = self.wo(x.astype(self.wo.kernel[...].dtype))
-    return h + x.astype(_F32)
+    return h + x.astype(h.dtype)
 
 
 class T5Encoder(nnx.Module):
   """T5 / UMT5 encoder: token ids `[B, S]` → last hidden state `[B, S, d_model]`.
 
-  Activations run in the dtype of the token embedding (bf16 weights → bf16 matmuls); norms, softmax and
-  the residual stream are float32, as in the reference with its float32 `wo`.
+  Activations follow the weights' dtype as in transformers (bf16 weights → bf16 matmuls and residual
+  stream); norm statistics, attention scores and softmax are float32.
   """
 
   def __init__(self, cfg: T5Config, *, rngs: nnx.Rngs):
@@ -297,7 +312,7 @@ class T5Encoder(nnx.Module):
         cfg.relative_attention_num_buckets, cfg.num_heads, axes=(None, "heads"), rngs=rngs
       )
     self.blocks = stack_layers(lambda r: _Block(cfg, rngs=r), cfg.num_layers, rngs)
-    self.final_layer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_epsilon, rngs=rngs)
+    self.final_layer_norm = _T5LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon, rngs=rngs)
 
   def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
     """Encodes token ids.
@@ -308,7 +323,7 @@ class T5Encoder(nnx.Module):
         query positions are still computed, as in the reference).
 
     Returns:
-      `[B, S, d_model]` in the embedding's dtype.
+      `[B, S, d_model]` in the final norm weight's dtype (float32 for float32 weights).
     """
     cfg = self.cfg
     if input_ids.ndim != 2:
@@ -319,8 +334,10 @@ class T5Encoder(nnx.Module):
     if attention_mask is not None and attention_mask.shape != (b, s):
       raise ValueError(f"attention_mask must be [B, S] = {(b, s)}, got {attention_mask.shape}")
     table = self.shared.embedding[...]
-    dtype = table.dtype
-    h = jnp.take(table, input_ids, axis=0).astype(_F32)  # [B, S, D]
+    # The residual stream has the embedding's dtype, widened to `wo`'s if that is wider (the reference
+    # adds the float32 `wo` output to a half-precision stream when loaded in float16).
+    stream = jnp.promote_types(table.dtype, self.blocks.wo.kernel[...].dtype)
+    h = jnp.take(table, input_ids, axis=0).astype(stream)  # [B, S, D]
     if attention_mask is None:
       key_bias = jnp.zeros((b, 1, 1, s), _F32)
     else:
@@ -342,10 +359,10 @@ class T5Encoder(nnx.Module):
     graphdef, params = nnx.split(self.blocks)
 
     def body(h, layer):
-      return nnx.merge(graphdef, layer)(h, shared_bias, buckets, key_bias, dtype), None
+      return nnx.merge(graphdef, layer)(h, shared_bias, buckets, key_bias), None
 
     h, _ = jax.lax.scan(_remat(body, cfg.remat), h, params)
-    return self.final_layer_norm(h).astype(dtype)
+    return self.final_layer_norm(h)
 
 
 def _block_target(name: str) -> tuple[str, ...] | None:
@@ -408,8 +425,9 @@ def convert_t5_key(name: str, *, per_layer_bias: bool = True) -> md_core.Target 
 # Tensors some files carry that the encoder does not use: the tied copy of `shared` (transformers may
 # save it), a decoder and LM head (full T5 checkpoints).
 T5_ALLOW_UNUSED = (r"encoder\.embed_tokens\.weight", r"decoder\..*", r"lm_head\.weight")
-# As transformers keeps `wo` in float32 (`_keep_in_fp32_modules`); norms are tiny and stay float32 too.
-T5_KEEP_F32 = (r"blocks/wo/kernel$", r"norm/scale$")
+# transformers keeps `wo` in float32 when a model is loaded in float16 (`_keep_in_fp32_modules`, for range),
+# not in bfloat16; `load_t5_encoder` does the same.
+T5_KEEP_F32_FOR_FLOAT16 = (r"blocks/wo/kernel$",)
 
 
 def load_t5_encoder(
@@ -429,7 +447,8 @@ def load_t5_encoder(
       `subfolder`, or a hub id (`"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"`, `subfolder="text_encoder"`).
     subfolder: the component, e.g. "text_encoder" (Wan, LTX) or "text_encoder_2" (Flux).
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
-    dtype: floating dtype of the parameters (default: as stored); `wo` and norms stay float32.
+    dtype: floating dtype of the parameters (default: as stored); with float16 `wo` stays float32, as
+      transformers does.
     rules: md-sharding logical axis rules.
     remat: override `T5Config.remat`.
     progress: show a progress bar.
@@ -446,7 +465,9 @@ def load_t5_encoder(
     ckpt,
     make_t5_keymap(cfg),
     dtype=dtype,
-    keep_f32=T5_KEEP_F32,
+    keep_f32=T5_KEEP_F32_FOR_FLOAT16
+    if dtype is not None and jnp.dtype(dtype) == jnp.float16
+    else (),
     mesh=mesh,
     rules=rules,
     allow_unused=T5_ALLOW_UNUSED,

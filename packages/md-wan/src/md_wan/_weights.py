@@ -54,9 +54,15 @@ _MODULE = re.compile(r"(.+)\.(weight|bias)")
 
 # Tensors that real files carry and the reference model ignores (`_keys_to_ignore_on_load_unexpected`).
 ALLOW_UNUSED = (r"blocks\.\d+\.attn2\.norm_added_q\.weight",)
-# Parameters the reference keeps in float32 (`_keep_in_fp32_modules`: time embedder, modulation tables,
-# block norms); md's norms compute in float32 whatever the weight dtype.
-KEEP_F32 = (r"scale_shift_table$", r"^time_embedder/", r"^blocks/norm2/")
+# Parameters the reference keeps in float32: diffusers matches `_keep_in_fp32_modules` ("time_embedder",
+# "scale_shift_table", "norm1", "norm2", "norm3") as substrings of the names, which also catches the image
+# embedder's norms.
+KEEP_F32 = (
+  r"scale_shift_table$",
+  r"^time_embedder/",
+  r"^blocks/norm2/",
+  r"^image_embedder/norm[12]/",
+)
 
 
 def _leaf(kind: str, suffix: str) -> tuple[str, str]:
