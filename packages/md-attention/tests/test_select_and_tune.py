@@ -56,3 +56,13 @@ def test_tuner_measures_once_and_caches(tmp_path):
   tuned = mda.AttentionConfig(implementation="blockwise", tune=True, tuner_cache_dir=str(tmp_path))
   errors = mdat.max_errors(q, k, v, d_out, mask=keep, config=tuned)
   assert max(errors[n] for n in ("out", "dq", "dk", "dv")) < 2e-5
+
+
+def test_tuner_miss_while_tracing_measures_for_real(tmp_path):
+  q, k, v, keep, _ = mdat.random_inputs(1, 96, 96, 2, 16, mask=True)
+  config = mda.AttentionConfig(implementation="blockwise", tune=True, tuner_cache_dir=str(tmp_path))
+  got = jax.jit(lambda q, k, v: mda.attention(q, k, v, mask=keep, config=config))(q, k, v)
+  want = mda.attention(q, k, v, mask=keep, implementation="dot_product")
+  assert float(jnp.max(jnp.abs(got - want))) < 2e-5
+  table = json.loads((tmp_path / "block_sizes.json").read_text())
+  assert table == {mda.cache_key(q.shape, k.shape, jnp.float32, "blockwise", False): [128, 128]}

@@ -57,6 +57,7 @@ def _write(path: pathlib.Path, table: dict) -> None:
 
 def _measure(fn, args, repeats: int) -> float:
   out = fn(*args)
+  assert not isinstance(jax.tree.leaves(out)[0], jax.core.Tracer), "tuner is measuring a trace"
   jax.block_until_ready(out)  # compile and warm up
   best = float("inf")
   for _ in range(repeats):
@@ -113,18 +114,21 @@ def tune_block_sizes(
       if bq <= limit_q and bk <= limit_kv
     ]
   rng = np.random.default_rng(0)
-  q = jnp.asarray(rng.standard_normal(q_shape), dtype)
-  k = jnp.asarray(rng.standard_normal(kv_shape), dtype)
-  v = jnp.asarray(rng.standard_normal(kv_shape), dtype)
   timings = {}
-  for bq, bk in candidates:
-    cfg = AttentionConfig(implementation=implementation, block_q=bq, block_kv=bk)
+  # When called while the caller's program is being traced, run the measurements for real instead
+  # of adding them to that program.
+  with jax.ensure_compile_time_eval():
+    q = jnp.asarray(rng.standard_normal(q_shape), dtype)
+    k = jnp.asarray(rng.standard_normal(kv_shape), dtype)
+    v = jnp.asarray(rng.standard_normal(kv_shape), dtype)
+    for bq, bk in candidates:
+      cfg = AttentionConfig(implementation=implementation, block_q=bq, block_kv=bk)
 
-    def loss(q, k, v, cfg=cfg):
-      return jnp.sum(attention(q, k, v, causal=causal, config=cfg).astype(jnp.float32))
+      def loss(q, k, v, cfg=cfg):
+        return jnp.sum(attention(q, k, v, causal=causal, config=cfg).astype(jnp.float32))
 
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    timings[(bq, bk)] = _measure(fn, (q, k, v), repeats)
+      fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+      timings[(bq, bk)] = _measure(fn, (q, k, v), repeats)
   best = min(timings, key=timings.get)
   table = _read(path)  # another process may have added entries meanwhile
   table[key] = list(best)
