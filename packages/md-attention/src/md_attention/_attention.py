@@ -90,7 +90,7 @@ def attention(
     v: `[B, S_kv, H, D]` values.
     mask: optional `[B, S_kv]` key padding mask, True (or nonzero) for keys to attend to.
     causal: query `i` sees keys `0..i` only (text encoders).
-    scale: score multiplier; `1/sqrt(D)` by default.
+    scale: score multiplier (a Python number); `1/sqrt(D)` by default.
     implementation: overrides `config.implementation`; one of `IMPLEMENTATIONS`.
     mesh: the device mesh for sharded implementations; defaults to the context mesh
       (`jax.set_mesh` / `with mesh:`), if any.
@@ -116,7 +116,8 @@ def attention(
   _check_inputs(q, k, v, mask)
   b, s_q, h, d = q.shape
   s_kv = k.shape[1]
-  scale = float(d) ** -0.5 if scale is None else scale
+  # A static Python float: kernels take it as a compile-time constant.
+  scale = float(d) ** -0.5 if scale is None else float(scale)
   mesh = shd.context_mesh() if mesh is None else mesh
   if implementation == "auto":
     implementation = select_implementation(q.shape, k.shape, q.dtype, mesh, config)
