@@ -176,13 +176,16 @@ def test_heads_not_divisible_by_tensor_or_ulysses_degree():
       _trace(uly, x, t, ctx)
 
 
-@pytest.mark.parametrize("implementation", ["ulysses", "ring"])
-def test_context_parallel_matches_single_device(models, implementation):
-  """The tiny T2V transformer with its 18 tokens split 4 ways over `context` (batch over fsdp) gives the
-  single-device dot-product result."""
-  ref = load_arrays(fixture_path("wan_transformer") / "t2v.npz")
-  want = run(models["t2v"], ref)
-  model = md_wan.load_transformer(fixture_path("wan_transformer") / "t2v", attention=implementation)
+@pytest.mark.parametrize(
+  "implementation, case", [("ulysses", "t2v"), ("ring", "t2v"), ("ring", "ti2v")]
+)
+def test_context_parallel_matches_single_device(models, implementation, case):
+  """The tiny transformers with their tokens split 4 ways over `context` (batch over fsdp) give the
+  single-device dot-product result: T2V (18 tokens, not a multiple of 4) and TI2V (per-token
+  timesteps, whose modulation is sharded with the tokens)."""
+  ref = load_arrays(fixture_path("wan_transformer") / f"{case}.npz")
+  want = run(models[case], ref)
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / case, attention=implementation)
   assert model.blocks.attn1.cfg.attention == implementation
   mesh = mds.make_mesh(mds.MeshConfig(ici_fsdp_parallelism=2, ici_context_parallelism=4))
   with jax.set_mesh(mesh):

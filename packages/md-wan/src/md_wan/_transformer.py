@@ -360,6 +360,10 @@ class WanTransformer(nnx.Module):
     modulation = self.time_proj(jax.nn.silu(temb)).astype(_F32)
     temb = temb.reshape(b, tokens if per_token else 1, cfg.dim)
     modulation = modulation.reshape(b, tokens if per_token else 1, 6, cfg.dim)
+    if per_token:  # [B, S, 6, D]: shard it with the tokens it modulates
+      modulation = mds.with_logical_constraint(
+        modulation, ("activation_batch", "activation_length", None, "activation_embed")
+      )
 
     context = self.text_embedder(text.astype(dtype))
     image_tokens = None
