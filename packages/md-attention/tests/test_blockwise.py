@@ -60,3 +60,15 @@ def test_blockwise_memory_is_linear_at_32k():
   scores = s * s * 4  # one f32 score matrix of one head: 4 GiB
   # Measured ~180 MiB (inputs, f32 gradient accumulators, a few 512x512 tiles per head).
   assert temp < scores / 16, f"temporary bytes {temp} not far below S^2*4 = {scores}"
+
+
+def test_local_implementations_under_a_mesh():
+  # Under jax.set_mesh inside jit: batch and heads stay sharded, the output comes back sharded.
+  mesh = mdat.make_mesh((2, 1, 2, 2))
+  q, k, v, keep, d_out = mdat.random_inputs(2, 16, 16, 4, 8, mask=True)
+  config = mda.AttentionConfig(implementation="blockwise", block_q=8, block_kv=8)
+  with jax.sharding.set_mesh(mesh):
+    errors = mdat.max_errors(q, k, v, d_out, mask=keep, causal=True, config=config)
+  assert max(errors[n] for n in ("out", "dq", "dk", "dv")) < TOL
+  want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "context", "tensor"))
+  assert errors["result"].sharding.is_equivalent_to(want, 4), errors["result"].sharding
