@@ -18,6 +18,7 @@ REAL = {
   "2.1_t2v_1.3b": ("wan2.1_t2v_1.3b_transformer", "2.1-t2v-1.3b"),
   "2.1_t2v_14b": ("wan2.1_t2v_14b_transformer", "2.1-t2v-14b"),
   "2.1_i2v_14b_480p": ("wan2.1_i2v_14b_480p_transformer", "2.1-i2v-14b"),
+  "2.1_flf2v_14b_720p": ("wan2.1_flf2v_14b_720p_transformer", "2.1-flf2v-14b"),
   "2.2_t2v_a14b_transformer": ("wan2.2_t2v_a14b_transformer", "2.2-t2v-a14b"),
   "2.2_t2v_a14b_transformer_2": ("wan2.2_t2v_a14b_transformer_2", "2.2-t2v-a14b"),
   "2.2_i2v_a14b_transformer": ("wan2.2_i2v_a14b_transformer", "2.2-i2v-a14b"),
