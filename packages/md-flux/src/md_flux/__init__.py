@@ -3,6 +3,14 @@
 from md_flux._config import FLUX2_VARIANTS, FLUX_VARIANTS, Flux2Config, FluxConfig
 from md_flux._flux1 import BlockKV, FluxTransformer
 from md_flux._flux2 import Flux2Transformer
+from md_flux._pipeline import (
+  FluxPipeline,
+  check_size,
+  image_ids,
+  load_pipeline,
+  pack_latents,
+  unpack_latents,
+)
 from md_flux._weights1 import (
   bfl_view,
   bfl_virtual_names,
@@ -21,14 +29,20 @@ __all__ = [
   "Flux2Config",
   "Flux2Transformer",
   "FluxConfig",
+  "FluxPipeline",
   "FluxTransformer",
   "bfl_view",
   "bfl_virtual_names",
+  "check_size",
   "config_from_bfl",
   "convert_key",
   "convert_key_bfl",
   "convert_key_flux2",
+  "image_ids",
+  "load_pipeline",
   "load_flux",
   "load_flux2",
+  "pack_latents",
   "single_file_layout",
+  "unpack_latents",
 ]
