@@ -22,6 +22,23 @@ from md_text._clip_weights import (
   load_clip_vision,
 )
 
+# Qwen3 text encoder (FLUX.2 [klein]: Qwen3-4B, Qwen3-8B).
+from md_text._qwen3 import (
+  FLUX2_KLEIN_LAYERS,
+  FLUX2_KLEIN_MAX_LENGTH,
+  QWEN3_ALLOW_UNUSED,
+  QWEN3_PROMPT_FORMAT,
+  QWEN3_VARIANTS,
+  Qwen3Config,
+  Qwen3Encoder,
+  Qwen3Output,
+  convert_qwen3_key,
+  encode_flux2_prompt,
+  flux2_prompt_embeds,
+  load_qwen3_encoder,
+  qwen3_tokenize,
+)
+
 # T5 / UMT5 encoders (Flux, LTX: T5-XXL; Wan: UMT5-XXL).
 from md_text._t5 import (
   T5_ALLOW_UNUSED,
@@ -67,4 +84,18 @@ __all__ = [
   "load_t5_encoder",
   "make_t5_keymap",
   "relative_position_buckets",
+  # Qwen3
+  "FLUX2_KLEIN_LAYERS",
+  "FLUX2_KLEIN_MAX_LENGTH",
+  "QWEN3_ALLOW_UNUSED",
+  "QWEN3_PROMPT_FORMAT",
+  "QWEN3_VARIANTS",
+  "Qwen3Config",
+  "Qwen3Encoder",
+  "Qwen3Output",
+  "convert_qwen3_key",
+  "encode_flux2_prompt",
+  "flux2_prompt_embeds",
+  "load_qwen3_encoder",
+  "qwen3_tokenize",
 ]
