@@ -1,0 +1,69 @@
+"""The flux_generate app end to end on the bundled tiny pipeline: flags → config → PNGs + settings.json."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_app(*flags: str, variant: str = "tiny") -> subprocess.CompletedProcess:
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+    HF_HUB_OFFLINE="1",
+    MD_PROGRESS="0",
+  )
+  return subprocess.run(
+    [
+      sys.executable,
+      "apps/flux_generate",
+      f"--config=apps/configs/flux.py:{variant}",
+      "--config.compilation_cache=False",
+      *flags,
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+
+
+def test_flux_generate_writes_images_and_settings(tmp_path):
+  from md_core import media
+
+  out = run_app(
+    f"--workdir={tmp_path}",
+    "--config.prompt=a photo of a cat",
+    "--config.num_images_per_prompt=2",
+    "--config.steps=2",
+    "--config.seed=5",
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"wrote 2 image(s) and settings.json to {tmp_path}" in out.stdout
+  images = [media.load_image(tmp_path / f"image_{i:04d}.png") for i in range(2)]
+  assert all(im.shape == (32, 48, 3) for im in images)
+  assert np.abs(images[0] - images[1]).max() > 0.01  # two different noises
+  settings = json.loads((tmp_path / "settings.json").read_text())
+  assert settings["prompt"] == "a photo of a cat"
+  assert settings["seed"] == 5 and settings["steps"] == 2
+  assert settings["model"] == "tests/fixtures/flux_pipeline/dev"
+  assert settings["scheduler_config"]["use_dynamic_shifting"] is True
+  assert settings["images_written"] == ["image_0000.png", "image_0001.png"]
+
+
+def test_flux_generate_reports_bad_settings_clearly(tmp_path):
+  out = run_app(f"--workdir={tmp_path}", "--config.height=40")
+  assert out.returncode != 0
+  assert "height=40 → 32 or 48" in out.stderr and "Traceback" not in out.stderr
+  out = run_app(f"--workdir={tmp_path}", "--config.gudance_scale=2")
+  assert out.returncode != 0 and 'Did you mean "guidance_scale"' in out.stderr
+  out = run_app(f"--workdir={tmp_path}", variant="flux1-schnell")
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "black-forest-labs/FLUX.1-schnell" in out.stderr and "HF_HUB_OFFLINE=1" in out.stderr
