@@ -20,7 +20,6 @@ _INERT = {
   "_diffusers_version",
   "_name_or_path",
   "_use_default_values",
-  "sample_size",
   "dropout",  # inference only
   "addition_embed_type_num_heads",  # used by addition_embed_type="text" only
   "mid_block_only_cross_attention",  # used by UNetMidBlock2DSimpleCrossAttn only
@@ -127,6 +126,9 @@ class UNetConfig:
   addition_embed_type: str | None = None
   addition_time_embed_dim: int | None = None
   projection_class_embeddings_input_dim: int | None = None
+  sample_size: int | None = (
+    None  # the latent size it was trained at (pipelines' default); no effect here
+  )
 
   def __post_init__(self):
     n = len(self.down_block_types)
@@ -196,7 +198,13 @@ class UNetConfig:
     if rev is not None:
       rev = tuple(tuple(r) if isinstance(r, list | tuple) else (r,) for r in rev)
     kw["reverse_transformer_layers_per_block"] = rev
-    for key in ("center_input_sample", "conv_in_kernel", "conv_out_kernel", "time_embedding_dim"):
+    for key in (
+      "center_input_sample",
+      "conv_in_kernel",
+      "conv_out_kernel",
+      "time_embedding_dim",
+      "sample_size",
+    ):
       if key in d:
         kw[key] = d[key]
     if kw["norm_num_groups"] is None:
@@ -301,7 +309,7 @@ class ControlNetConfig:
       "addition_time_embed_dim",
       "projection_class_embeddings_input_dim",
     }
-    _check_unknown(d, own | unet_fields, source, "ControlNetModel")
+    _check_unknown(d, own | unet_fields | {"sample_size"}, source, "ControlNetModel")
     _check_fixed(d, source, "ControlNetModel")
     kw = _common_kwargs(d, source)
     n = len(kw["down_block_types"])
@@ -333,7 +341,7 @@ class ControlNetConfig:
 
 
 def _sd15() -> UNetConfig:
-  return UNetConfig()
+  return UNetConfig(sample_size=64)
 
 
 def _sd21() -> UNetConfig:
@@ -342,6 +350,7 @@ def _sd21() -> UNetConfig:
     cross_attention_dim=(1024,) * 4,
     use_linear_projection=True,
     upcast_attention=True,
+    sample_size=96,
   )
 
 
@@ -358,6 +367,7 @@ def _sdxl() -> UNetConfig:
     addition_embed_type="text_time",
     addition_time_embed_dim=256,
     projection_class_embeddings_input_dim=2816,
+    sample_size=128,
   )
 
 
@@ -383,8 +393,10 @@ VARIANTS: dict[str, UNetConfig] = {
 """UNet configs by name: the real SD 1.5, SD 2.1 and SDXL base UNets, and `tiny` for tests."""
 
 CONTROLNET_VARIANTS: dict[str, ControlNetConfig] = {
-  "sd1.5": ControlNetConfig(unet=_sd15()),
-  "sdxl": ControlNetConfig(unet=dataclasses.replace(_sdxl(), upcast_attention=False)),
+  "sd1.5": ControlNetConfig(unet=dataclasses.replace(_sd15(), sample_size=None)),
+  "sdxl": ControlNetConfig(
+    unet=dataclasses.replace(_sdxl(), upcast_attention=False, sample_size=None)
+  ),
   "tiny": ControlNetConfig(unet=_tiny(), conditioning_embedding_out_channels=(8, 16)),
 }
 """ControlNet configs by name: SD 1.5 (e.g. lllyasviel/sd-controlnet-canny), SDXL, and `tiny`."""
