@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -57,14 +58,8 @@ def test_real_controlnet_manifests_are_covered(manifest, config, variant):
 def test_sdxl_parameter_count():
   cfg = md_sd.VARIANTS["sdxl-base"]
   model = nnx.eval_shape(lambda: md_sd.UNet2DConditionModel(cfg))
-  count = sum(x.size for x in jax_leaves(nnx.state(model, nnx.Param)))
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert count == 2_567_463_684  # the SDXL base UNet's published 2.6B
-
-
-def jax_leaves(tree):
-  import jax
-
-  return jax.tree.leaves(tree)
 
 
 @pytest.mark.parametrize(
@@ -277,3 +272,37 @@ def test_controlnet_image_size_error():
     ValueError, match=r"controlnet_cond has shape \(1, 8, 8, 3\), expected \(1, 16, 16, 3\)"
   ):
     net(x, 1.0, ehs, jnp.zeros((1, 8, 8, 3)))
+
+
+def test_real_size_sdxl_bf16_shapes():
+  """The real SDXL UNet and ControlNet at 1024 px (128×128 latents) in bfloat16, traced abstractly."""
+  cfg = md_sd.VARIANTS["sdxl-base"]
+  unet = nnx.eval_shape(lambda: md_sd.UNet2DConditionModel(cfg, dtype=jnp.bfloat16))
+  net = nnx.eval_shape(
+    lambda: md_sd.ControlNetModel(md_sd.CONTROLNET_VARIANTS["sdxl"], dtype=jnp.bfloat16)
+  )
+  x = jax.ShapeDtypeStruct((2, 128, 128, 4), jnp.bfloat16)
+  ehs = jax.ShapeDtypeStruct((2, 77, 2048), jnp.bfloat16)
+  image = jax.ShapeDtypeStruct((2, 1024, 1024, 3), jnp.bfloat16)
+  added = {
+    "text_embeds": jax.ShapeDtypeStruct((2, 1280), jnp.bfloat16),
+    "time_ids": jax.ShapeDtypeStruct((2, 6), jnp.float32),
+  }
+
+  def run(unet, net, x, ehs, image, added):
+    down, mid = net(x, 999, ehs, image, added_cond_kwargs=added)
+    out = unet(
+      x,
+      999,
+      ehs,
+      added_cond_kwargs=added,
+      down_block_additional_residuals=down,
+      mid_block_additional_residual=mid,
+    )
+    return down, mid, out
+
+  down, mid, out = jax.eval_shape(run, unet, net, x, ehs, image, added)
+  assert out.shape == (2, 128, 128, 4) and out.dtype == jnp.bfloat16
+  assert len(down) == unet.num_residuals == 9
+  assert [d.shape[1:] for d in down[::3]] == [(128, 128, 320), (64, 64, 320), (32, 32, 640)]
+  assert mid.shape == (2, 32, 32, 1280) and mid.dtype == jnp.bfloat16
