@@ -1,0 +1,148 @@
+"""Wan pipelines against diffusers' WanPipeline / WanImageToVideoPipeline on tiny saved pipelines
+(tests/fixtures/wan_pipeline, built by tools/fixtures/wan_pipeline.py): same latents and prompts, 3 UniPC
+steps, frames within 1e-3 (measured: below 1e-6)."""
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_sharding as mds
+import md_wan
+from md_core import testing
+
+PROMPT = "a cat surfing a wave at sunset"
+NEGATIVE = "bright colors, overexposed, static, blurred details, worst quality, low quality"
+ROOT = testing.fixture_path("wan_pipeline")
+
+# case → (folder, call settings the fixture used)
+CASES = {
+  "t2v": ("t2v", dict(num_frames=8)),  # rounded to 9 as the reference does
+  "i2v": ("i2v", dict(num_frames=5)),
+  "t2v_a14b": ("t2v_a14b", dict(num_frames=5, guidance_scale=4.0, guidance_scale_2=3.0)),
+  "i2v_a14b": ("i2v_a14b", dict(num_frames=9, guidance_scale=3.5, guidance_scale_2=2.0)),
+  "ti2v": ("ti2v", dict(num_frames=5, width=64)),
+  "ti2v_image": ("ti2v", dict(num_frames=5, width=64)),
+}
+
+
+@pytest.fixture(scope="module")
+def ref():
+  return testing.load_arrays(ROOT / "outputs.npz")
+
+
+@pytest.fixture(scope="module")
+def t2v():
+  return md_wan.load_pipeline(ROOT / "t2v")
+
+
+def _run(pipe, ref, case, **extra):
+  _, kw = CASES[case]
+  kw = dict(height=32, width=32, num_inference_steps=3, guidance_scale=5.0, progress=False) | kw
+  for name in ("image", "last_image"):
+    if f"{case}/{name}" in ref:
+      kw[name] = ref[f"{case}/{name}"]
+  kw |= extra
+  with pytest.warns(UserWarning, match="rounded|4k") if case == "t2v" else contextlib.nullcontext():
+    return pipe(PROMPT, NEGATIVE, latents=ref[f"{case}/latents"], **kw)
+
+
+def test_t2v_matches_reference(t2v, ref):
+  out = _run(t2v, ref, "t2v")
+  assert out.shape == (1, 9, 32, 32, 3)
+  np.testing.assert_allclose(np.asarray(out), ref["t2v/frames"], atol=1e-3, rtol=0)
+  # The text states: trimmed at the prompt's length and zero-padded, as the reference.
+  embeds = t2v.encode_prompt([PROMPT], 226)
+  np.testing.assert_allclose(np.asarray(embeds), ref["t2v/prompt_embeds"], atol=1e-5, rtol=0)
+
+
+def test_t2v_precomputed_embeds_and_seed(t2v, ref):
+  """Precomputed embeddings give the prompt's result; the same seed gives the same video."""
+  kw = dict(height=32, width=32, num_frames=9, num_inference_steps=3, progress=False)
+  a = t2v(
+    prompt_embeds=t2v.encode_prompt([PROMPT]),
+    negative_prompt_embeds=t2v.encode_prompt([NEGATIVE]),
+    latents=ref["t2v/latents"],
+    **kw,
+  )
+  np.testing.assert_allclose(np.asarray(a), ref["t2v/frames"], atol=1e-3, rtol=0)
+  b = t2v(PROMPT, NEGATIVE, seed=3, **kw)
+  c = t2v(PROMPT, NEGATIVE, seed=3, **kw)
+  np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+  assert float(np.abs(np.asarray(b) - np.asarray(a)).max()) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["i2v", "t2v_a14b", "i2v_a14b", "ti2v", "ti2v_image"])
+def test_matches_reference(ref, case):
+  pipe = md_wan.load_pipeline(ROOT / CASES[case][0])
+  out = _run(pipe, ref, case)
+  np.testing.assert_allclose(np.asarray(out), ref[f"{case}/frames"], atol=1e-3, rtol=0)
+  if case == "i2v":
+    image = np.asarray(ref["i2v/image"], np.float32)[None] / 255.0
+    tokens = pipe.encode_image(image)
+    np.testing.assert_allclose(np.asarray(tokens), ref["i2v/image_embeds"], atol=1e-4, rtol=0)
+
+
+def test_two_expert_switch_is_static(ref):
+  """The 3 steps (timesteps 1000, 857, 600) cross the 0.875 boundary after the first."""
+  pipe = md_wan.load_pipeline(ROOT / "t2v_a14b")
+  state = pipe.make_scheduler().init(3, shape=(1, 2, 4, 4, 4))
+  ts = np.asarray(state.timesteps)
+  assert (ts >= 875).sum() == 1 and len(ts) == 3
+  assert pipe.transformer_2 is not None and pipe.boundary_ratio == 0.875
+
+
+def test_size_errors_name_valid_values(t2v):
+  with pytest.raises(ValueError, match=r"height=40 → 32 or 48"):
+    t2v(PROMPT, height=40, width=32, num_frames=5)
+  with pytest.raises(ValueError, match=r"width=20 → 16 or 32"):
+    t2v(PROMPT, height=32, width=20, num_frames=5)
+  with pytest.raises(ValueError, match="num_frames=0 must be >= 1"):
+    t2v(PROMPT, height=32, width=32, num_frames=0)
+  with pytest.raises(ValueError, match=r"expected \[B, C, F, H, W\] = \(1, 4, 2, 2, 2\)"):
+    t2v(PROMPT, height=16, width=16, num_frames=5, latents=np.zeros((1, 4, 3, 2, 2), np.float32))
+
+
+def test_image_errors(t2v):
+  i2v_like = md_wan.WanVideoPipeline(
+    transformer=t2v.transformer,
+    vae=t2v.vae,
+    text_encoder=t2v.text_encoder,
+    tokenizer=t2v.tokenizer,
+    scheduler_config=t2v.scheduler_config,
+    image_to_video=True,
+  )
+  with pytest.raises(ValueError, match="image-to-video checkpoint: pass image="):
+    i2v_like(PROMPT, height=32, width=32, num_frames=5)
+  with pytest.raises(ValueError, match="text-to-video checkpoint"):
+    t2v(PROMPT, image=np.zeros((32, 32, 3), np.uint8), height=32, width=32, num_frames=5)
+  with pytest.raises(ValueError, match="last_image needs image"):
+    t2v(PROMPT, last_image=np.zeros((32, 32, 3)), height=32, width=32, num_frames=5)
+
+
+def _with(t2v, transformer, mesh):
+  return md_wan.WanVideoPipeline(
+    transformer=transformer,
+    vae=t2v.vae,
+    text_encoder=t2v.text_encoder,
+    tokenizer=t2v.tokenizer,
+    scheduler_config=t2v.scheduler_config,
+    mesh=mesh,
+  )
+
+
+def test_heads_not_divisible_by_tensor_or_ulysses_degree(t2v):
+  """The tiny transformer has 4 heads: tensor=8 cannot split them, nor Ulysses over 8 context shards."""
+  pipe = _with(t2v, t2v.transformer, mds.make_mesh(mds.MeshConfig(ici_tensor_parallelism=8)))
+  with pytest.raises(
+    ValueError, match="num_attention_heads=4 is not divisible by the mesh's tensor"
+  ):
+    pipe(PROMPT, height=32, width=32, num_frames=5)
+  cfg = dataclasses.replace(t2v.transformer.cfg, attention="ulysses")
+  uly = nnx.eval_shape(lambda: md_wan.WanTransformer(cfg, rngs=nnx.Rngs(0)))
+  pipe = _with(t2v, uly, mds.make_mesh(mds.MeshConfig(ici_context_parallelism=8)))
+  with pytest.raises(ValueError, match="attention='ulysses' splits the 4 heads"):
+    pipe(PROMPT, height=32, width=32, num_frames=5)
