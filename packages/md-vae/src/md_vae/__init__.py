@@ -1,5 +1,15 @@
 """md-vae: autoencoders for md (SD/SDXL/Flux KL, Flux.2, Wan 2.1/2.2, LTX, LTX-2) with tiling."""
 
+# FLUX.2 VAE (32 latent channels, 2x2 patches, batch-norm latent statistics).
+from md_vae._flux2 import (
+  FLUX2_VAE_VARIANTS,
+  AutoencoderKLFlux2,
+  AutoencoderKLFlux2Config,
+  patchify_latents,
+  unpatchify_latents,
+)
+from md_vae._flux2_weights import FLUX2_VAE_ALLOW_UNUSED, load_vae_flux2, vae_flux2_convert_key
+
 # AutoencoderKL (SD 1.x/2.x, SDXL, Flux).
 from md_vae._kl import (
   KL_VARIANTS,
@@ -34,4 +44,13 @@ __all__ = [
   "load_vae_wan",
   "vae_wan_convert_key",
   "video_to_uint8",
+  # FLUX.2 VAE
+  "FLUX2_VAE_ALLOW_UNUSED",
+  "FLUX2_VAE_VARIANTS",
+  "AutoencoderKLFlux2",
+  "AutoencoderKLFlux2Config",
+  "load_vae_flux2",
+  "patchify_latents",
+  "unpatchify_latents",
+  "vae_flux2_convert_key",
 ]
