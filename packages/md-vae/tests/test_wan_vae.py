@@ -246,6 +246,15 @@ def test_load_from_pipeline_layout_and_bad_checkpoint(tmp_path):
   vae = md_vae.load_vae_wan(tmp_path, dtype=jnp.bfloat16)
   assert vae.decoder.conv_in.kernel[...].dtype == jnp.bfloat16
   assert vae.encoder.mid_block.attentions[0].norm.scale[...].shape == (1, 1, 8)
+  # bfloat16 end to end: the scan carries bfloat16 caches; the frames stay near the float32 reference (30-odd
+  # bfloat16 convs and norms deep).
+  ref = load_arrays(fixture_path("vae_wan") / "wan21.npz")
+  graphdef, state = nnx.split(vae)
+  latents = _to_md(ref["latents3"]).astype(jnp.bfloat16)
+  video = _compiled(lambda s, z: nnx.merge(graphdef, s).decode(z), state, latents)(state, latents)
+  assert video.dtype == jnp.bfloat16
+  err = np.abs(_to_torch(video.astype(jnp.float32)) - ref["decoded3"])
+  assert err.mean() < 0.01 and err.max() < 0.15, (err.mean(), err.max())  # the frames' std is 0.15
   src = md_core.open_checkpoint(tmp_path / "vae")
   tensors = {k: np.array(src[k]) for k in src}
   tensors["decoder.conv_out.weight"] = tensors["decoder.conv_out.weight"][:, :2]
