@@ -14,6 +14,7 @@ and the VAE's `latents / scaling_factor + shift_factor` before decoding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -115,6 +116,10 @@ def _place(mesh, x: jax.Array) -> jax.Array:
   if axes and x.shape[0] % size == 0:
     spec[0] = axes
   return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def _using(mesh):
+  return contextlib.nullcontext() if mesh is None else jax.sharding.set_mesh(mesh)
 
 
 def _decode_fn(vae: _Split, cfg: md_vae.AutoencoderKLConfig, h: int, w: int):
@@ -367,17 +372,19 @@ class FluxPipeline:
       lambda: self._loop_fn(sched, steps=steps, true_cfg=true_cfg, show=show),
     )
     place = lambda a: _place(self.mesh, a)  # noqa: E731
-    x = loop(
-      self._tr.state,
-      place(x),
-      st,
-      place(ctx),
-      place(pooled),
-      img,
-      txt,
-      jnp.float32(guidance_scale),
-      jnp.float32(true_cfg_scale),
-    )
+    # Under the mesh, context-parallel attention (ring / Ulysses) finds its `context` axis.
+    with _using(self.mesh):
+      x = loop(
+        self._tr.state,
+        place(x),
+        st,
+        place(ctx),
+        place(pooled),
+        img,
+        txt,
+        jnp.float32(guidance_scale),
+        jnp.float32(true_cfg_scale),
+      )
     return self.decode(x, height, width)
 
   def decode(self, packed: jax.Array, height: int, width: int) -> jax.Array:
