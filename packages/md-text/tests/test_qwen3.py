@@ -193,3 +193,16 @@ def test_sharded_bf16_load(io):
   assert out.hidden_states.dtype == jnp.bfloat16
   err = jnp.abs(out.hidden_states.astype(jnp.float32) - io["hidden_states"]).max()
   assert float(err) < 0.15, err
+
+
+def test_qwen3_model_layout_and_lm_head_load(tmp_path, io):
+  """Bare `Qwen3Model` names (no `model.` prefix) load, and a stored `lm_head.weight` (Qwen3-8B) is skipped."""
+  src = fixture_path("qwen3") / "text_encoder"
+  ckpt = md_core.open_checkpoint(src)
+  tensors = {k.removeprefix("model."): np.asarray(ckpt[k]) for k in ckpt}
+  tensors["lm_head.weight"] = np.zeros((320, 32), np.float32)
+  md_core.save_safetensors(tmp_path / "model.safetensors", tensors)
+  (tmp_path / "config.json").write_text((src / "config.json").read_text())
+  model = md_text.load_qwen3_encoder(tmp_path, subfolder=None)
+  out = _run(model, io["input_ids"], io["attention_mask"])
+  chex.assert_trees_all_close(out.hidden_states, io["hidden_states"], atol=1e-4, rtol=0)

@@ -205,6 +205,14 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[jax.Array, j
   return jnp.cos(angles), jnp.sin(angles)
 
 
+def _concrete(x) -> np.ndarray | None:
+  """`x` as numpy when it has values (not a tracer under jit / vmap / eval_shape), else None."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
 class _Layer(nnx.Module):
   """One decoder layer: pre-norm grouped-query attention and pre-norm SwiGLU MLP, both residual."""
 
@@ -307,8 +315,9 @@ class Qwen3Encoder(nnx.Module):
     b, s = input_ids.shape
     if attention_mask is not None and attention_mask.shape != (b, s):
       raise ValueError(f"attention_mask must be [B, S] = {(b, s)}, got {attention_mask.shape}")
-    if not isinstance(input_ids, jax.core.Tracer) and input_ids.size:
-      lo, hi = int(np.min(input_ids)), int(np.max(input_ids))
+    concrete = _concrete(input_ids)
+    if concrete is not None and concrete.size:
+      lo, hi = int(concrete.min()), int(concrete.max())
       if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(
