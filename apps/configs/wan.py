@@ -1,0 +1,139 @@
+"""wan_generate: Wan 2.1 / 2.2 text-to-video and image-to-video with md-wan.
+
+uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-1.3b --config.prompt="a cat surfing"
+uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-14b --config.prompt="a cat surfing"
+uv run apps/wan_generate --config=apps/configs/wan.py:2.1-i2v-14b-480p --config.image=cat.png
+uv run apps/wan_generate --config=apps/configs/wan.py:2.2-t2v-a14b --config.mesh.ici_context_parallelism=4
+uv run apps/wan_generate --config=apps/configs/wan.py:2.2-ti2v-5b --config.image=cat.png   # or no image
+uv run apps/wan_generate --config=apps/configs/wan.py:tiny --workdir=/tmp/wan   # the bundled tiny pipeline
+
+Variants: 2.1-t2v-1.3b, 2.1-t2v-14b, 2.1-i2v-14b-480p, 2.1-i2v-14b-720p, 2.2-t2v-a14b, 2.2-i2v-a14b,
+2.2-ti2v-5b, and tiny, tiny-a14b, tiny-ti2v (tests/fixtures/wan_pipeline). Defaults follow the Wan
+authors' settings as diffusers' docs use them (steps, guidance, flow_shift: 3.0 at 480p, 5.0 at 720p; 16 fps,
+24 for TI2V-5B). Hub ids need the hub cache (or network). `attention` picks md-attention's implementation;
+"ring", "ulysses" or "ulysses_ring" split the video tokens over the mesh's `context` axis.
+"""
+
+import ml_collections
+
+_FIXTURES = "tests/fixtures/wan_pipeline"
+
+# variant -> settings that differ from the defaults below
+VARIANTS = {
+  "2.1-t2v-1.3b": dict(model="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", flow_shift=3.0),
+  "2.1-t2v-14b": dict(
+    model="Wan-AI/Wan2.1-T2V-14B-Diffusers", height=720, width=1280, flow_shift=5.0
+  ),
+  "2.1-i2v-14b-480p": dict(
+    model="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", flow_shift=3.0, needs_image=True
+  ),
+  "2.1-i2v-14b-720p": dict(
+    model="Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+    height=720,
+    width=1280,
+    flow_shift=5.0,
+    needs_image=True,
+  ),
+  "2.2-t2v-a14b": dict(
+    model="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+    height=720,
+    width=1280,
+    steps=40,
+    guidance_scale=4.0,
+    guidance_scale_2=3.0,
+    flow_shift=12.0,
+  ),
+  "2.2-i2v-a14b": dict(
+    model="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+    height=720,
+    width=1280,
+    steps=40,
+    guidance_scale=3.5,
+    guidance_scale_2=3.5,
+    flow_shift=5.0,
+    needs_image=True,
+  ),
+  "2.2-ti2v-5b": dict(
+    model="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    height=704,
+    width=1280,
+    num_frames=121,
+    fps=24,
+    flow_shift=5.0,
+  ),
+  "tiny": dict(model=f"{_FIXTURES}/t2v", height=32, width=32, num_frames=9, steps=3),
+  "tiny-a14b": dict(
+    model=f"{_FIXTURES}/t2v_a14b",
+    height=32,
+    width=32,
+    num_frames=5,
+    steps=3,
+    guidance_scale=4.0,
+    guidance_scale_2=3.0,
+  ),
+  "tiny-ti2v": dict(model=f"{_FIXTURES}/ti2v", height=32, width=64, num_frames=5, steps=3, fps=24),
+}
+
+# The Wan authors' negative prompt (English, as in diffusers' Wan examples).
+NEGATIVE_PROMPT = (
+  "Bright tones, overexposed, static, blurred details, subtitles, style, works, paintings, images, "
+  "static, overall gray, worst quality, low quality, JPEG compression residue, ugly, incomplete, extra "
+  "fingers, poorly drawn hands, poorly drawn faces, deformed, disfigured, misshapen limbs, fused "
+  "fingers, still picture, messy background, three legs, many people in the background, walking "
+  "backwards"
+)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  name = arg or "2.1-t2v-1.3b"
+  if name not in VARIANTS:
+    raise ValueError(
+      f"apps/configs/wan.py: unknown variant {name!r}; choose one of {sorted(VARIANTS)}"
+    )
+  c = ml_collections.ConfigDict()
+  c.variant = name
+  # The pipeline: a diffusers folder or hub id; parameter dtype of the transformers and UMT5.
+  c.model = ""
+  c.dtype = "float32"
+  # Attention implementation ("auto", "dot_product", "blockwise", "ring", "ulysses", "ulysses_ring", ...)
+  # and the blocks' rematerialisation ("none" for inference).
+  c.attention = "auto"
+  c.remat = "none"
+  # What to generate.
+  c.prompt = "A cat walks on the grass, realistic"
+  c.negative_prompt = NEGATIVE_PROMPT
+  c.num_videos_per_prompt = 1
+  c.height = 480
+  c.width = 832
+  c.num_frames = 81
+  c.fps = 16
+  c.steps = 50
+  c.guidance_scale = 5.0
+  # The low-noise expert's guidance (Wan 2.2 A14B); -1 uses guidance_scale.
+  c.guidance_scale_2 = -1.0
+  # UniPC's flow_shift; 0 keeps the checkpoint's scheduler_config.json value.
+  c.flow_shift = 0.0
+  c.seed = 0
+  # Image-to-video: the first frame (and optionally the last), resized to height x width.
+  c.image = ""
+  c.last_image = ""
+  c.needs_image = False
+  c.mesh = ml_collections.ConfigDict(
+    dict(
+      ici_data_parallelism=1,
+      ici_fsdp_parallelism=-1,
+      ici_context_parallelism=1,
+      ici_tensor_parallelism=1,
+      dcn_data_parallelism=1,
+      dcn_fsdp_parallelism=1,
+      dcn_context_parallelism=1,
+      dcn_tensor_parallelism=1,
+    )
+  )
+  c.distributed = ml_collections.ConfigDict(
+    dict(coordinator_address="", num_processes=-1, process_id=-1)
+  )
+  c.compilation_cache = True
+  c.update(VARIANTS[name])
+  c.lock()
+  return c
