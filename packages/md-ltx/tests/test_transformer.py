@@ -1,0 +1,141 @@
+"""LTX-Video transformer against diffusers' outputs (tests/fixtures/ltx_transformer), the original single
+file, rotary tables and input errors."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_ltx
+from md_core.testing import fixture_path, load_arrays
+
+CASES = ("t2v", "per_token")
+TOL = 1e-4
+
+
+@jax.jit(static_argnames=("grid", "scale"))
+def _apply(graphdef, state, x, text, t, mask, grid, scale):
+  f, h, w = grid
+  return nnx.merge(graphdef, state)(
+    x, text, t, mask, num_frames=f, height=h, width=w, rope_interpolation_scale=scale
+  )
+
+
+def run(model, ref):
+  graphdef, state = nnx.split(model)
+  scale = ref.get("rope_interpolation_scale")
+  scale = None if scale is None else tuple(float(s) for s in scale)
+  return _apply(
+    graphdef, state, jnp.asarray(ref["hidden_states"]), jnp.asarray(ref["encoder_hidden_states"]),
+    jnp.asarray(ref["timestep"]), jnp.asarray(ref["encoder_attention_mask"]),
+    tuple(int(n) for n in ref["grid"]), scale,
+  )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+  return md_ltx.load_transformer(fixture_path("ltx_transformer"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_diffusers(model, case):
+  ref = load_arrays(fixture_path("ltx_transformer") / f"{case}.npz")
+  out = run(model, ref)
+  chex.assert_shape(out, ref["sample"].shape)
+  chex.assert_trees_all_close(out, ref["sample"], atol=TOL, rtol=0)
+
+
+def test_original_single_file_gives_the_same_outputs(model):
+  single = md_ltx.load_transformer(
+    fixture_path("ltx_transformer") / "ltxv-tiny.safetensors", num_attention_heads=2
+  )
+  assert single.cfg == model.cfg
+  ref = load_arrays(fixture_path("ltx_transformer") / "t2v.npz")
+  chex.assert_trees_all_close(run(single, ref), ref["sample"], atol=TOL, rtol=0)
+
+
+def test_config_read_from_the_fixture(model):
+  assert model.cfg == md_ltx.VARIANTS["tiny"]
+  assert model.blocks.attn1.to_q.kernel[...].shape == (2, 32, 32)
+  assert model.blocks.norm1.scale is None  # norm_elementwise_affine=False
+
+
+def test_bf16_keeps_modulation_tables_f32():
+  model = md_ltx.load_transformer(fixture_path("ltx_transformer"), dtype=jnp.bfloat16)
+  assert model.blocks.attn1.to_q.kernel[...].dtype == jnp.bfloat16
+  assert model.scale_shift_table[...].dtype == jnp.float32
+  assert model.blocks.scale_shift_table[...].dtype == jnp.float32
+  ref = load_arrays(fixture_path("ltx_transformer") / "t2v.npz")
+  out = run(
+    model, {k: v.astype(jnp.bfloat16) if k == "hidden_states" else v for k, v in ref.items()}
+  )
+  assert out.dtype == jnp.bfloat16
+  err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref["sample"])))
+  assert err < 0.1 * float(np.max(np.abs(ref["sample"]))), err
+
+
+def test_rope_tables_layout():
+  cfg = md_ltx.VARIANTS["tiny"]  # width 32: 5 frequencies per axis, 2 unrotated features in front
+  cos, sin = md_ltx.rope_tables(cfg, 2, 3, 4, (0.5, 32.0, 32.0))
+  chex.assert_shape((cos, sin), (24, 32))
+  cos, sin = np.asarray(cos).reshape(2, 3, 4, 32), np.asarray(sin).reshape(2, 3, 4, 32)
+  np.testing.assert_array_equal(cos[..., :2], 1.0)
+  np.testing.assert_array_equal(sin[..., :2], 0.0)
+  # Feature 2 + 2 * (3k + a) + j holds frequency k of axis a: pairs share an angle.
+  np.testing.assert_array_equal(cos[..., 2::2], cos[..., 3::2])
+  freqs = 10000.0 ** np.linspace(0, 1, 5) * np.pi / 2
+  f, h, w = 1, 2, 3
+  pos = (f * 0.5 / 20, h * 32.0 / 2048, w * 32.0 / 2048)
+  for k in range(5):
+    for a in range(3):
+      want = np.cos(freqs[k] * (2 * pos[a] - 1))
+      np.testing.assert_allclose(cos[f, h, w, 2 + 2 * (3 * k + a)], want, atol=2e-3)
+
+
+def _abstract(cfg):
+  return nnx.eval_shape(lambda: md_ltx.LTXTransformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _trace(model, x, text, t, mask=None, **kwargs):
+  graphdef, state = nnx.split(model)
+  args = [
+    None if a is None else jax.ShapeDtypeStruct(np.shape(a), jnp.float32)
+    for a in (x, text, t, mask)
+  ]
+  return jax.eval_shape(lambda st, *a: nnx.merge(graphdef, st)(*a, **kwargs), state, *args)
+
+
+def test_input_errors():
+  model = _abstract(md_ltx.VARIANTS["tiny"])
+  x, text, t = np.zeros((1, 24, 8)), np.zeros((1, 5, 24)), np.zeros((1,))
+  grid = dict(num_frames=2, height=3, width=4)
+  assert _trace(model, x, text, t, **grid).shape == (1, 24, 8)
+  with pytest.raises(
+    ValueError, match=r"has 24 tokens but num_frames x height x width = 2 x 3 x 5 = 30"
+  ):
+    _trace(model, x, text, t, num_frames=2, height=3, width=5)
+  with pytest.raises(ValueError, match=r"caption_channels=24\] \(T5 states\), got \(1, 5, 4096\)"):
+    _trace(model, x, np.zeros((1, 5, 4096)), t, **grid)
+  with pytest.raises(ValueError, match=r"\[B, S, in_channels=8\], got \(1, 24, 128\)"):
+    _trace(model, np.zeros((1, 24, 128)), text, t, **grid)
+  with pytest.raises(
+    ValueError, match=r"timestep must be \[B\]=\(1,\) or per token \[B, S\]=\(1, 24\)"
+  ):
+    _trace(model, x, text, np.zeros((1, 5)), **grid)
+  with pytest.raises(ValueError, match=r"encoder_attention_mask must be \[B, S_text\]=\(1, 5\)"):
+    _trace(model, x, text, t, np.zeros((1, 6)), **grid)
+  with pytest.raises(ValueError, match="must be three numbers"):
+    _trace(model, x, text, t, rope_interpolation_scale=(1.0, 2.0), **grid)
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match=r"keys \['use_rope'\] are not supported"):
+    md_ltx.LTXConfig.from_dict({"use_rope": True})
+  with pytest.raises(ValueError, match="LTX2VideoTransformer3DModel"):
+    md_ltx.LTXConfig.from_dict({"_class_name": "LTX2VideoTransformer3DModel"})
+  with pytest.raises(ValueError, match="cross_attention_dim=4096 must equal the model width"):
+    md_ltx.LTXConfig(cross_attention_dim=4096)
+  with pytest.raises(ValueError, match="qk_norm='rms_norm'"):
+    md_ltx.LTXConfig(qk_norm="rms_norm")
