@@ -26,8 +26,10 @@ from md_vae._kl import (
   Decoder,
   DiagonalGaussian,
   Encoder,
+  _batch_sliced,
   _constrain,
   _conv,
+  _tiled,
 )
 
 _F32 = jnp.float32
@@ -48,7 +50,7 @@ class AutoencoderKLFlux2Config:
     layers_per_block: resnets per encoder level (the decoder has one more).
     latent_channels: 32.
     norm_num_groups: GroupNorm groups everywhere.
-    sample_size: image size (kept; md does not tile this VAE).
+    sample_size: tile size in pixels of the tiled encode / decode.
     use_quant_conv: a 1x1 conv on the encoder's moments.
     use_post_quant_conv: a 1x1 conv on latents before decoding.
     mid_block_add_attention: self-attention in the mid blocks.
@@ -257,24 +259,79 @@ class AutoencoderKLFlux2(nnx.Module):
   def _dtype(self, x: jax.Array):
     return _F32 if self.config.force_upcast else x.dtype
 
-  def encode(self, images: jax.Array) -> DiagonalGaussian:
-    """Images `[B, H, W, C]` in [-1, 1] (H, W multiples of `config.downscale`) → the latent posterior
-    `[B, H/8, W/8, 32]` (`.mode()`, `.sample(key)`)."""
-    c = self.config
-    self._check(images, c.in_channels, "images", c.downscale)
-    h = self.encoder(_constrain(images.astype(self._dtype(images))))
-    if self.quant_conv is not None:
-      h = self.quant_conv(h)
-    return AutoencoderKL._posterior(h)
+  def _moments(self, x: jax.Array) -> jax.Array:
+    h = self.encoder(x)
+    return self.quant_conv(h) if self.quant_conv is not None else h
 
-  def decode(self, latents: jax.Array) -> jax.Array:
-    """Latents `[B, h, w, 32]` (unpatchified, unnormalised) → images `[B, 8h, 8w, C]`, roughly in [-1, 1]."""
-    c = self.config
-    self._check(latents, c.latent_channels, "latents", 1)
-    z = _constrain(latents.astype(self._dtype(latents)))
+  def _decode(self, z: jax.Array) -> jax.Array:
     if self.post_quant_conv is not None:
       z = self.post_quant_conv(z)
     return self.decoder(z)
+
+  def _tile_sizes(self, tile_sample_size: int | None) -> tuple[int, int]:
+    sample = int(tile_sample_size or self.config.sample_size)
+    return sample, int(sample / self.config.downscale)
+
+  def encode(
+    self,
+    images: jax.Array,
+    *,
+    tiled: bool = False,
+    tile_sample_size: int | None = None,
+    tile_overlap: float = 0.25,
+    batch_slice: int | None = None,
+  ) -> DiagonalGaussian:
+    """Images `[B, H, W, C]` in [-1, 1] (H, W multiples of `config.downscale`) → the latent posterior
+    `[B, H/8, W/8, 32]` (`.mode()`, `.sample(key)`).
+
+    Args:
+      images: channels-last images.
+      tiled: encode overlapping tiles of `tile_sample_size` (default `config.sample_size`) when the image
+        is larger than one tile, blending `tile_overlap` of each, as diffusers' `enable_tiling`.
+      tile_sample_size: tile size in pixels.
+      tile_overlap: the fraction of a tile shared with its neighbours.
+      batch_slice: encode this many examples at a time.
+    """
+    c = self.config
+    self._check(images, c.in_channels, "images", c.downscale)
+    x = _constrain(images.astype(self._dtype(images)))
+    sample, latent = self._tile_sizes(tile_sample_size)
+    fn = self._moments
+    if tiled and (x.shape[1] > sample or x.shape[2] > sample):
+      blend = int(latent * tile_overlap)
+      step = int(sample * (1 - tile_overlap))
+      fn = lambda t: _tiled(t, sample, step, blend, latent - blend, self._moments)  # noqa: E731
+    return AutoencoderKL._posterior(_batch_sliced(fn, x, batch_slice))
+
+  def decode(
+    self,
+    latents: jax.Array,
+    *,
+    tiled: bool = False,
+    tile_sample_size: int | None = None,
+    tile_overlap: float = 0.25,
+    batch_slice: int | None = None,
+  ) -> jax.Array:
+    """Latents `[B, h, w, 32]` (unpatchified, unnormalised) → images `[B, 8h, 8w, C]`, roughly in [-1, 1].
+
+    Args:
+      latents: channels-last latents.
+      tiled: decode overlapping latent tiles of `tile_sample_size / 8` when larger than one tile, as
+        diffusers' `enable_tiling`.
+      tile_sample_size: tile size in pixels (default `config.sample_size`).
+      tile_overlap: the fraction of a tile shared with its neighbours.
+      batch_slice: decode this many examples at a time.
+    """
+    c = self.config
+    self._check(latents, c.latent_channels, "latents", 1)
+    z = _constrain(latents.astype(self._dtype(latents)))
+    sample, latent = self._tile_sizes(tile_sample_size)
+    fn = self._decode
+    if tiled and (z.shape[1] > latent or z.shape[2] > latent):
+      blend = int(sample * tile_overlap)
+      step = int(latent * (1 - tile_overlap))
+      fn = lambda t: _tiled(t, latent, step, blend, sample - blend, self._decode)  # noqa: E731
+    return _batch_sliced(fn, z, batch_slice)
 
   def _stats(self, dtype) -> tuple[jax.Array, jax.Array]:
     mean = self.bn.running_mean[...].astype(_F32)
