@@ -200,6 +200,29 @@ def test_manifest_coverage(version):
   assert "'decoder.conv_in.weight'" in problem and "decoder/conv_in/kernel" in problem
 
 
+def test_original_file_manifest_coverage():
+  # Names of the original Wan 2.1 VAE file, checked by the tool against diffusers' own single-file converter.
+  manifest = json.loads((fixture_path("manifests") / "vae_wan2.1_original.json").read_text())
+  shapes = {k: v["shape"] for k, v in manifest["tensors"].items()}
+  diffusers = json.loads((fixture_path("manifests") / "vae_wan2.1.json").read_text())["tensors"]
+  config = md_vae.WAN_VARIANTS["wan2.1"]
+  renamed = {md_vae.wan_original_to_diffusers_name(k, config): v for k, v in shapes.items()}
+  assert renamed == {k: v["shape"] for k, v in diffusers.items()}
+  factory = lambda: md_vae.WanVAE(config, rngs=nnx.Rngs(0))  # noqa: E731
+  assert md_core.coverage(shapes, factory, md_vae.wan_original_keymap(config)) == []
+  assert md_vae.wan_original_to_diffusers_name("decoder.upsamples.7.resample.1.weight", config) == (
+    "decoder.up_blocks.1.upsamplers.0.resample.1.weight"
+  )
+  assert md_vae.wan_original_to_diffusers_name("decoder.upsamples.4.shortcut.bias", config) == (
+    "decoder.up_blocks.1.resnets.0.conv_shortcut.bias"
+  )
+  assert (
+    md_vae.wan_original_to_diffusers_name("decoder.upsamples.15.residual.0.gamma", config) is None
+  )
+  with pytest.raises(ValueError, match="Wan 2.1 VAE only"):
+    md_vae.load_vae_wan_original("unused.safetensors", config=md_vae.WAN_VARIANTS["wan2.2"])
+
+
 def test_real_sizes():
   # Wan 2.1 VAE: 127M parameters (its 508 MB float32 file); Wan 2.2 VAE: 705M (2.8 GB).
   counts = {}

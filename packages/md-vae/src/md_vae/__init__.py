@@ -24,7 +24,13 @@ from md_vae._kl_weights import load_vae_kl, vae_kl_convert_key
 # Wan 2.1 / 2.2 causal video VAE.
 from md_vae._wan import WanLatentDist, WanVAE, video_to_uint8
 from md_vae._wan_config import WAN_VARIANTS, WanVAEConfig
-from md_vae._wan_weights import load_vae_wan, vae_wan_convert_key
+from md_vae._wan_weights import (
+  load_vae_wan,
+  load_vae_wan_original,
+  vae_wan_convert_key,
+  wan_original_keymap,
+  wan_original_to_diffusers_name,
+)
 
 __all__ = [
   # AutoencoderKL
@@ -42,8 +48,11 @@ __all__ = [
   "WanVAE",
   "WanVAEConfig",
   "load_vae_wan",
+  "load_vae_wan_original",
   "vae_wan_convert_key",
   "video_to_uint8",
+  "wan_original_keymap",
+  "wan_original_to_diffusers_name",
   # FLUX.2 VAE
   "FLUX2_VAE_ALLOW_UNUSED",
   "FLUX2_VAE_VARIANTS",

@@ -103,3 +103,122 @@ def load_vae_wan(
     rules=rules,
     progress=progress,
   )
+
+
+# --- the original Wan 2.1 VAE file (Wan-AI's `Wan2.1_VAE.pth`, ComfyUI's `wan_2.1_vae.safetensors`) -----------
+
+# Inside a residual block the original keeps torch's Sequential indices: norm, SiLU, conv, norm, SiLU, dropout, conv.
+_ORIGINAL_RESIDUAL = {
+  "residual.0": "norm1",
+  "residual.2": "conv1",
+  "residual.3": "norm2",
+  "residual.6": "conv2",
+}
+_ORIGINAL_FIXED = {
+  "conv1": "quant_conv",
+  "conv2": "post_quant_conv",
+  "encoder.conv1": "encoder.conv_in",
+  "decoder.conv1": "decoder.conv_in",
+  "encoder.head.0": "encoder.norm_out",
+  "encoder.head.2": "encoder.conv_out",
+  "decoder.head.0": "decoder.norm_out",
+  "decoder.head.2": "decoder.conv_out",
+}
+
+
+def wan_original_to_diffusers_name(name: str, config: WanVAEConfig) -> str | None:
+  """The diffusers name of a tensor of the original Wan 2.1 VAE file (None if not one of its names).
+
+  The original names residual-block layers by Sequential index (`residual.2` = conv1), the mid block `middle.0/1/2`,
+  the heads `head.0/2`, the quant convs `conv1`/`conv2`, and lists the decoder's resnets and upsamplers in one flat
+  `upsamples.{k}` (per level `num_res_blocks + 1` resnets, then the upsampler), as diffusers' own converter reads.
+  """
+  if config.is_residual:
+    return None
+  m = re.fullmatch(r"(?P<module>.+)\.(?P<leaf>weight|bias|gamma)", name)
+  if m is None:
+    return None
+  module, leaf = m["module"], m["leaf"]
+  if module in _ORIGINAL_FIXED:
+    return f"{_ORIGINAL_FIXED[module]}.{leaf}"
+  m = re.fullmatch(r"(encoder|decoder)\.middle\.([012])\.(.+)", module)
+  if m:
+    side, index, rest = m.groups()
+    if index == "1":
+      return f"{side}.mid_block.attentions.0.{rest}.{leaf}"
+    inner = _residual_part(rest)
+    return inner and f"{side}.mid_block.resnets.{int(index) // 2}.{inner}.{leaf}"
+  m = re.fullmatch(r"encoder\.downsamples\.(\d+)\.(.+)", module)
+  if m:  # the same flat list as diffusers' non-residual encoder
+    index, rest = m.groups()
+    inner = _residual_part(rest) or (rest if rest in ("resample.1", "time_conv") else None)
+    return inner and f"encoder.down_blocks.{index}.{inner}.{leaf}"
+  m = re.fullmatch(r"decoder\.upsamples\.(\d+)\.(.+)", module)
+  if m:
+    index, rest = int(m[1]), m[2]
+    levels = len(config.dim_mult)
+    for level in range(levels):
+      size = config.num_res_blocks + 1 + (level < levels - 1)
+      if index < size:
+        break
+      index -= size
+    else:
+      return None
+    if index <= config.num_res_blocks:
+      inner = _residual_part(rest)
+      return inner and f"decoder.up_blocks.{level}.resnets.{index}.{inner}.{leaf}"
+    if rest in ("resample.1", "time_conv"):
+      return f"decoder.up_blocks.{level}.upsamplers.0.{rest}.{leaf}"
+  return None
+
+
+def _residual_part(rest: str) -> str | None:
+  if rest == "shortcut":
+    return "conv_shortcut"
+  return _ORIGINAL_RESIDUAL.get(rest)
+
+
+def wan_original_keymap(config: WanVAEConfig):
+  """A key map for the original Wan 2.1 VAE file's tensor names (for `md_core.load_weights`)."""
+
+  def convert_key(name: str) -> md_core.Target | None:
+    diffusers_name = wan_original_to_diffusers_name(name, config)
+    return None if diffusers_name is None else vae_wan_convert_key(diffusers_name)
+
+  return convert_key
+
+
+def load_vae_wan_original(
+  path: str | os.PathLike,
+  *,
+  config: WanVAEConfig | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  dtype: Any = None,
+  rules: Any = None,
+  progress: bool = False,
+) -> WanVAE:
+  """Loads the original Wan 2.1 VAE single file (safetensors, e.g. ComfyUI's `wan_2.1_vae.safetensors`;
+  convert a `.pth` to safetensors first).
+
+  Args:
+    path: the `.safetensors` file.
+    config: the architecture (default: `WAN_VARIANTS["wan2.1"]`); Wan 2.2's original file is not supported.
+    mesh, dtype, rules, progress: as `load_vae_wan`.
+  """
+  from md_vae._wan_config import WAN_VARIANTS
+
+  config = config or WAN_VARIANTS["wan2.1"]
+  if config.is_residual:
+    raise ValueError(
+      "the original-file key map covers the Wan 2.1 VAE only; load Wan 2.2 from the diffusers layout "
+      "(Wan-AI/Wan2.2-TI2V-5B-Diffusers, subfolder 'vae') with load_vae_wan"
+    )
+  return md_core.load_weights(
+    lambda: WanVAE(config, rngs=nnx.Rngs(0)),
+    md_core.open_checkpoint(path),
+    wan_original_keymap(config),
+    dtype=dtype,
+    mesh=mesh,
+    rules=rules,
+    progress=progress,
+  )
