@@ -1,0 +1,130 @@
+"""sd_generate: Stable Diffusion 1.x / 2.x / XL text-to-image (image-to-image, ControlNet) with md-sd.
+
+uv run apps/sd_generate --config=apps/configs/sd.py:sd1.5 --config.prompt="a photo of a cat"
+uv run apps/sd_generate --config=apps/configs/sd.py:sdxl --config.prompt="a cat surfing" --config.seed=3
+uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-lightning --config.prompt="a cat surfing"
+uv run apps/sd_generate --config=apps/configs/sd.py:controlnet-sd --config.control_image=edges.png
+uv run apps/sd_generate --config=apps/configs/sd.py:sd1.5 --config.image=photo.png --config.strength=0.6
+uv run apps/sd_generate --config=apps/configs/sd.py:tiny --workdir=/tmp/sd   # the bundled tiny pipeline
+
+Variants: sd1.4, sd1.5, sd2-base, sd2.1, sdxl, sdxl-lightning, controlnet-sd, controlnet-sdxl, and tiny,
+tiny-sdxl, tiny-lightning, tiny-controlnet, tiny-controlnet-sdxl (tests/fixtures/sd_pipeline). Hub ids need
+the hub cache (or network); offline they fail with a message that says how to get them.
+"""
+
+import ml_collections
+
+_FIXTURES = "tests/fixtures/sd_pipeline"
+
+# variant -> settings that differ from the defaults below
+VARIANTS = {
+  "sd1.4": dict(model="CompVis/stable-diffusion-v1-4"),
+  "sd1.5": dict(model="stable-diffusion-v1-5/stable-diffusion-v1-5"),
+  "sd2-base": dict(model="stabilityai/stable-diffusion-2-base"),
+  "sd2.1": dict(model="stabilityai/stable-diffusion-2-1", height=768, width=768),
+  "sdxl": dict(
+    model="stabilityai/stable-diffusion-xl-base-1.0", height=1024, width=1024, guidance_scale=5.0
+  ),
+  "sdxl-lightning": dict(
+    model="stabilityai/stable-diffusion-xl-base-1.0",
+    unet_file="ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors",
+    height=1024,
+    width=1024,
+    steps=4,
+    guidance_scale=0.0,
+    scheduler="EulerDiscreteScheduler",
+    timestep_spacing="trailing",
+  ),
+  "controlnet-sd": dict(
+    model="stable-diffusion-v1-5/stable-diffusion-v1-5", controlnet="lllyasviel/sd-controlnet-canny"
+  ),
+  "controlnet-sdxl": dict(
+    model="stabilityai/stable-diffusion-xl-base-1.0",
+    controlnet="diffusers/controlnet-canny-sdxl-1.0",
+    height=1024,
+    width=1024,
+    guidance_scale=5.0,
+  ),
+  "tiny": dict(model=f"{_FIXTURES}/sd", height=32, width=32, steps=3),
+  "tiny-sdxl": dict(model=f"{_FIXTURES}/sdxl", height=32, width=32, steps=3, guidance_scale=5.0),
+  "tiny-lightning": dict(
+    model=f"{_FIXTURES}/sdxl",
+    unet_file=f"{_FIXTURES}/lightning_unet.safetensors",
+    height=32,
+    width=32,
+    steps=3,
+    guidance_scale=0.0,
+    scheduler="EulerDiscreteScheduler",
+    timestep_spacing="trailing",
+  ),
+  "tiny-controlnet": dict(
+    model=f"{_FIXTURES}/sd",
+    controlnet=f"{_FIXTURES}/controlnet_sd",
+    control_image=f"{_FIXTURES}/control.png",
+    height=32,
+    width=32,
+    steps=3,
+  ),
+  "tiny-controlnet-sdxl": dict(
+    model=f"{_FIXTURES}/sdxl",
+    controlnet=f"{_FIXTURES}/controlnet_sdxl",
+    control_image=f"{_FIXTURES}/control.png",
+    height=32,
+    width=32,
+    steps=3,
+    guidance_scale=5.0,
+  ),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  name = arg or "sd1.5"
+  if name not in VARIANTS:
+    raise ValueError(
+      f"apps/configs/sd.py: unknown variant {name!r}; choose one of {sorted(VARIANTS)}"
+    )
+  c = ml_collections.ConfigDict()
+  c.variant = name
+  # The pipeline: a diffusers folder or hub id; optional ControlNet and UNet-only file (local or org/name/file).
+  c.model = ""
+  c.controlnet = ""
+  c.unet_file = ""
+  c.dtype = "float32"
+  # What to generate.
+  c.prompt = "a photo of an astronaut riding a horse on the moon"
+  c.negative_prompt = ""
+  c.num_images_per_prompt = 1
+  c.height = 512
+  c.width = 512
+  c.steps = 30
+  c.guidance_scale = 7.5
+  c.guidance_rescale = 0.0
+  c.seed = 0
+  # A diffusers scheduler class name ("" keeps the checkpoint's) and its timestep spacing ("" keeps it).
+  c.scheduler = ""
+  c.timestep_spacing = ""
+  # Image-to-image: an input image (resized to height x width) and the share of the schedule to run.
+  c.image = ""
+  c.strength = 0.8
+  # ControlNet: the conditioning image (resized to height x width) and the residuals' scale.
+  c.control_image = ""
+  c.controlnet_conditioning_scale = 1.0
+  c.mesh = ml_collections.ConfigDict(
+    dict(
+      ici_data_parallelism=1,
+      ici_fsdp_parallelism=-1,
+      ici_context_parallelism=1,
+      ici_tensor_parallelism=1,
+      dcn_data_parallelism=1,
+      dcn_fsdp_parallelism=1,
+      dcn_context_parallelism=1,
+      dcn_tensor_parallelism=1,
+    )
+  )
+  c.distributed = ml_collections.ConfigDict(
+    dict(coordinator_address="", num_processes=-1, process_id=-1)
+  )
+  c.compilation_cache = True
+  c.update(VARIANTS[name])
+  c.lock()
+  return c
