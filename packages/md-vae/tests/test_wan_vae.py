@@ -115,7 +115,7 @@ def test_tiled_decode_matches_reference(name):
   video = _compiled(decode, state, latents)(state, latents)
   chex.assert_trees_all_close(_to_torch(video), ref["tiled_decoded"], atol=1e-4, rtol=0)
   # The tiles are visible: the whole decode differs where they were blended.
-  assert np.abs(ref["tiled_decoded"] - ref["untiled_decoded"]).max() > 0.05
+  assert ref["tiled_decode_vs_whole"] > 0.05
   with pytest.raises(ValueError, match="must be multiples of the spatial factor"):
     vae.decode(latents, tiled=True, tile_sample_size=tile + 1)
 
@@ -137,7 +137,7 @@ def test_tiled_encode_matches_reference(name):
   mean, logvar = _compiled(encode, state, video)(state, video)
   chex.assert_trees_all_close(_to_torch(mean), ref["tiled_mean"], atol=1e-4, rtol=0)
   chex.assert_trees_all_close(_to_torch(logvar), ref["tiled_logvar"], atol=1e-4, rtol=0)
-  assert np.abs(ref["tiled_mean"] - ref["untiled_mean"]).max() > 0.05
+  assert ref["tiled_encode_vs_whole"] > 0.05
 
 
 @pytest.mark.slow
@@ -146,13 +146,15 @@ def test_short_clip_and_single_frame_match_reference(name):
   vae = md_vae.load_vae_wan(fixture_path("vae_wan") / name, subfolder=None)
   ref = load_arrays(fixture_path("vae_wan") / f"{name}.npz")
   graphdef, state = nnx.split(vae)
-  dist = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x))(state, _to_md(ref["video5"]))
+  dist = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x))(
+    state, _to_md(ref["video9"][:, :, :5])
+  )
   chex.assert_trees_all_close(_to_torch(dist.mean), ref["mean5"], atol=1e-4, rtol=0)
   video = jax.jit(lambda s, z: nnx.merge(graphdef, s).decode(z))(state, _to_md(ref["latents2"]))
   chex.assert_trees_all_close(_to_torch(video), ref["decoded2"], atol=1e-4, rtol=0)
   # An image (one frame) is the first chunk alone.
   image = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x).mean)(
-    state, _to_md(ref["video5"])[:, :1]
+    state, _to_md(ref["video9"][:, :, :5])[:, :1]
   )
   chex.assert_trees_all_close(_to_torch(image), ref["mean5"][:, :, :1], atol=1e-4, rtol=0)
 
@@ -221,6 +223,13 @@ def test_original_file_manifest_coverage():
   )
   with pytest.raises(ValueError, match="Wan 2.1 VAE only"):
     md_vae.load_vae_wan_original("unused.safetensors", config=md_vae.WAN_VARIANTS["wan2.2"])
+  # The tiny fixture's weights under the original names load to the same model as the diffusers file.
+  tiny = md_vae.WanVAEConfig.from_json(fixture_path("vae_wan") / "wan21" / "config.json")
+  original = md_vae.load_vae_wan_original(
+    fixture_path("vae_wan") / "wan21_original.safetensors", config=tiny
+  )
+  diffusers = md_vae.load_vae_wan(fixture_path("vae_wan") / "wan21", subfolder=None)
+  chex.assert_trees_all_equal(nnx.state(original, nnx.Param), nnx.state(diffusers, nnx.Param))
 
 
 def test_real_sizes():
