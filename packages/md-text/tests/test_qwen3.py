@@ -71,7 +71,6 @@ def test_klein_prompt_embeddings_end_to_end(io, model):
 
 
 def test_tokenizer_chat_template_matches_the_written_format(io):
-  pytest.importorskip("jinja2")
   tok = md_text.load_tokenizer(fixture_path("qwen3"))
   tokens = md_text.qwen3_tokenize(tok, PROMPTS[:1], max_length=40, chat_template="tokenizer")
   np.testing.assert_array_equal(tokens.ids, io["prompt_ids"][:1])
