@@ -8,11 +8,16 @@ import pytest
 from flax import nnx
 
 import md_sd
+import md_sharding as mds
 from md_core.testing import fixture_path, load_arrays
 
 
 def _nhwc(x):
   return jnp.asarray(x).transpose(0, 2, 3, 1)
+
+
+def _set_mesh(mesh):
+  return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else jax.sharding.use_mesh(mesh)
 
 
 @pytest.fixture(scope="module", params=("sd1", "sd2", "sdxl"))
@@ -29,10 +34,10 @@ def outputs(request):
     added = {"text_embeds": jnp.asarray(io["text_embeds"]), "time_ids": jnp.asarray(io["time_ids"])}
 
   @jax.jit
-  def run(state, down, mid, mask):
+  def run(state, sample, down, mid, mask):
     m = nnx.merge(graphdef, state)
     return m.call_nchw(
-      jnp.asarray(io["sample"]),
+      sample,
       jnp.asarray(io["timestep"]),
       jnp.asarray(io["encoder_hidden_states"]),
       added_cond_kwargs=added,
@@ -45,12 +50,26 @@ def outputs(request):
   down, mid = [jnp.asarray(io[f"res_{i}"]) for i in range(n)], jnp.asarray(io["res_mid"])
   zeros = jax.tree.map(jnp.zeros_like, (down, mid))
   ones = jnp.ones(io["encoder_hidden_states"].shape[:2])
+  sample = jnp.asarray(io["sample"])
   got = {
-    "out": np.asarray(run(state, *zeros, ones)),
-    "out_res": np.asarray(run(state, down, mid, ones)),
+    "out": np.asarray(run(state, sample, *zeros, ones)),
+    "out_res": np.asarray(run(state, sample, down, mid, ones)),
   }
   if "mask" in io:
-    got["out_mask"] = np.asarray(run(state, *zeros, jnp.asarray(io["mask"])))
+    got["out_mask"] = np.asarray(run(state, sample, *zeros, jnp.asarray(io["mask"])))
+  if request.param == "sd2":
+    # The same program on a (data 2, fsdp 2, context 1, tensor 2) mesh: parameters sharded by their logical
+    # names as the loader places them, the batch over `data`.
+    mesh = mds.make_mesh(
+      mds.MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2)
+    )
+    sharded = md_sd.load_unet(folder, subfolder=None, mesh=mesh, progress=False)
+    got["sharded_model"] = sharded
+    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    with _set_mesh(mesh):
+      out = run(nnx.state(sharded), jax.device_put(sample, batch), *zeros, ones)
+    got["sharded_devices"] = len(out.sharding.device_set)
+    got["sharded"] = np.asarray(out)
   return request.param, io, got
 
 
@@ -74,39 +93,15 @@ def test_text_mask_matches_reference(outputs):
   chex.assert_trees_all_close(got["out_mask"], io["out_mask"], atol=1e-4, rtol=0)
 
 
-def _set_mesh(mesh):
-  return jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else jax.sharding.use_mesh(mesh)
-
-
-def test_sharded_unet_matches_single_device():
-  """SD 2.x-like UNet on a (data 2, fsdp 2, context 1, tensor 2) mesh: parameters sharded by their logical
-  names, the batch over data×fsdp; the result equals the single-device one."""
-  import md_sharding as mds
-
-  folder = fixture_path("unet") / "sd2"
-  io = load_arrays(folder / "io.npz")
-  mesh = mds.make_mesh(
-    mds.MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2)
-  )
-  sample = jnp.concatenate([_nhwc(io["sample"]), -_nhwc(io["sample"])])  # batch 4
-  t = jnp.concatenate([jnp.asarray(io["timestep"]), jnp.asarray([500.0, 3.0])])
-  ehs = jnp.concatenate([jnp.asarray(io["encoder_hidden_states"])] * 2)
-
-  def run(model, sample, t, ehs):
-    graphdef, state = nnx.split(model)
-    return jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))(state, sample, t, ehs)
-
-  single = run(md_sd.load_unet(folder, subfolder=None, progress=False), sample, t, ehs)
-  model = md_sd.load_unet(folder, subfolder=None, mesh=mesh, progress=False)
+def test_sharded_unet_matches_single_device(outputs):
+  """SD 2.x-like UNet on a (2, 2, 1, 2) mesh equals the single-device result."""
+  name, io, got = outputs
+  if name != "sd2":
+    return  # the sharded run is made for the sd2 fixture only
+  model = got["sharded_model"]
   to_q = model.down_blocks[1].attentions[0].transformer_blocks[0].attn1.to_q.kernel[...]
   assert tuple(to_q.sharding.spec) == ("fsdp", "tensor")  # (embed, heads)
   conv = model.up_blocks[0].resnets[0].conv1.kernel[...]
   assert tuple(conv.sharding.spec) == (None, None, None, "tensor")  # (kh, kw, conv_in, conv_out)
-  batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
-  with _set_mesh(mesh):
-    sharded = run(model, jax.device_put(sample, batch), t, ehs)
-  assert len(sharded.sharding.device_set) == 8
-  chex.assert_trees_all_close(sharded, single, atol=1e-5, rtol=0)
-  chex.assert_trees_all_close(
-    np.asarray(single[:2]).transpose(0, 3, 1, 2), io["out"], atol=1e-4, rtol=0
-  )
+  assert got["sharded_devices"] == 8
+  chex.assert_trees_all_close(got["sharded"], got["out"], atol=1e-5, rtol=0)
