@@ -11,6 +11,7 @@ from md_flux._pipeline import (
   pack_latents,
   unpack_latents,
 )
+from md_flux._pipeline2 import MAX_REFERENCE_IMAGES, Flux2KleinPipeline, text_ids
 from md_flux._weights1 import (
   bfl_view,
   bfl_virtual_names,
@@ -25,8 +26,10 @@ from md_flux._weights2 import convert_key_flux2, load_flux2
 __all__ = [
   "FLUX2_VARIANTS",
   "FLUX_VARIANTS",
+  "MAX_REFERENCE_IMAGES",
   "BlockKV",
   "Flux2Config",
+  "Flux2KleinPipeline",
   "Flux2Transformer",
   "FluxConfig",
   "FluxPipeline",
@@ -44,5 +47,6 @@ __all__ = [
   "load_flux2",
   "pack_latents",
   "single_file_layout",
+  "text_ids",
   "unpack_latents",
 ]

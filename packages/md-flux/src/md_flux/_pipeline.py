@@ -398,6 +398,7 @@ class FluxPipeline:
 # --- loading -------------------------------------------------------------------------------------------------
 
 _FLUX1_CLASSES = ("FluxPipeline",)
+_FLUX2_CLASSES = ("Flux2KleinPipeline",)
 
 
 def _component(root: pathlib.Path, name: str, index: Mapping[str, Any]) -> pathlib.Path:
@@ -423,7 +424,7 @@ def load_pipeline(
   attention: Any = None,
   revision: str | None = None,
   progress: bool = False,
-) -> FluxPipeline:
+) -> Any:
   """Loads a Flux diffusers pipeline as md modules.
 
   Args:
@@ -441,7 +442,8 @@ def load_pipeline(
     progress: progress bars while loading tensors.
 
   Returns:
-    A `FluxPipeline`; call it to generate images.
+    A `FluxPipeline` (Flux.1; call it to generate images) or a `Flux2KleinPipeline` (Flux.2 Klein:
+    denoises from prompt embeddings to latents until the Qwen3 encoder and Flux.2 VAE are wired in).
 
   Raises:
     FileNotFoundError: no such folder or hub id, or a component folder is missing (named).
@@ -457,10 +459,23 @@ def load_pipeline(
     )
   index = md_core.read_json(index_file)
   cls = index.get("_class_name", "")
+  if cls in _FLUX2_CLASSES:
+    from md_flux._pipeline2 import load_klein
+
+    return load_klein(
+      root,
+      index,
+      mesh=mesh,
+      dtype=dtype,
+      rules=rules,
+      attention=attention,
+      progress=progress,
+      source=str(source),
+    )
   if cls not in _FLUX1_CLASSES:
     raise ValueError(
       f"{index_file}: pipeline class {cls!r} is not a Flux pipeline md loads; known: "
-      f"{list(_FLUX1_CLASSES)}"
+      f"{list(_FLUX1_CLASSES + _FLUX2_CLASSES)} (Flux2KleinKVPipeline: not yet)"
     )
   names = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"]
   folders = {name: _component(root, name, index) for name in [*names, "scheduler"]}
