@@ -21,6 +21,10 @@ from md_vae._kl import (
 )
 from md_vae._kl_weights import load_vae_kl, vae_kl_convert_key
 
+# LTX-Video causal video VAE (0.9.0, 0.9.1 timestep-conditioned decoder, 0.9.5+ encoder).
+from md_vae._ltx_vae import LTX_VAE_VARIANTS, LTXLatentDist, LTXVideoVAE, LTXVideoVAEConfig
+from md_vae._ltx_vae_weights import load_vae_ltx, vae_ltx_convert_key
+
 # Wan 2.1 / 2.2 causal video VAE.
 from md_vae._wan import WanLatentDist, WanVAE, video_to_uint8
 from md_vae._wan_config import WAN_VARIANTS, WanVAEConfig
@@ -53,6 +57,13 @@ __all__ = [
   "video_to_uint8",
   "wan_original_keymap",
   "wan_original_to_diffusers_name",
+  # LTX-Video VAE
+  "LTX_VAE_VARIANTS",
+  "LTXLatentDist",
+  "LTXVideoVAE",
+  "LTXVideoVAEConfig",
+  "load_vae_ltx",
+  "vae_ltx_convert_key",
   # FLUX.2 VAE
   "FLUX2_VAE_ALLOW_UNUSED",
   "FLUX2_VAE_VARIANTS",
