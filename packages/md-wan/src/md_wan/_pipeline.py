@@ -433,6 +433,12 @@ class WanVideoPipeline:
         "image= was given to a text-to-video checkpoint; load an I2V one (Wan2.1-I2V, Wan2.2-I2V-A14B) "
         "or TI2V-5B"
       )
+    cfg = self.transformer.cfg
+    if last_image is not None and cfg.image_dim is not None and cfg.pos_embed_seq_len is None:
+      raise ValueError(
+        "last_image with a Wan 2.1 I2V transformer: its image branch takes one image's CLIP tokens; use a "
+        "first/last-frame checkpoint (Wan2.1-FLF2V-14B, pos_embed_seq_len set) or Wan2.2-I2V-A14B"
+      )
     if last_image is not None and self.expand_timesteps:
       raise ValueError(
         "last_image is not supported with expand_timesteps (TI2V-5B takes one image)"
