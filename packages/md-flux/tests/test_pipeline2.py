@@ -39,6 +39,48 @@ def test_klein_text_to_latents_matches_diffusers(klein, outputs):
   assert err < 1e-3, f"max abs error {err}"
 
 
+def _refs(outputs, case):
+  """The reference's packed reference latents `[B, R, 16]` → one channels-last grid per image."""
+  packed, refs, at = outputs[f"{case}/ref_latents"], [], 0
+  for h, w in outputs[f"{case}/ref_shapes"]:
+    refs.append(packed[:, at : at + h * w].reshape(packed.shape[0], h, w, -1))
+    at += h * w
+  return refs
+
+
+@pytest.mark.parametrize("case", ["klein_edit", "klein_kv"])
+def test_klein_edit_matches_diffusers(klein, outputs, case):
+  """Two reference images: appended after the target (Flux2KleinPipeline, CFG) or cached after the
+  first step (Flux2KleinKVPipeline, no guidance)."""
+  kv = case == "klein_kv"
+  z = klein(
+    prompt_embeds=outputs[f"{case}/prompt_embeds"],
+    negative_prompt_embeds=None if kv else outputs[f"{case}/negative_prompt_embeds"],
+    latents=outputs[f"{case}/latents"],
+    image_latents=_refs(outputs, case),
+    kv_cache=kv,
+    num_inference_steps=3,
+    guidance_scale=1.0 if kv else 4.0,
+    **COMMON,
+  )
+  want = outputs[f"{case}/latents_out"].transpose(0, 2, 3, 1)
+  err = float(np.abs(np.asarray(z) - want).max())
+  assert err < 1e-3, f"max abs error {err}"
+
+
+def test_kv_checkpoint_loads_in_kv_mode(outputs):
+  kv = md_flux.load_pipeline(FIXTURES / "klein_kv")
+  assert kv.use_kv_cache and kv.is_distilled
+  with pytest.raises(ValueError, match="no guidance|without guidance"):
+    md_flux.Flux2KleinPipeline(
+      transformer=kv.transformer,
+      scheduler_config=kv.scheduler_config,
+      bn_mean=kv.bn_mean,
+      bn_std=kv.bn_std,
+      use_kv_cache=True,
+    )(prompt_embeds=outputs["klein_kv/prompt_embeds"], guidance_scale=4.0, **COMMON)
+
+
 def test_reference_latents_appended_with_time_offsets(klein, outputs):
   """One Euler step with two references equals the transformer on [target; ref1; ref2] with ids at
   t = 0, 10, 20, keeping only the target's prediction (the references are never updated)."""

@@ -398,7 +398,7 @@ class FluxPipeline:
 # --- loading -------------------------------------------------------------------------------------------------
 
 _FLUX1_CLASSES = ("FluxPipeline",)
-_FLUX2_CLASSES = ("Flux2KleinPipeline",)
+_FLUX2_CLASSES = ("Flux2KleinPipeline", "Flux2KleinKVPipeline")
 
 
 def _component(root: pathlib.Path, name: str, index: Mapping[str, Any]) -> pathlib.Path:
@@ -475,7 +475,7 @@ def load_pipeline(
   if cls not in _FLUX1_CLASSES:
     raise ValueError(
       f"{index_file}: pipeline class {cls!r} is not a Flux pipeline md loads; known: "
-      f"{list(_FLUX1_CLASSES + _FLUX2_CLASSES)} (Flux2KleinKVPipeline: not yet)"
+      f"{list(_FLUX1_CLASSES + _FLUX2_CLASSES)}"
     )
   names = ["transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"]
   folders = {name: _component(root, name, index) for name in [*names, "scheduler"]}

@@ -46,6 +46,7 @@ class Flux2KleinPipeline:
     transformer: the md `Flux2Transformer`.
     scheduler_config: the checkpoint's `scheduler_config.json` dict.
     is_distilled: guidance-distilled checkpoints never run classifier-free guidance.
+    use_kv_cache: the default of `kv_cache` (True for `Flux2KleinKVPipeline` checkpoints).
     bn_mean, bn_std: the VAE's batch-norm statistics over patchified channels `[4C]`.
   """
 
@@ -57,6 +58,7 @@ class Flux2KleinPipeline:
     bn_mean: np.ndarray,
     bn_std: np.ndarray,
     is_distilled: bool = False,
+    use_kv_cache: bool = False,
     vae_scale_factor: int = 8,
     mesh: jax.sharding.Mesh | None = None,
     source: str = "",
@@ -66,27 +68,46 @@ class Flux2KleinPipeline:
     self.bn_mean = np.asarray(bn_mean, np.float32)
     self.bn_std = np.asarray(bn_std, np.float32)
     self.is_distilled = bool(is_distilled)
+    self.use_kv_cache = bool(use_kv_cache)
     self.vae_scale_factor = int(vae_scale_factor)
     self.mesh, self.source = mesh, source
     self._tr = _Split.of(transformer)
     self._compiled: dict[Any, Any] = {}
 
-  def _loop_fn(self, sched, *, steps: int, cfg: bool, s_img: int, show: bool):
+  def _loop_fn(self, sched, *, steps: int, cfg: bool, kv: bool, s_img: int, show: bool):
     tr = self._tr
     mean, std = jnp.asarray(self.bn_mean)[None, None], jnp.asarray(self.bn_std)[None, None]
 
-    def loop(state, x, refs, sched_state, ctx, ids, txt, scale):
+    def loop(state, x, refs, sched_state, ctx, img_ids, ref_ids, txt, scale):
       model = tr.merge(state)
       tick = md_progress.make_step_callback(steps, desc="denoising") if show else None
       b = x.shape[0]
+      start, carry, cache = 0, (x, sched_state), None
+      if kv and refs is not None:
+        # Flux2KleinKVPipeline: the first step runs [references; target] and returns the references'
+        # keys/values (modulated at the fixed reference timestep); later steps see the target only.
+        x, st = carry
+        t = jnp.full((b,), mdsch.current_timestep(st) / 1000)
+        ids = jnp.concatenate([ref_ids, img_ids])
+        v, cache = model(
+          jnp.concatenate([refs, x], axis=1), ctx, t, ids, txt, num_ref_tokens=refs.shape[1]
+        )
+        carry = sched.step(st, v.astype(jnp.float32), x)
+        if tick is not None:
+          tick(0)
+        start = 1
+      ids = img_ids if refs is None or kv else jnp.concatenate([img_ids, ref_ids])
 
       def body(i, carry):
         x, st = carry
         t = mdsch.current_timestep(st) / 1000
-        xin = x if refs is None else jnp.concatenate([x, refs], axis=1)
-        if cfg:
-          xin = jnp.concatenate([xin, xin], axis=0)
-        v = model(xin, ctx, jnp.full((xin.shape[0],), t), ids, txt)[:, :s_img]
+        if cache is not None:
+          v = model(x, ctx, jnp.full((b,), t), img_ids, txt, kv_cache=cache)
+        else:
+          xin = x if refs is None else jnp.concatenate([x, refs], axis=1)
+          if cfg:
+            xin = jnp.concatenate([xin, xin], axis=0)
+          v = model(xin, ctx, jnp.full((xin.shape[0],), t), ids, txt)[:, :s_img]
         v = v.astype(jnp.float32)
         if cfg:
           v = v[b:] + scale * (v[:b] - v[b:])
@@ -95,7 +116,7 @@ class Flux2KleinPipeline:
           tick(i)
         return x, st
 
-      x = jax.lax.fori_loop(0, steps, body, (x, sched_state))[0]
+      x = jax.lax.fori_loop(start, steps, body, carry)[0]
       return x * std + mean  # the VAE's batch-norm, undone
 
     return jax.jit(loop)
@@ -114,6 +135,7 @@ class Flux2KleinPipeline:
     prompt_embeds: Any = None,
     negative_prompt_embeds: Any = None,
     image_latents: Sequence[Any] | None = None,
+    kv_cache: bool | None = None,
     sigmas: Sequence[float] | None = None,
     progress: bool = True,
   ) -> jax.Array:
@@ -131,6 +153,8 @@ class Flux2KleinPipeline:
       negative_prompt_embeds: for guidance (the reference encodes "" by default).
       image_latents: up to 4 reference latents, each normalised and patchified channels-last
         `[1 or B, h_r, w_r, 4C]`.
+      kv_cache: compute the references' keys/values once at the first step and reuse them
+        (diffusers' `Flux2KleinKVPipeline`; no guidance). Default: on for KV checkpoints.
       sigmas: custom sigmas (default `linspace(1, 1/n, n)`).
       progress: show a progress bar.
 
@@ -152,6 +176,12 @@ class Flux2KleinPipeline:
     height, width = height or size, width or size
     check_size(height, width, 2 * self.vae_scale_factor)
     cfg_on = guidance_scale > 1 and not self.is_distilled
+    kv = self.use_kv_cache if kv_cache is None else bool(kv_cache)
+    if kv and cfg_on:
+      raise ValueError(
+        f"the KV-cache mode runs without guidance (as Flux2KleinKVPipeline); got guidance_scale="
+        f"{guidance_scale} on a non-distilled model: pass guidance_scale=1 or kv_cache=False"
+      )
     reps = int(num_images_per_prompt)
     embeds = jnp.repeat(jnp.asarray(prompt_embeds, jnp.float32), reps, axis=0)
     ctx = embeds
@@ -183,7 +213,7 @@ class Flux2KleinPipeline:
       noise = noise.transpose(0, 2, 3, 1)
     x = noise.reshape(batch, rows * cols, ch)
 
-    ids = [image_ids(rows, cols, axes=4)]
+    ids = []
     refs = None
     if image_latents is not None:
       image_latents = list(image_latents)
@@ -212,11 +242,11 @@ class Flux2KleinPipeline:
     st = sched.init(n, sigmas=sigmas, mu=mu)
     steps = len(st.timesteps)
     show = bool(progress) and md_progress.progress_enabled()
-    key = ("loop", repr(sorted(sched.config.items())), steps, cfg_on, rows * cols, show)
+    key = ("loop", repr(sorted(sched.config.items())), steps, cfg_on, kv, rows * cols, show)
     loop = self._compiled.get(key)
     if loop is None:
       loop = self._compiled[key] = self._loop_fn(
-        sched, steps=steps, cfg=cfg_on, s_img=rows * cols, show=show
+        sched, steps=steps, cfg=cfg_on, kv=kv, s_img=rows * cols, show=show
       )
     place = lambda a: _place(self.mesh, a)  # noqa: E731
     with _using(self.mesh):
@@ -226,7 +256,8 @@ class Flux2KleinPipeline:
         None if refs is None else place(refs),
         st,
         place(ctx),
-        jnp.asarray(np.concatenate(ids)),
+        jnp.asarray(image_ids(rows, cols, axes=4)),
+        jnp.asarray(np.concatenate(ids)) if ids else None,
         jnp.asarray(text_ids(ctx.shape[1])),
         jnp.float32(guidance_scale),
       )
@@ -248,6 +279,7 @@ def load_klein(
   from md_flux._pipeline import _component
   from md_flux._weights2 import load_flux2
 
+  kv = index.get("_class_name") == "Flux2KleinKVPipeline"
   folders = {n: _component(root, n, index) for n in ("transformer", "vae", "scheduler")}
   transformer = load_flux2(
     folders["transformer"],
@@ -275,7 +307,8 @@ def load_klein(
     scheduler_config=sched_cfg,
     bn_mean=mean,
     bn_std=std,
-    is_distilled=bool(index.get("is_distilled", False)),
+    is_distilled=bool(index.get("is_distilled", kv)),
+    use_kv_cache=kv,
     vae_scale_factor=2 ** (len(blocks) - 1),
     mesh=mesh,
     source=source,
