@@ -11,7 +11,8 @@ flux2-klein-9b-edit (reference images), flux2-klein-9b-kv-edit (reference K/V ca
 and tiny, tiny-schnell (tests/fixtures/flux_pipeline). Defaults follow the reference pipelines and model
 cards (steps, guidance, max_sequence_length). Hub ids need the hub cache (or network); offline they fail
 with a message that says how to get them. The Flux.2 Klein variants name their checkpoints; md-flux's
-Klein pipelines are not implemented yet, so they stop with that message.
+Klein pipeline still needs prompt embeddings and reference latents (no Qwen3 encoder or Flux.2 VAE wired in
+yet), so from this app they stop with that message.
 """
 
 import ml_collections
