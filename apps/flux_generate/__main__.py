@@ -1,5 +1,8 @@
 """flux_generate: Flux.1 (dev, schnell) images with md-flux; writes PNGs and the settings used.
 
+Flux.2 Klein checkpoints load, then stop with a message: md-flux's Klein pipeline needs prompt embeddings
+and reference latents until the Qwen3 encoder and the Flux.2 VAE are wired in.
+
 uv run apps/flux_generate --config=apps/configs/flux.py:flux1-dev --config.prompt="a cat" --workdir=out
 """
 
@@ -77,6 +80,12 @@ def main(argv):
   except (FileNotFoundError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   loaded = time.perf_counter() - start
+  if isinstance(pipe, md_flux.Flux2KleinPipeline):
+    raise app.UsageError(
+      f"{config.model}: Flux.2 Klein pipelines in md-flux run from prompt embeddings and reference "
+      "latents only (the Qwen3 encoder and the Flux.2 VAE are not wired in yet); call "
+      "md_flux.load_pipeline(...)(prompt_embeds=..., image_latents=[...]) from Python"
+    )
   start = time.perf_counter()
   try:
     images = pipe(
