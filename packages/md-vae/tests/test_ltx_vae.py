@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import md_core
+import md_vae
 from md_core.testing import fixture_path, load_arrays, repo_root
 from md_vae import (
   LTX_VAE_VARIANTS,
@@ -137,3 +138,43 @@ def test_input_errors():
     vae.decode(jnp.zeros((1, 2, 2, 2, 128)), 0.05)
   with pytest.raises(ValueError, match=r"keys \['foo'\] are not supported"):
     LTXVideoVAEConfig.from_dict({"foo": 1})
+
+
+def test_original_names_alone():
+  o = md_vae.vae_ltx_original_to_diffusers
+  assert o("vae.decoder.up_blocks.2.res_blocks.0.conv1.conv.weight", "0.9.1") == (
+    "decoder.up_blocks.0.resnets.0.conv1.conv.weight"
+  )
+  assert o("vae.decoder.up_blocks.4.conv_shortcut.weight", "0.9.0") == (
+    "decoder.up_blocks.2.conv_in.conv_shortcut.conv.weight"
+  )
+  assert o("vae.decoder.last_scale_shift_table", "0.9.1") == "decoder.scale_shift_table"
+  assert o("vae.encoder.down_blocks.8.res_blocks.1.norm3.norm.bias", "0.9.5") == (
+    "encoder.mid_block.resnets.1.norm3.bias"
+  )
+  assert o("vae.per_channel_statistics.std-of-means", "0.9.0") == "latents_std"
+  assert o("model.diffusion_model.proj_out.weight", "0.9.0") is None
+
+
+@pytest.mark.parametrize("name", ("0.9.0", "0.9.1", "0.9.5"))
+def test_real_single_file_vaes_are_covered(name):
+  data = json.loads(
+    (repo_root() / f"tests/fixtures/manifests/ltx_vae_{name}_original.json").read_text()
+  )
+
+  class Shapes(dict):
+    def shape(self, key):
+      return tuple(self[key])
+
+  manifest = Shapes({k: v["shape"] for k, v in data["tensors"].items()})
+  assert md_vae.vae_ltx_original_version(manifest) == name
+  model = nnx.eval_shape(lambda: LTXVideoVAE(LTX_VAE_VARIANTS[name], rngs=nnx.Rngs(0)))
+  keymap = md_vae.vae_ltx_original_keymap(name)
+  allow = md_vae.VAE_LTX_ORIGINAL_ALLOW_UNUSED
+  assert md_core.coverage(manifest, model, keymap, allow_unused=allow) == []
+
+
+def test_original_single_file_loads_to_the_same_weights(vaes):
+  path = fixture_path("vae_ltx") / "v090" / "ltxv-tiny.safetensors"
+  vae = md_vae.load_vae_ltx_original(path, config=vaes["v090"].config, version="0.9.0")
+  chex.assert_trees_all_equal(nnx.state(vae), nnx.state(vaes["v090"]))

@@ -23,7 +23,15 @@ from md_vae._kl_weights import load_vae_kl, vae_kl_convert_key
 
 # LTX-Video causal video VAE (0.9.0, 0.9.1 timestep-conditioned decoder, 0.9.5+ encoder).
 from md_vae._ltx_vae import LTX_VAE_VARIANTS, LTXLatentDist, LTXVideoVAE, LTXVideoVAEConfig
-from md_vae._ltx_vae_weights import load_vae_ltx, vae_ltx_convert_key
+from md_vae._ltx_vae_weights import (
+  VAE_LTX_ORIGINAL_ALLOW_UNUSED,
+  load_vae_ltx,
+  load_vae_ltx_original,
+  vae_ltx_convert_key,
+  vae_ltx_original_keymap,
+  vae_ltx_original_to_diffusers,
+  vae_ltx_original_version,
+)
 
 # Wan 2.1 / 2.2 causal video VAE.
 from md_vae._wan import WanLatentDist, WanVAE, video_to_uint8
@@ -64,6 +72,11 @@ __all__ = [
   "LTXVideoVAEConfig",
   "load_vae_ltx",
   "vae_ltx_convert_key",
+  "VAE_LTX_ORIGINAL_ALLOW_UNUSED",
+  "load_vae_ltx_original",
+  "vae_ltx_original_keymap",
+  "vae_ltx_original_to_diffusers",
+  "vae_ltx_original_version",
   # FLUX.2 VAE
   "FLUX2_VAE_ALLOW_UNUSED",
   "FLUX2_VAE_VARIANTS",
