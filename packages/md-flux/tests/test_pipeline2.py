@@ -3,9 +3,11 @@ pipeline (tests/fixtures/flux_pipeline/klein), and reference-image conditioning 
 
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import md_flux
 
@@ -112,7 +114,10 @@ def test_reference_latents_appended_with_time_offsets(klein, outputs):
       md_flux.image_ids(1, 3, time=20.0, axes=4),
     ]
   )
-  v = klein.transformer(
+  graphdef, state = nnx.split(klein.transformer)
+  forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))  # eager scans are slow
+  v = forward(
+    state,
     jnp.concatenate([x, *packed], axis=1),
     jnp.asarray(embeds),
     jnp.full((1,), float(st.timesteps[0]) / 1000),
