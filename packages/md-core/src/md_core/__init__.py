@@ -16,6 +16,7 @@ from md_core._keymap import (
   target_shape,
   torch_module_keymap,
 )
+from md_core._layers import REMAT_POLICIES, remat, stack_layers
 from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
 from md_core._orbax import restore_converted, save_converted
 from md_core._safetensors import (
@@ -30,6 +31,7 @@ from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json,
 __all__ = [
   "apps",
   "LAYOUTS",
+  "REMAT_POLICIES",
   "Checkpoint",
   "KeyMap",
   "LoadReport",
@@ -50,11 +52,13 @@ __all__ = [
   "path_str",
   "progress",
   "read_json",
+  "remat",
   "resolve_source",
   "restore_converted",
   "rule_keymap",
   "save_converted",
   "save_safetensors",
+  "stack_layers",
   "target_shape",
   "torch_module_keymap",
 ]

@@ -16,42 +16,13 @@ import numpy as np
 from flax import nnx
 
 import md_attention as mda
-import md_core
 import md_sharding as mds
-from md_core import nn
+from md_core import nn, stack_layers
+from md_core import remat as _remat
 from md_wan._config import WanConfig
 
 _F32 = jnp.float32
 _TOKENS = ("activation_batch", "activation_length", "activation_embed")
-
-
-def stack_layers(make, num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
-  """`num_layers` independently initialised `make(rngs)` modules as one module whose parameters are
-  stacked on a leading axis.
-
-  The modules are built under `jax.vmap` over split keys, so one block is traced whatever the depth
-  (abstract builds of 40-layer models stay fast). The stacked parameters get the logical axis `layers`
-  in front of their own, so the loader fills them with `Target(layer=i)` and md-sharding keeps that
-  axis whole.
-  """
-  keys = jax.random.split(rngs.params(), num_layers)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
-  stacked = nnx.merge(graphdef, jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys))
-  for _, var in nnx.to_flat_state(nnx.state(stacked)):
-    axes = md_core.logical_axes(var)
-    var.set_metadata("logical_axes", ("layers",) + (axes or (None,) * (var.get_value().ndim - 1)))
-  return stacked
-
-
-def _remat(fn, policy: str):
-  if policy == "none":
-    return fn
-  policies = {
-    "full": None,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-  }
-  return jax.checkpoint(fn, policy=policies[policy])
 
 
 def rope_tables(cfg: WanConfig, frames: int, rows: int, cols: int) -> tuple[jax.Array, jax.Array]:

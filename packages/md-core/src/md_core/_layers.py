@@ -1,0 +1,46 @@
+"""Stacks of identical blocks for `jax.lax.scan`: building them with stacked parameters, and remat."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from md_core._loading import logical_axes
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+def stack_layers(
+  make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs
+) -> nnx.Module:
+  """`num_layers` independently initialised `make(rngs)` modules as one module whose parameters are
+  stacked on a leading axis.
+
+  The modules are built under `jax.vmap` over split keys, so one block is traced whatever the depth
+  (abstract builds of 40-layer models stay fast). Every stacked parameter gets the logical axis `layers`
+  in front of its own, so the loader fills it with `Target(layer=i)` and md-sharding keeps that axis whole.
+  """
+  keys = jax.random.split(rngs.params(), num_layers)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  stacked = nnx.merge(graphdef, jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys))
+  for _, var in nnx.to_flat_state(nnx.state(stacked)):
+    axes = logical_axes(var)
+    var.set_metadata("logical_axes", ("layers",) + (axes or (None,) * (var.get_value().ndim - 1)))
+  return stacked
+
+
+def remat(fn: Callable, policy: str) -> Callable:
+  """`fn` rematerialised by policy name: "none" (keep every activation), "full" (recompute all), "dots"
+  (keep matmul outputs), "dots_no_batch" (keep matmul outputs without batch dimensions)."""
+  if policy == "none":
+    return fn
+  policies = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  }
+  if policy not in policies:
+    raise ValueError(f"unknown remat policy {policy!r}; expected one of {REMAT_POLICIES}")
+  return jax.checkpoint(fn, policy=policies[policy])
