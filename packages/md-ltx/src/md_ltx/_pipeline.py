@@ -1,0 +1,719 @@
+"""LTX-Video pipelines: text-to-video and image / keyframe conditioning.
+
+Three kinds of jitted programs per shape: T5 encoding, the denoising loop (one `fori_loop` over the
+flow-match Euler steps, classifier-free guidance as a batch of 2 `[negative, positive]`) and VAE decoding
+(plus the VAE encoding of the conditioning images).
+
+Two modes, as diffusers' (0.42) pipelines:
+- text-to-video (`LTXPipeline`): the scheduler's shifted schedule (`mu` from the token count), a rotary
+  grid scaled by `(vae_temporal_ratio / frame_rate, vae_spatial_ratio, vae_spatial_ratio)`.
+- conditioning (`LTXConditionPipeline`, 0.9.5+; used whenever `conditions` are given or the checkpoint is
+  a condition pipeline): the linear-quadratic schedule, explicit token coordinates (`video_coords`), images
+  at frame 0 blended into the first latent frame with their strength (per-token timesteps
+  `min(t, (1 - strength) * 1000)`; tokens whose strength exceeds the noise level are kept), images at later
+  frames appended as extra tokens at their frame's coordinates and dropped before decoding, optional noise
+  added to the hard-conditioned tokens at each step (`image_cond_noise_scale`).
+Decoding of 0.9.1+ VAEs takes `decode_timestep` and blends in noise by `decode_noise_scale` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import md_core
+import md_schedulers as mdsch
+import md_text
+import md_vae
+from md_core import progress as md_progress
+from md_ltx._transformer import LTXTransformer, rope_tables, rope_tables_from_coords
+from md_ltx._weights import load_transformer
+
+_CLASSES = ("LTXPipeline", "LTXConditionPipeline", "LTXImageToVideoPipeline")
+MAX_SEQUENCE_LENGTH = 128
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LTXCondition:
+  """One conditioning item: an image placed at `frame_index` with `strength` (1: kept as given).
+
+  `image` is `[H, W, 3]` (uint8, or floats in [0, 1]) or a PIL image; it is resized to the video size when
+  its size differs.
+  """
+
+  image: Any
+  frame_index: int = 0
+  strength: float = 1.0
+
+
+@dataclasses.dataclass
+class _Split:
+  graphdef: Any
+  state: Any
+
+  @classmethod
+  def of(cls, module: nnx.Module) -> _Split:
+    return cls(*nnx.split(module))
+
+  def merge(self, state: Any) -> nnx.Module:
+    return nnx.merge(self.graphdef, state)
+
+
+def _as_list(prompt: str | Sequence[str] | None) -> list[str] | None:
+  if prompt is None:
+    return None
+  return [prompt] if isinstance(prompt, str) else list(prompt)
+
+
+def _nearest(value: int, step: int, offset: int) -> str:
+  below = max(offset, offset + step * ((value - offset) // step))
+  return str(below) if below == value else f"{below} or {below + step}"
+
+
+def _image_array(image: Any, what: str) -> np.ndarray:
+  """An image as float32 `[H, W, 3]` in [0, 1] (uint8 input is divided by 255)."""
+  if isinstance(image, str | os.PathLike):
+    try:
+      import PIL.Image  # noqa: PLC0415 - only for images given as files
+
+      with PIL.Image.open(image) as im:
+        image = np.asarray(im.convert("RGB"))
+    except (OSError, ValueError) as e:
+      raise ValueError(f"{what}: cannot read the image file {os.fspath(image)!r}: {e}") from e
+  elif hasattr(image, "convert"):  # PIL
+    image = np.asarray(image.convert("RGB"))
+  x = np.asarray(image)
+  if x.ndim != 3 or x.shape[-1] != 3:
+    raise ValueError(
+      f"{what} must be one RGB image [H, W, 3] (uint8, or float in [0, 1]); got shape {x.shape}"
+    )
+  return x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+
+
+def _lerp(a, b, w: float):
+  """torch.lerp's two formulas (from the start below 0.5, from the end above), for identical rounding."""
+  return a + w * (b - a) if w < 0.5 else b - (b - a) * (1.0 - w)
+
+
+def _rescale(guided, cond, phi: float):
+  """Guidance rescale (Lin et al. 2023, 3.4): match the guided prediction's std to the conditional one's."""
+  axes = tuple(range(1, guided.ndim))
+  std_cond = jnp.std(cond, axis=axes, keepdims=True, ddof=1)
+  std_guided = jnp.std(guided, axis=axes, keepdims=True, ddof=1)
+  return phi * (guided * (std_cond / std_guided)) + (1 - phi) * guided
+
+
+class LTXVideoPipeline:
+  """A loaded LTX-Video pipeline (see `load_pipeline`); call it to generate videos.
+
+  Attributes:
+    transformer: the LTX-Video transformer; vae: the LTX-Video VAE; text_encoder, tokenizer: T5.
+    scheduler_config: the checkpoint's `scheduler_config.json` dict (flow-match Euler).
+    condition_pipeline: the checkpoint is an `LTXConditionPipeline` (0.9.5+ conditioning semantics even
+      without conditions: linear-quadratic schedule, explicit coordinates).
+  """
+
+  def __init__(
+    self,
+    *,
+    transformer: LTXTransformer,
+    vae: md_vae.LTXVideoVAE,
+    text_encoder: md_text.T5Encoder,
+    tokenizer: Any,
+    scheduler_config: Mapping[str, Any],
+    condition_pipeline: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    source: str = "",
+  ):
+    if transformer.cfg.in_channels != vae.config.latent_channels * transformer.cfg.patch_size**2 * (
+      transformer.cfg.patch_size_t
+    ):
+      raise ValueError(
+        f"the transformer takes in_channels={transformer.cfg.in_channels}; the VAE's "
+        f"{vae.config.latent_channels} latent channels packed by patch {transformer.cfg.patch_size} / "
+        f"{transformer.cfg.patch_size_t} do not give that"
+      )
+    self.transformer, self.vae = transformer, vae
+    self.text_encoder, self.tokenizer = text_encoder, tokenizer
+    self.scheduler_config = dict(scheduler_config)
+    self.condition_pipeline = condition_pipeline
+    self.mesh, self.source = mesh, source
+    self._tr, self._vae, self._te = _Split.of(transformer), _Split.of(vae), _Split.of(text_encoder)
+    self._compiled: dict[Any, Any] = {}
+
+  # --- facts --------------------------------------------------------------------------------------------
+  @property
+  def vae_spatial_compression_ratio(self) -> int:
+    return self.vae.config.spatial_ratio
+
+  @property
+  def vae_temporal_compression_ratio(self) -> int:
+    return self.vae.config.temporal_ratio
+
+  @property
+  def size_multiple(self) -> int:
+    """Pixels per token along height and width (VAE factor × patch)."""
+    return self.vae_spatial_compression_ratio * self.transformer.cfg.patch_size
+
+  def _context(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _jit(self, key, make):
+    fn = self._compiled.get(key)
+    if fn is None:
+      fn = self._compiled[key] = make()
+    return fn
+
+  # --- text ----------------------------------------------------------------------------------------------
+  def encode_prompt(
+    self, prompts: Sequence[str], max_sequence_length: int = MAX_SEQUENCE_LENGTH
+  ) -> tuple[jax.Array, jax.Array]:
+    """T5 states `[B, L, D]` and the token mask `[B, L]` (int32, 1 = token), as the reference: the encoder
+    sees all `L` positions without a mask; the mask is for the transformer's cross-attention."""
+    tokens = md_text.tokenize(self.tokenizer, list(prompts), max_length=max_sequence_length)
+    te = self._te
+
+    def encode(state, ids):
+      return te.merge(state)(ids)
+
+    fn = self._jit(("encode", max_sequence_length), lambda: jax.jit(encode))
+    with self._context():
+      states = fn(self._te.state, jnp.asarray(tokens.ids))
+    return states, jnp.asarray(tokens.mask, jnp.int32)
+
+  # --- sizes ---------------------------------------------------------------------------------------------
+  def check_size(self, height: int, width: int, num_frames: int) -> None:
+    """Raises ValueError (naming the nearest valid values) for sizes the VAE and the packing cannot take:
+    height and width multiples of `size_multiple` (32), `num_frames = 1 + 8k`."""
+    m, t = (
+      self.size_multiple,
+      self.vae_temporal_compression_ratio * self.transformer.cfg.patch_size_t,
+    )
+    bad = [
+      f"{name}={v} → {_nearest(v, m, m)}"
+      for name, v in (("height", height), ("width", width))
+      if v <= 0 or v % m
+    ]
+    if num_frames < 1 or (num_frames - 1) % t:
+      bad.append(f"num_frames={num_frames} → {_nearest(max(num_frames, 1), t, 1)}")
+    if bad:
+      raise ValueError(
+        f"the LTX-Video VAE takes height and width multiples of {m} and num_frames = 1 + {t}k; got "
+        f"{height}x{width}, {num_frames} frames; nearest valid: {', '.join(bad)}"
+      )
+
+  # --- packing ---------------------------------------------------------------------------------------------
+  def _pack(self, x):
+    """`[B, F, H, W, C]` → `[B, S, C * pt * p * p]` (tokens frame-major; features channel-major)."""
+    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
+    b, f, h, w, c = x.shape
+    x = x.reshape(b, f // pt, pt, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
+    return x.reshape(b, (f // pt) * (h // p) * (w // p), c * pt * p * p)
+
+  def _unpack(self, x, f, h, w):
+    """The inverse of `_pack` for a latent grid of `f x h x w` (in latent frames and pixels)."""
+    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
+    b = x.shape[0]
+    x = x.reshape(b, f // pt, h // p, w // p, -1, pt, p, p).transpose(0, 1, 5, 2, 6, 3, 7, 4)
+    return x.reshape(b, f, h, w, -1)
+
+  def _coords(self, f: int, h: int, w: int, frame_index: int) -> np.ndarray:
+    """The reference's `video_coords` of a latent grid `[1, 3, S]` (before the frame-rate division): latent
+    indices times the VAE factors, the causal first frame at 0, shifted by `frame_index`."""
+    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
+    st, ss = self.vae_temporal_compression_ratio, self.vae_spatial_compression_ratio
+    grid = np.meshgrid(np.arange(0, f, pt), np.arange(0, h, p), np.arange(0, w, p), indexing="ij")
+    c = np.stack([g.reshape(-1) for g in grid])[None].astype(np.int64)  # [1, 3, S]
+    c = c * np.array([st, ss, ss])[None, :, None]
+    c[:, 0] = np.maximum(c[:, 0] + 1 - st, 0) + frame_index
+    return c
+
+  # --- VAE ---------------------------------------------------------------------------------------------------
+  def _encode_image(self, image: np.ndarray, key) -> jax.Array:
+    """One image `[H, W, 3]` in [0, 1] → normalized latents `[1, 1, h, w, C]` (a posterior sample)."""
+    vae = self._vae
+
+    def encode(state, x, key):
+      model = vae.merge(state)
+      z = model.encode(x[None, None] * 2 - 1).sample(key)
+      mean = model.latents_mean[...].astype(z.dtype)
+      std = model.latents_std[...].astype(z.dtype)
+      return (z - mean) * 1.0 / std  # the pipelines normalise with scaling factor 1 here
+
+    fn = self._jit(("encode_image", image.shape), lambda: jax.jit(encode))
+    with self._context():
+      return fn(self._vae.state, jnp.asarray(image), key)
+
+  def _decode_fn(self):
+    vae = self._vae
+    conditioned = self.vae.config.timestep_conditioning
+    inject = any(self.vae.config.decoder_inject_noise)
+
+    def decode(state, latents, timestep, noise_scale, noise, key):
+      model = vae.merge(state)
+      z = model.denormalize_latents(latents.astype(_F32))
+      if not conditioned:
+        video = model.decode(z)
+      else:
+        s = noise_scale[:, None, None, None, None]
+        z = (1 - s) * z + s * noise
+        video = model.decode(z, timestep, key=key if inject else None)
+      return jnp.clip(video / 2 + 0.5, 0.0, 1.0)
+
+    return jax.jit(decode)
+
+  def decode(
+    self,
+    latents: jax.Array,
+    *,
+    decode_timestep: float | Sequence[float] = 0.0,
+    decode_noise_scale: float | Sequence[float] | None = None,
+    decode_noise: Any = None,
+    seed: int = 0,
+  ) -> jax.Array:
+    """Normalized latents `[B, f, h, w, C]` (channels-last) → frames `[B, F, H, W, 3]` in [0, 1].
+
+    For timestep-conditioned VAEs (0.9.1+) the latents are first blended with noise,
+    `(1 - decode_noise_scale) * z + decode_noise_scale * noise` (`decode_noise_scale` defaults to
+    `decode_timestep`), `noise` being `decode_noise` (`[B, C, f, h, w]`, the reference's layout) or drawn
+    from `seed`.
+    """
+    return self._decode(
+      latents, decode_timestep, decode_noise_scale, decode_noise, jax.random.key(int(seed))
+    )
+
+  def _decode(self, latents, decode_timestep, decode_noise_scale, decode_noise, key) -> jax.Array:
+    b = latents.shape[0]
+
+    def per_video(v, what):
+      v = [float(v)] * b if np.isscalar(v) else [float(x) for x in v]
+      if len(v) != b:
+        raise ValueError(f"{what} has {len(v)} entries for {b} videos")
+      return jnp.asarray(v, _F32)
+
+    timestep = per_video(decode_timestep, "decode_timestep")
+    scale = (
+      timestep
+      if decode_noise_scale is None
+      else per_video(decode_noise_scale, "decode_noise_scale")
+    )
+    key_noise, key_vae = jax.random.split(key)
+    if decode_noise is None:
+      noise = jax.random.normal(key_noise, latents.shape, _F32)
+    else:
+      noise = jnp.asarray(decode_noise, _F32)
+      want = (b, latents.shape[-1], *latents.shape[1:4])
+      if noise.shape != want:
+        raise ValueError(f"decode_noise must be [B, C, F, H, W] = {want}, got {noise.shape}")
+      noise = jnp.transpose(noise, (0, 2, 3, 4, 1))
+    with self._context():
+      fn = self._jit("decode", self._decode_fn)
+      return fn(self._vae.state, latents, timestep, scale, noise, key_vae)
+
+  # --- the loop ----------------------------------------------------------------------------------------------
+  def _loop_fn(self, *, total, cfg_on, rescale_on, mode, noise_on, show):
+    tr = self._tr
+    n_train = float(self.scheduler_config.get("num_train_timesteps", 1000))
+
+    def loop(
+      state, latents, ts, sigmas, context, mask, rope, cond_mask, init, step_noise, key, g, phi, ns
+    ):
+      model = tr.merge(state)
+      tick = md_progress.make_step_callback(total, desc="denoising") if show else None
+      b = latents.shape[0]
+
+      def predict(x, timestep):
+        xin, tin = x, timestep
+        if cfg_on:
+          xin = jnp.concatenate([x, x], axis=0)
+          tin = jnp.concatenate([timestep, timestep], axis=0)
+        out = model(xin, context, tin, mask, rope=rope).astype(_F32)
+        if cfg_on:
+          uncond, cond = jnp.split(out, 2, axis=0)
+          out = uncond + g * (cond - uncond)
+          if rescale_on:
+            out = _rescale(out, cond, phi)
+        return out
+
+      def step(i, x):
+        t = ts[i]
+        if mode == "t2v":
+          out = predict(x, jnp.broadcast_to(t, (b,)))
+          x = x + (sigmas[i + 1] - sigmas[i]) * out
+        else:
+          if noise_on:
+            if step_noise is None:
+              eps = jax.random.normal(jax.random.fold_in(key, i), x.shape, _F32)
+            else:
+              eps = step_noise[i]
+            hard = (cond_mask > 1.0 - 1e-6)[..., None]
+            x = jnp.where(hard, init + ns * eps * (t / 1000.0) ** 2, x)
+          timestep = jnp.broadcast_to(t, (b, 1))
+          if cond_mask is not None:
+            timestep = jnp.minimum(timestep, (1 - cond_mask) * 1000.0)
+          out = predict(x, timestep)
+          # Per-token Euler step (the reference's `per_token_timesteps`): from each token's own noise level
+          # to the next lower level of the schedule.
+          current = timestep / n_train  # [B, 1 | S]
+          lower = sigmas[:, None, None] < current[None] - 1e-6
+          nxt = jnp.max(lower * sigmas[:, None, None], axis=0)
+          moved = x + (current - nxt)[..., None] * (-out)
+          if cond_mask is None:
+            x = moved
+          else:
+            keep = (t / 1000.0 - 1e-6 < (1.0 - cond_mask))[..., None]
+            x = jnp.where(keep, moved, x)
+        if tick is not None:
+          tick(i)
+        return x
+
+      return jax.lax.fori_loop(0, total, step, latents.astype(_F32))
+
+    return jax.jit(loop)
+
+  # --- the call --------------------------------------------------------------------------------------------
+  def __call__(
+    self,
+    prompt: str | Sequence[str] | None = None,
+    negative_prompt: str | Sequence[str] | None = None,
+    *,
+    conditions: Sequence[LTXCondition] | None = None,
+    image: Any = None,
+    height: int = 512,
+    width: int = 704,
+    num_frames: int = 161,
+    frame_rate: float = 25,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 3.0,
+    guidance_rescale: float = 0.0,
+    image_cond_noise_scale: float = 0.15,
+    num_videos_per_prompt: int = 1,
+    seed: int = 0,
+    latents: Any = None,
+    prompt_embeds: Any = None,
+    prompt_attention_mask: Any = None,
+    negative_prompt_embeds: Any = None,
+    negative_prompt_attention_mask: Any = None,
+    decode_timestep: float | Sequence[float] = 0.0,
+    decode_noise_scale: float | Sequence[float] | None = None,
+    decode_noise: Any = None,
+    step_noise: Any = None,
+    max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+    progress: bool = True,
+  ) -> jax.Array:
+    """Generates videos.
+
+    Args:
+      prompt: one prompt or a list (or pass `prompt_embeds` with `prompt_attention_mask`).
+      negative_prompt: for classifier-free guidance (default: the empty prompt, as the reference).
+      conditions: `LTXCondition` items (image, frame index, strength); selects the conditioning mode.
+      image: shorthand for `conditions=[LTXCondition(image)]` (image-to-video from the first frame).
+      height, width: pixels, multiples of 32.
+      num_frames: `1 + 8k` frames.
+      frame_rate: frames per second (scales the rotary time axis).
+      num_inference_steps: Euler steps.
+      guidance_scale: classifier-free guidance (off at <= 1).
+      guidance_rescale: the std rescale of the guided prediction (0: off).
+      image_cond_noise_scale: noise added at each step to hard-conditioned tokens (strength 1), scaled by
+        `(t / 1000)^2` (conditioning mode).
+      num_videos_per_prompt: videos per prompt.
+      seed: draws every noise not given (initial latents, posterior samples, keyframe and step noise,
+        decode noise).
+      latents: initial noise in the reference's layout: packed `[B, S, C]` (text-to-video; `[B, C, F, H, W]`
+        is accepted too) or `[B, C, F, H, W]` (conditioning mode).
+      prompt_embeds, prompt_attention_mask: precomputed T5 states `[B, L, D]` and mask `[B, L]`.
+      negative_prompt_embeds, negative_prompt_attention_mask: the same for the negative prompt.
+      decode_timestep, decode_noise_scale: the 0.9.1+ decoder's timestep and noise blend (per video or one).
+      decode_noise: the decode noise `[B, C, F, H, W]` (default: drawn from `seed`).
+      step_noise: the conditioning mode's per-step noise `[steps, B, S, C]` (default: drawn from `seed`).
+      max_sequence_length: T5 tokens (128 in the reference).
+      progress: show a progress bar over the steps.
+
+    Returns:
+      Frames `[B, num_frames, height, width, 3]` float32 in [0, 1].
+    """
+    self.check_size(height, width, num_frames)
+    if image is not None:
+      if conditions:
+        raise ValueError("pass either image= or conditions=, not both")
+      conditions = [LTXCondition(image)]
+    conditions = list(conditions or [])
+    mode = "condition" if (conditions or self.condition_pipeline) else "t2v"
+    cfg = self.transformer.cfg
+    with self._context():
+      # Heads vs the mesh's tensor degree: fail before any encoding or compiling.
+      self.transformer._check(
+        jnp.zeros((1, 1, cfg.in_channels)), jnp.zeros((1, 1, cfg.caption_channels)),
+        jnp.zeros((1,)), None, 1, 1, 1,
+      )  # fmt: skip
+    for i, c in enumerate(conditions):
+      if not isinstance(c, LTXCondition):
+        raise ValueError(f"conditions[{i}] must be an LTXCondition, got {type(c).__name__}")
+      if not 0 <= int(c.frame_index) < num_frames:
+        raise ValueError(
+          f"conditions[{i}].frame_index={c.frame_index} is outside the video (frames 0 … "
+          f"{num_frames - 1})"
+        )
+      if not 0.0 <= float(c.strength) <= 1.0:
+        raise ValueError(f"conditions[{i}].strength={c.strength} must be in [0, 1]")
+    cfg_on = guidance_scale > 1.0
+    keys = jax.random.split(jax.random.key(int(seed)), 5)
+
+    # Text.
+    prompts = _as_list(prompt)
+    if prompt_embeds is None:
+      if not prompts:
+        raise ValueError("pass prompt (a string or a list) or prompt_embeds")
+      embeds, emask = self.encode_prompt(prompts, max_sequence_length)
+    else:
+      if prompts:
+        raise ValueError("pass either prompt or prompt_embeds, not both")
+      if prompt_attention_mask is None:
+        raise ValueError("prompt_embeds needs prompt_attention_mask (as the reference)")
+      embeds = jnp.asarray(prompt_embeds, _F32)
+      emask = jnp.asarray(prompt_attention_mask, jnp.int32)
+    b = embeds.shape[0]
+    context = jnp.repeat(embeds, num_videos_per_prompt, axis=0)
+    cmask = jnp.repeat(emask, num_videos_per_prompt, axis=0)
+    if cfg_on:
+      if negative_prompt_embeds is not None:
+        if negative_prompt_attention_mask is None:
+          raise ValueError("negative_prompt_embeds needs negative_prompt_attention_mask")
+        neg = jnp.asarray(negative_prompt_embeds, _F32)
+        nmask = jnp.asarray(negative_prompt_attention_mask, jnp.int32)
+      else:
+        negs = _as_list(negative_prompt) or [""]
+        if len(negs) == 1 and b > 1:
+          negs = negs * b
+        if len(negs) != b:
+          raise ValueError(
+            f"negative_prompt has {len(negs)} entries for {b} prompts; give 1 or {b}"
+          )
+        neg, nmask = self.encode_prompt(negs, embeds.shape[1])
+      if neg.shape != embeds.shape:
+        raise ValueError(
+          f"negative_prompt_embeds {neg.shape} and prompt_embeds {embeds.shape} must have one shape"
+        )
+      context = jnp.concatenate([jnp.repeat(neg, num_videos_per_prompt, axis=0), context], axis=0)
+      cmask = jnp.concatenate([jnp.repeat(nmask, num_videos_per_prompt, axis=0), cmask], axis=0)
+    batch = b * num_videos_per_prompt
+
+    # Latent grid.
+    st, ss = self.vae_temporal_compression_ratio, self.vae_spatial_compression_ratio
+    f, h, w = (num_frames - 1) // st + 1, height // ss, width // ss
+    z = self.vae.config.latent_channels
+    p, pt = cfg.patch_size, cfg.patch_size_t
+    tokens = (f // pt) * (h // p) * (w // p)
+    full = (batch, z, f, h, w)
+    if latents is None:
+      x = jax.random.normal(keys[0], (batch, f, h, w, z), _F32)
+    else:
+      x = jnp.asarray(latents, _F32)
+      packed = (batch, tokens, cfg.in_channels)
+      if mode == "t2v" and x.shape == packed:
+        x = self._unpack(x, f, h, w)
+      elif x.shape == full:
+        x = jnp.transpose(x, (0, 2, 3, 4, 1))
+      else:
+        want = f"{full} ([B, C, F, H, W])" + (f" or packed {packed}" if mode == "t2v" else "")
+        raise ValueError(
+          f"latents have shape {x.shape}; expected {want} for {batch} videos of {num_frames} frames at "
+          f"{height}x{width}"
+        )
+
+    # Schedule (static: known on the host).
+    sched = mdsch.from_config(self.scheduler_config)
+    sc = sched.config
+    if mode == "t2v":
+      mu = mdsch.calculate_shift(
+        tokens,
+        sc.get("base_image_seq_len", 256),
+        sc.get("max_image_seq_len", 4096),
+        sc.get("base_shift", 0.5),
+        sc.get("max_shift", 1.15),
+      )
+      st_ = sched.init(sigmas=mdsch.ltx_uniform_sigmas(num_inference_steps), mu=mu)
+    else:
+      timesteps = mdsch.linear_quadratic_sigmas(num_inference_steps) * np.float32(1000)
+      mu = None
+      if sc.get("use_dynamic_shifting"):
+        # The reference would stop here (no mu); md shifts by the token count as in text-to-video.
+        mu = mdsch.calculate_shift(
+          tokens,
+          sc["base_image_seq_len"],
+          sc["max_image_seq_len"],
+          sc["base_shift"],
+          sc["max_shift"],
+        )
+      st_ = sched.init(timesteps=timesteps, mu=mu)
+    ts = jnp.asarray(np.asarray(st_.timesteps, np.float32))
+    sigmas = jnp.asarray(np.asarray(st_.sigmas, np.float32))
+    total = int(ts.shape[0])
+
+    # Conditioning (conditioning mode): blend / append latents, per-token strengths, coordinates.
+    cond_mask = init = None
+    if mode == "t2v":
+      rope = rope_tables(cfg, f // pt, h // p, w // p, (st / frame_rate, ss, ss))
+      x = self._pack(x)
+    else:
+      frames_mask = np.zeros((f,), np.float32)
+      extra_x, extra_coords, extra_mask = [], [], []
+      kcond = jax.random.split(keys[1], 2 * max(len(conditions), 1))
+      for i, c in enumerate(conditions):
+        pic = _image_array(c.image, f"conditions[{i}].image")
+        if pic.shape[:2] != (height, width):
+          pic = np.asarray(
+            jnp.clip(jax.image.resize(pic, (height, width, 3), method="lanczos3"), 0.0, 1.0)
+          )
+        zc = self._encode_image(pic, kcond[2 * i])  # [1, 1, h, w, C]
+        s = float(c.strength)
+        if int(c.frame_index) == 0:
+          x = x.at[:, :1].set(_lerp(x[:, :1], zc, s))
+          frames_mask[:1] = s
+        else:
+          noise = jax.random.normal(kcond[2 * i + 1], zc.shape, _F32)
+          zc = _lerp(noise, zc, s)
+          packed = self._pack(zc)
+          extra_x.append(jnp.broadcast_to(packed, (batch, *packed.shape[1:])))
+          extra_coords.append(self._coords(1, h, w, int(c.frame_index)))
+          extra_mask.append(np.full((packed.shape[1],), s, np.float32))
+      main_coords = self._coords(f, h, w, 0)
+      coords = np.concatenate([*extra_coords, main_coords], axis=2).astype(np.float32)
+      coords[:, 0] = coords[:, 0] * np.float32(1.0 / frame_rate)
+      rope = rope_tables_from_coords(cfg, coords)
+      x = jnp.concatenate([*extra_x, self._pack(x)], axis=1)
+      if conditions:
+        main_mask = frames_mask[np.repeat(np.arange(0, f, pt), (h // p) * (w // p))]
+        cm = np.concatenate([*extra_mask, main_mask])
+        cond_mask = jnp.broadcast_to(jnp.asarray(cm), (batch, cm.shape[0]))
+        init = x
+    noise_on = mode == "condition" and bool(conditions) and image_cond_noise_scale > 0
+    if step_noise is not None:
+      step_noise = jnp.asarray(step_noise, _F32)
+      if step_noise.shape != (total, *x.shape):
+        raise ValueError(
+          f"step_noise must be [steps, B, S, C] = {(total, *x.shape)}, got {step_noise.shape}"
+        )
+    show = bool(progress) and md_progress.progress_enabled()
+    rescale_on = cfg_on and guidance_rescale > 0
+    key = ("loop", mode, total, cfg_on, rescale_on, noise_on, step_noise is not None,
+           cond_mask is not None, show)  # fmt: skip
+    loop = self._jit(
+      key,
+      lambda: self._loop_fn(
+        total=total, cfg_on=cfg_on, rescale_on=rescale_on, mode=mode, noise_on=noise_on,
+        show=show,
+      ),
+    )  # fmt: skip
+    with self._context():
+      x = loop(
+        self._tr.state, x, ts, sigmas, context, cmask, rope, cond_mask, init,
+        step_noise if noise_on else None, keys[2], jnp.float32(guidance_scale),
+        jnp.float32(guidance_rescale), jnp.float32(image_cond_noise_scale),
+      )  # fmt: skip
+    x = x[:, x.shape[1] - tokens :]
+    x = self._unpack(x, f, h, w)
+    return self._decode(x, decode_timestep, decode_noise_scale, decode_noise, keys[3])
+
+
+# --- loading ----------------------------------------------------------------------------------------------------
+
+
+def _folder(root, name: str, index: Mapping[str, Any]):
+  folder = root / name
+  if not folder.is_dir():
+    have = sorted(k for k, v in index.items() if isinstance(v, list) and v and v[0])
+    raise FileNotFoundError(
+      f"{root}: pipeline component {name!r} is missing (no folder {folder}); model_index.json lists "
+      f"{have}. Download the whole pipeline, or pass a complete diffusers folder"
+    )
+  return folder
+
+
+def load_pipeline(
+  source: str | os.PathLike,
+  *,
+  transformer: str | os.PathLike | LTXTransformer | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  dtype: Any = None,
+  rules: Any = None,
+  attention: str | None = None,
+  attention_config: Any = None,
+  remat: str | None = None,
+  revision: str | None = None,
+  progress: bool = False,
+) -> LTXVideoPipeline:
+  """Loads an LTX-Video diffusers pipeline (`LTXPipeline`, `LTXConditionPipeline`,
+  `LTXImageToVideoPipeline`) as md modules.
+
+  Args:
+    source: a local diffusers folder with `model_index.json`, or a hub id (`"Lightricks/LTX-Video"`,
+      `"Lightricks/LTX-Video-0.9.5"`, `"Lightricks/LTX-Video-0.9.7-dev"`, ...).
+    transformer: another transformer: a loaded `LTXTransformer`, a diffusers transformer folder or an
+      original single file (`ltxv-13b-0.9.8-distilled.safetensors`), used with the source's VAE and T5.
+    mesh: place parameters on this mesh by their logical axes (FSDP over `fsdp`, heads over `tensor`).
+    dtype: parameter dtype of the transformer and the text encoder (default: as stored); the VAE stays
+      float32.
+    rules: md-sharding logical axis rules.
+    attention, attention_config, remat: the transformer's md-attention implementation and settings and
+      its rematerialisation policy.
+    revision: hub revision.
+    progress: progress bars while loading tensors.
+
+  Returns:
+    An `LTXVideoPipeline` (conditioning semantics by default for `LTXConditionPipeline` folders).
+
+  Raises:
+    FileNotFoundError: no folder / hub id, or a component missing (named).
+    ValueError: a pipeline class md does not implement.
+  """
+  root = md_core.resolve_source(source, revision=revision)
+  index_file = root / "model_index.json"
+  if not index_file.is_file():
+    raise FileNotFoundError(
+      f"{root}: no model_index.json; pass a diffusers LTX-Video pipeline folder (transformer/, vae/, "
+      "text_encoder/, tokenizer/, scheduler/) or its hub id"
+    )
+  index = md_core.read_json(index_file)
+  cls = index.get("_class_name", "")
+  if cls not in _CLASSES:
+    raise ValueError(
+      f"{index_file}: pipeline class {cls!r} is not one md-ltx loads; known: {_CLASSES}"
+    )
+  overrides = {}
+  if attention is not None:
+    overrides["attention"] = attention
+  if attention_config is not None:
+    overrides["attention_config"] = attention_config
+  if remat is not None:
+    overrides["remat"] = remat
+  kw = dict(mesh=mesh, rules=rules, progress=progress)
+  if isinstance(transformer, LTXTransformer):
+    model = transformer
+  else:
+    where = _folder(root, "transformer", index) if transformer is None else transformer
+    model = load_transformer(where, subfolder=None, dtype=dtype, **kw, **overrides)
+  vae = md_vae.load_vae_ltx(_folder(root, "vae", index), subfolder=None, **kw)
+  te = md_text.load_t5_encoder(_folder(root, "text_encoder", index), dtype=dtype, **kw)
+  tok = md_text.load_tokenizer(_folder(root, "tokenizer", index), subfolder=None)
+  sched_cfg = mdsch.read_config(_folder(root, "scheduler", index))
+  mdsch.from_config(sched_cfg)  # fail now, not at the first call
+  return LTXVideoPipeline(
+    transformer=model,
+    vae=vae,
+    text_encoder=te,
+    tokenizer=tok,
+    scheduler_config=sched_cfg,
+    condition_pipeline=cls == "LTXConditionPipeline",
+    mesh=mesh,
+    source=str(source),
+  )
