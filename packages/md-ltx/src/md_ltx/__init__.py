@@ -1,7 +1,14 @@
-"""md-ltx: LTX-Video for md (transformer, weights)."""
+"""md-ltx: LTX-Video for md (transformer, weights, pipelines)."""
 
 from md_ltx._config import REMAT_POLICIES, VARIANTS, LTXConfig
-from md_ltx._transformer import LTXAttention, LTXBlock, LTXTransformer, rope_tables
+from md_ltx._pipeline import LTXCondition, LTXVideoPipeline, load_pipeline
+from md_ltx._transformer import (
+  LTXAttention,
+  LTXBlock,
+  LTXTransformer,
+  rope_tables,
+  rope_tables_from_coords,
+)
 from md_ltx._weights import (
   KEEP_F32,
   ORIGINAL_ALLOW_UNUSED,
@@ -19,12 +26,16 @@ __all__ = [
   "VARIANTS",
   "LTXAttention",
   "LTXBlock",
+  "LTXCondition",
   "LTXConfig",
   "LTXTransformer",
+  "LTXVideoPipeline",
   "convert_key",
   "convert_original_key",
+  "load_pipeline",
   "load_transformer",
   "original_config",
   "original_to_diffusers",
   "rope_tables",
+  "rope_tables_from_coords",
 ]

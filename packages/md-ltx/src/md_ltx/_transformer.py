@@ -38,6 +38,56 @@ def _axis_angles(
   return freqs[None, :] * (grid[:, None] * np.float32(2) - np.float32(1))
 
 
+def _frequencies(k: int) -> np.ndarray:
+  """`10000**linspace(0, 1, k) * pi / 2` in float32, as the reference computes them."""
+  # torch.linspace(0, 1, k) in float32: the first half from the start, the second from the end.
+  step = np.float32(1.0) / np.float32(max(k - 1, 1))
+  idx = np.arange(k)
+  lin = np.where(
+    idx < k // 2,
+    idx.astype(np.float32) * step,
+    np.float32(1.0) - (k - 1 - idx).astype(np.float32) * step,
+  ).astype(np.float32)
+  freqs = np.power(np.float32(_config.ROPE_THETA), lin, dtype=np.float32)
+  return (freqs * np.float32(math.pi)) / np.float32(2.0)
+
+
+def rope_tables_from_coords(cfg: LTXConfig, video_coords) -> tuple[jax.Array, jax.Array]:
+  """Rotary `(cos, sin)` `[B, S, dim]` float32 from explicit token coordinates `video_coords [B, 3, S]`.
+
+  The coordinates are (time in seconds-like units, pixel row, pixel column) as LTXConditionPipeline builds
+  them (0.9.5+): each axis is divided by its base (20, 2048, 2048), mapped to `2p - 1` and multiplied by the
+  frequencies, with the feature layout of `rope_tables`. A NumPy array is turned into tables on the host
+  (cosines and sines of the float32 angles taken in float64, as `rope_tables` does); a JAX array on device in
+  float32.
+  """
+  host = isinstance(video_coords, np.ndarray)
+  xp = np if host else jnp
+  coords = xp.asarray(video_coords).astype(np.float32)
+  if coords.ndim != 3 or coords.shape[1] != 3:
+    raise ValueError(f"video_coords must be [B, 3, S] (frame, row, column), got {coords.shape}")
+  k = cfg.dim // 6
+  freqs = _frequencies(k)
+  bases = (_config.ROPE_BASE_NUM_FRAMES, _config.ROPE_BASE_HEIGHT, _config.ROPE_BASE_WIDTH)
+  grid = xp.stack([coords[:, a] / np.float32(base) for a, base in enumerate(bases)], axis=-1)
+  angles = freqs * (grid[..., None] * np.float32(2) - np.float32(1))  # [B, S, 3, K]
+  b, s = angles.shape[:2]
+  angles = xp.swapaxes(angles, -1, -2).reshape(b, s, 3 * k)  # feature 3k + a
+  pad = cfg.dim % 6
+
+  def table(fn, fill):
+    if host:
+      t = jnp.asarray(fn(angles.astype(np.float64)).astype(np.float32))
+    else:
+      t = fn(angles)
+    t = jnp.repeat(t, 2, axis=-1)
+    if pad:
+      t = jnp.concatenate([jnp.full((b, s, pad), fill, _F32), t], axis=-1)
+    return t
+
+  return table(np.cos if host else jnp.cos, 1.0), table(np.sin if host else jnp.sin, 0.0)
+
+
 def rope_tables(
   cfg: LTXConfig,
   num_frames: int,
@@ -56,16 +106,7 @@ def rope_tables(
   libraries differ), then broadcast over the grid on device.
   """
   k = cfg.dim // 6
-  # torch.linspace(0, 1, k) in float32: the first half from the start, the second from the end.
-  step = np.float32(1.0) / np.float32(max(k - 1, 1))
-  idx = np.arange(k)
-  lin = np.where(
-    idx < k // 2,
-    idx.astype(np.float32) * step,
-    np.float32(1.0) - (k - 1 - idx).astype(np.float32) * step,
-  ).astype(np.float32)
-  freqs = np.power(np.float32(_config.ROPE_THETA), lin, dtype=np.float32)
-  freqs = (freqs * np.float32(math.pi)) / np.float32(2.0)
+  freqs = _frequencies(k)
   scales = (None, None, None) if rope_interpolation_scale is None else rope_interpolation_scale
   if len(scales) != 3:
     raise ValueError(
@@ -188,7 +229,7 @@ class LTXTransformer(nnx.Module):
     table = jax.random.normal(rngs.params(), (2, dim), _F32) / math.sqrt(dim)
     self.scale_shift_table = nnx.Param(table, logical_axes=(None, "embed"))
 
-  def _check(self, x, text, timestep, mask, num_frames, height, width):
+  def _check(self, x, text, timestep, mask, num_frames, height, width, grid=True):
     cfg = self.cfg
     if x.ndim != 3 or x.shape[-1] != cfg.in_channels:
       raise ValueError(
@@ -197,9 +238,11 @@ class LTXTransformer(nnx.Module):
       )
     b, s = x.shape[:2]
     for name, n in (("num_frames", num_frames), ("height", height), ("width", width)):
+      if not grid and n is None:
+        continue
       if not isinstance(n, int | np.integer) or n < 1:
         raise ValueError(f"{name}={n!r} must be a positive int (latent grid size, static)")
-    if s != num_frames * height * width:
+    if grid and s != num_frames * height * width:
       raise ValueError(
         f"hidden_states has {s} tokens but num_frames x height x width = {num_frames} x {height} x "
         f"{width} = {num_frames * height * width}; pass the latent grid the tokens were packed from"
@@ -233,10 +276,12 @@ class LTXTransformer(nnx.Module):
     timestep: jax.Array,
     encoder_attention_mask: jax.Array | None = None,
     *,
-    num_frames: int,
-    height: int,
-    width: int,
+    num_frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
     rope_interpolation_scale: Sequence[float] | None = None,
+    video_coords: jax.Array | np.ndarray | None = None,
+    rope: tuple[jax.Array, jax.Array] | None = None,
   ) -> jax.Array:
     """Predicts the velocity of packed latent tokens.
 
@@ -252,17 +297,31 @@ class LTXTransformer(nnx.Module):
       rope_interpolation_scale: `(temporal, spatial, spatial)` position scales, as the pipeline passes
         `(vae_temporal_compression / frame_rate, 32, 32)` (static Python numbers); None keeps integer
         positions.
+      video_coords: `[B or 1, 3, S]` explicit token coordinates (LTXConditionPipeline, 0.9.5+: frame
+        coordinates already divided by the frame rate, pixel rows and columns); replaces the grid and
+        `rope_interpolation_scale`, and `num_frames`/`height`/`width` may then be omitted (the tokens need
+        not form one grid, e.g. keyframe tokens appended). See `rope_tables_from_coords`.
+      rope: precomputed `(cos, sin)` tables (`rope_tables` / `rope_tables_from_coords`), replacing both.
 
     Returns:
       `[B, S, out_channels]` in the activation dtype.
     """
     cfg = self.cfg
     x, text, mask = hidden_states, encoder_hidden_states, encoder_attention_mask
-    self._check(x, text, timestep, mask, num_frames, height, width)
+    grid = rope is None and video_coords is None
+    self._check(x, text, timestep, mask, num_frames, height, width, grid)
     dtype = self.proj_in.kernel[...].dtype
     b, s = x.shape[:2]
 
-    rope = rope_tables(cfg, num_frames, height, width, rope_interpolation_scale)
+    if rope is None:
+      if video_coords is not None:
+        if video_coords.shape[0] not in (1, b) or video_coords.shape[2:] != (s,):
+          raise ValueError(
+            f"video_coords must be [B={b} or 1, 3, S={s}], got {tuple(video_coords.shape)}"
+          )
+        rope = rope_tables_from_coords(cfg, video_coords)
+      else:
+        rope = rope_tables(cfg, num_frames, height, width, rope_interpolation_scale)
     if mask is not None:
       keep = jnp.asarray(mask) != 0
       # The reference adds a -10000 bias to masked keys: a fully masked caption becomes uniform attention.
