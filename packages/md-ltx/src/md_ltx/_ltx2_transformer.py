@@ -157,7 +157,7 @@ def rope_tables(
     coords = (coords[..., 0] + coords[..., 1]) / np.float32(2.0)
   p = coords.shape[1]
   grid = jnp.stack([coords[:, i] / np.float32(max_positions[i]) for i in range(p)], -1)  # [B, N, P]
-  freqs = jnp.asarray(rope_frequencies(cfg, dim, p))  # [K]
+  freqs = jnp.asarray(rope_frequencies(cfg, dim, p)).reshape(1, 1, 1, -1)  # [K]
   angles = (grid[..., None] * np.float32(2) - np.float32(1)) * freqs  # [B, N, P, K]
   b, n = angles.shape[:2]
   angles = jnp.swapaxes(angles, -1, -2).reshape(b, n, -1)  # [B, N, K * P]: frequency-major
@@ -378,8 +378,10 @@ class LTX2Block(nnx.Module):
           self.audio_prompt_scale_shift_table, ins.audio_prompt_temb, dtype
         )
       else:  # timestep-independent: the static tables alone
-        shift_kv, scale_kv = self.prompt_scale_shift_table[...].astype(dtype)
-        a_shift_kv, a_scale_kv = self.audio_prompt_scale_shift_table[...].astype(dtype)
+        shift_kv, scale_kv = self.prompt_scale_shift_table[...].astype(dtype)[:, None, None]
+        a_shift_kv, a_scale_kv = self.audio_prompt_scale_shift_table[...].astype(dtype)[
+          :, None, None
+        ]
       text = text * (1 + scale_kv) + shift_kv
       audio_text = audio_text * (1 + a_scale_kv) + a_shift_kv
 
