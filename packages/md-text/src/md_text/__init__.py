@@ -1,4 +1,5 @@
-"""md-text: text and image encoders for md (CLIP, OpenCLIP, T5/UMT5, Qwen3, Gemma) and tokenizer loading."""
+"""md-text: text and image encoders for md (CLIP, OpenCLIP, T5/UMT5, Qwen3, Gemma 3 with LTX-2's connectors) and
+tokenizer loading."""
 
 # CLIP text / vision encoders (SD 1.x/2.x, SDXL, Flux; Wan 2.1 I2V image encoder) and tokenizers.
 from md_text._clip import (
@@ -20,6 +21,37 @@ from md_text._clip_weights import (
   clip_vision_convert_key,
   load_clip_text,
   load_clip_vision,
+)
+
+# Gemma 3 text encoder (LTX-2: google/gemma-3-12b-it).
+from md_text._gemma3 import (
+  GEMMA3_ALLOW_UNUSED,
+  GEMMA3_VARIANTS,
+  LTX2_MAX_LENGTH,
+  Gemma3Config,
+  Gemma3Encoder,
+  Gemma3Output,
+  convert_gemma3_key,
+  gemma3_rope_tables,
+  gemma3_tokenize,
+  load_gemma3_encoder,
+)
+
+# LTX-2 feature extractor and video / audio text connectors.
+from md_text._ltx2_text import (
+  LTX2_CONNECTORS_VARIANTS,
+  LTX2Connector,
+  LTX2ConnectorsConfig,
+  LTX2TextConnectors,
+  LTX2TextEmbeds,
+  connector_rope_tables,
+  convert_ltx2_connectors_key,
+  encode_ltx2_prompt,
+  load_ltx2_connectors,
+  ltx2_masked_mean_range_norm,
+  ltx2_pack_hidden_states,
+  ltx2_prompt_embeds,
+  ltx2_token_rms_norm,
 )
 
 # Qwen3 text encoder (FLUX.2 [klein]: Qwen3-4B, Qwen3-8B).
@@ -98,4 +130,28 @@ __all__ = [
   "flux2_prompt_embeds",
   "load_qwen3_encoder",
   "qwen3_tokenize",
+  # Gemma 3 and LTX-2's text connectors
+  "GEMMA3_ALLOW_UNUSED",
+  "GEMMA3_VARIANTS",
+  "LTX2_CONNECTORS_VARIANTS",
+  "LTX2_MAX_LENGTH",
+  "Gemma3Config",
+  "Gemma3Encoder",
+  "Gemma3Output",
+  "LTX2Connector",
+  "LTX2ConnectorsConfig",
+  "LTX2TextConnectors",
+  "LTX2TextEmbeds",
+  "connector_rope_tables",
+  "convert_gemma3_key",
+  "convert_ltx2_connectors_key",
+  "encode_ltx2_prompt",
+  "gemma3_rope_tables",
+  "gemma3_tokenize",
+  "load_gemma3_encoder",
+  "load_ltx2_connectors",
+  "ltx2_masked_mean_range_norm",
+  "ltx2_pack_hidden_states",
+  "ltx2_prompt_embeds",
+  "ltx2_token_rms_norm",
 ]

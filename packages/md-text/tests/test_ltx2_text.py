@@ -1,0 +1,202 @@
+"""LTX-2's feature extractor and text connectors against diffusers' `LTX2TextConnectors`
+(tests/fixtures/ltx2_text): LTX-2.0 and LTX-2.3 layouts, left and right padding, the whole prompt path
+(tokenizer → Gemma 3 → packing → connectors) against the pipeline's own, key map, real-size manifests,
+errors."""
+
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_core
+import md_text
+from md_core.testing import fixture_path, load_arrays, repo_root
+
+PROMPTS = [
+  "  a photo of a cat ",
+  "An astronaut riding a horse on the moon, highly detailed, dramatic light",
+]
+
+
+@pytest.fixture(scope="module")
+def io():
+  return load_arrays(fixture_path("ltx2_text") / "io.npz")
+
+
+@pytest.fixture(scope="module")
+def connectors():
+  return {
+    name: md_text.load_ltx2_connectors(fixture_path("ltx2_text"), subfolder=name)
+    for name in ("connectors", "connectors_23")
+  }
+
+
+def _run_both(model, embeds, mask_left, mask_right):
+  """The connectors on left- and right-padded masks, one compiled function."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(st, e, ml, mr):
+    m = nnx.merge(graphdef, st)
+    return {"left": m(e, ml, padding_side="left"), "right": m(e, mr, padding_side="right")}
+
+  return run(state, jnp.asarray(embeds), jnp.asarray(mask_left), jnp.asarray(mask_right))
+
+
+@pytest.mark.parametrize("name", ["connectors", "connectors_23"])
+def test_connectors_match_diffusers(io, connectors, name):
+  """LTX-2.0 (masked mean/range norm, shared projection, registers, split rope) and LTX-2.3 (token RMS
+  norm, per-modality projections with bias, gated attention, interleaved rope, a register-free audio
+  connector that masks padding), each with left and right padding."""
+  both = _run_both(connectors[name], io["hidden"], io["mask_left"], io["mask_right"])
+  for side, out in both.items():
+    chex.assert_trees_all_close(out.video, io[f"{name}_{side}_video"], atol=1e-4, rtol=0)
+    chex.assert_trees_all_close(out.audio, io[f"{name}_{side}_audio"], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(out.mask, io[f"{name}_{side}_mask"])
+  # The padding matters: the same states with the other padding side give other outputs.
+  other = io[f"{name}_right_video"]
+  assert np.abs(np.asarray(out.video) - io[f"{name}_left_video"]).max() > 1e-3
+  assert np.abs(other - io[f"{name}_left_video"]).max() > 1e-3
+
+
+def test_prompt_path_end_to_end(io, connectors):
+  """Tokenize (left padding, <bos>, cut at 16 with a warning) → Gemma 3 (all 5 hidden states) → packing →
+  LTX-2.0 connectors, against LTX2Pipeline._get_gemma_prompt_embeds and the connectors as the pipeline calls
+  them."""
+  tok = md_text.load_tokenizer(fixture_path("gemma3"))
+  with pytest.warns(UserWarning, match=r"prompt 1 is 35 tokens long; 19 token\(s\) were cut"):
+    tokens = md_text.gemma3_tokenize(tok, PROMPTS, max_length=16)
+  np.testing.assert_array_equal(tokens.ids, io["prompt_ids"])
+  np.testing.assert_array_equal(tokens.mask, io["prompt_mask"])
+  assert tokens.mask[0, 0] == 0 and tokens.mask[0, -1] == 1  # left padding
+  encoder = md_text.load_gemma3_encoder(fixture_path("gemma3"))
+  graphdef_e, state_e = nnx.split(encoder)
+  graphdef_c, state_c = nnx.split(connectors["connectors"])
+
+  @jax.jit
+  def run(se, sc, ids, mask):
+    enc, conn = nnx.merge(graphdef_e, se), nnx.merge(graphdef_c, sc)
+    embeds = md_text.ltx2_prompt_embeds(enc, ids, mask)
+    return embeds, md_text.encode_ltx2_prompt(enc, conn, ids, mask)
+
+  embeds, out = run(state_e, state_c, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
+  chex.assert_shape(embeds, (2, 16, 32 * 5))
+  chex.assert_trees_all_close(embeds, io["prompt_embeds"], atol=1e-4, rtol=0)
+  chex.assert_trees_all_close(out.video, io["e2e_video"], atol=1e-4, rtol=0)
+  chex.assert_trees_all_close(out.audio, io["e2e_audio"], atol=1e-4, rtol=0)
+  np.testing.assert_array_equal(out.mask, io["e2e_mask"])
+
+
+def test_feature_extractor_pieces(io):
+  """Packing is layer-fastest; the masked mean/range norm zeroes padding and spans `scale_factor`."""
+  hidden = jnp.asarray(
+    np.random.default_rng(0).normal(size=(3, 2, 4, 8)), jnp.float32
+  )  # [L, B, S, C]
+  packed = md_text.ltx2_pack_hidden_states(hidden)
+  chex.assert_shape(packed, (2, 4, 24))
+  np.testing.assert_array_equal(packed[1, 2, 5 * 3 + 2], hidden[2, 1, 2, 5])
+  x = packed.reshape(2, 4, 8, 3)
+  out = md_text.ltx2_masked_mean_range_norm(x, jnp.asarray([4, 2]), padding_side="left")
+  out = np.asarray(out).reshape(2, 4, 8, 3)
+  assert (out[1, :2] == 0).all() and (out[1, 2:] != 0).all()
+  span = out[1, 2:].max(axis=(0, 1)) - out[1, 2:].min(axis=(0, 1))
+  np.testing.assert_allclose(span, 8.0, rtol=1e-5)
+  with pytest.raises(ValueError, match="padding_side must be 'left' or 'right'"):
+    md_text.ltx2_masked_mean_range_norm(x, jnp.asarray([4, 2]), padding_side="top")
+
+
+def test_keymap_alone():
+  convert = md_text.convert_ltx2_connectors_key
+  assert convert("text_proj_in.weight") == md_core.Target(("text_proj_in", "kernel"), "linear")
+  assert convert("audio_text_proj_in.bias") == md_core.Target(("audio_text_proj_in", "bias"))
+  assert convert("video_connector.learnable_registers") == md_core.Target(
+    ("video_connector", "learnable_registers")
+  )
+  assert convert("audio_connector.transformer_blocks.1.attn1.to_out.0.weight") == md_core.Target(
+    ("audio_connector", "blocks", "attn", "to_out", "kernel"), "linear", layer=1
+  )
+  assert convert("video_connector.transformer_blocks.0.attn1.norm_k.weight") == md_core.Target(
+    ("video_connector", "blocks", "attn", "norm_k", "scale"), layer=0
+  )
+  assert convert("video_connector.transformer_blocks.0.ff.net.0.proj.bias") == md_core.Target(
+    ("video_connector", "blocks", "ff", "proj_in", "bias"), layer=0
+  )
+  assert (
+    convert("video_connector.transformer_blocks.0.attn1.to_gate_logits.weight").layout == "linear"
+  )
+  for unknown in (
+    "video_connector.transformer_blocks.x.attn1.to_q.weight",
+    "video_connector.transformer_blocks.0.attn1.norm_q.bias",
+    "video_connector.rope.freqs",
+    "text_embedding_projection.aggregate_embed.weight",
+  ):
+    assert convert(unknown) is None
+
+
+@pytest.mark.parametrize(
+  "manifest, variant", [("ltx2_connectors", "ltx-2"), ("ltx2_connectors_23", "ltx-2.3")]
+)
+def test_manifest_coverage(manifest, variant):
+  data = json.loads((fixture_path("manifests") / f"{manifest}.json").read_text())
+  shapes = {k: v["shape"] for k, v in data["tensors"].items()}
+  cfg = md_text.LTX2_CONNECTORS_VARIANTS[variant]
+  problems = md_core.coverage(
+    shapes,
+    lambda: md_text.LTX2TextConnectors(cfg, rngs=nnx.Rngs(0)),
+    md_text.convert_ltx2_connectors_key,
+  )
+  assert problems == []
+  config = repo_root() / "tools" / "configs" / "ltx" / f"{manifest}.json"
+  assert md_text.LTX2ConnectorsConfig.from_json(config) == cfg
+
+
+def test_real_size_shapes():
+  """LTX-2.0 and 2.3 connectors under eval_shape on a 1024-token prompt of Gemma 3 12B's 49 states."""
+  embeds = jax.ShapeDtypeStruct((1, 1024, 3840 * 49), jnp.bfloat16)
+  mask = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+  for variant, widths in (("ltx-2", (3840, 3840)), ("ltx-2.3", (4096, 2048))):
+    model = nnx.eval_shape(
+      lambda v=variant: md_text.LTX2TextConnectors(
+        md_text.LTX2_CONNECTORS_VARIANTS[v], rngs=nnx.Rngs(0)
+      )
+    )
+    graphdef, state = nnx.split(model)
+    out = jax.eval_shape(lambda st, e, m, g=graphdef: nnx.merge(g, st)(e, m), state, embeds, mask)
+    assert (out.video.shape, out.audio.shape) == ((1, 1024, widths[0]), (1, 1024, widths[1]))
+
+
+def test_errors(tmp_path, connectors):
+  model = connectors["connectors"]
+  good = jnp.zeros((1, 16, 160))
+  mask = jnp.ones((1, 16), jnp.int32)
+  with pytest.raises(ValueError, match=r"text_embeds has 100 features; .* 32 x 5 = 160"):
+    model(jnp.zeros((1, 16, 100)), mask)
+  with pytest.raises(ValueError, match=r"attention_mask must be \[B, S\] = \(1, 16\)"):
+    model(good, jnp.ones((1, 8), jnp.int32))
+  with pytest.raises(ValueError, match="padding_side must be 'left' or 'right'"):
+    model(good, mask, padding_side="both")
+  with pytest.raises(ValueError, match="sequence length 10 must be a multiple of its 4 learnable"):
+    model(jnp.zeros((1, 10, 160)), jnp.ones((1, 10), jnp.int32))
+
+  config = json.loads((fixture_path("ltx2_text") / "connectors" / "config.json").read_text())
+  with pytest.raises(ValueError, match=r"keys \['num_experts'\] are not supported"):
+    md_text.LTX2ConnectorsConfig.from_dict({**config, "num_experts": 2})
+  with pytest.raises(ValueError, match="rope_type='yarn'"):
+    md_text.LTX2ConnectorsConfig.from_dict({**config, "rope_type": "yarn"})
+  with pytest.raises(ValueError, match=r"video connector is 4 heads x 8 = 32 wide .* gives 64"):
+    md_text.LTX2ConnectorsConfig.from_dict({**config, "caption_channels": 64})
+
+  # A checkpoint missing a tensor: the loader names it.
+  from safetensors.numpy import load_file, save_file
+
+  src = fixture_path("ltx2_text") / "connectors"
+  tensors = load_file(str(src / "diffusion_pytorch_model.safetensors"))
+  tensors.pop("audio_connector.transformer_blocks.0.attn1.to_v.bias")
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  save_file(tensors, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+  with pytest.raises(md_core.WeightLoadError, match=r"audio_connector/blocks/attn/to_v/bias"):
+    md_text.load_ltx2_connectors(tmp_path, subfolder=None)
