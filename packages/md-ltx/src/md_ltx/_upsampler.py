@@ -386,20 +386,22 @@ def tone_map_latents(latents: jax.Array, compression: float) -> jax.Array:
 
 
 @functools.partial(
-  jax.jit,
-  static_argnames=("graphdef", "denormalize", "normalize", "scaling_factor", "adain", "tone"),
+  jax.jit, static_argnames=("graphdef", "denormalize", "normalize", "adain", "tone")
 )
 def _upsample_step(
-  graphdef, state, latents, mean, std, *, denormalize, normalize, scaling_factor, adain, tone
+  graphdef, state, latents, mean, std, scales, *, denormalize, normalize, adain, tone
 ):
+  # scales: [scaling_factor, adain_factor, tone_map_compression_ratio] (traced: changing them does not
+  # recompile); the flags say which steps run, as the reference's `> 0` tests do.
+  scaling_factor, adain_factor, compression = scales[0], scales[1], scales[2]
   upsampler = nnx.merge(graphdef, state)
   if denormalize:
     latents = denormalize_latents(latents, mean, std, scaling_factor)
   up = upsampler(latents.astype(upsampler.initial_conv.kernel[...].dtype))
-  if adain > 0.0:
-    up = adain_filter_latent(up, latents.astype(up.dtype), adain)
-  if tone > 0.0:
-    up = tone_map_latents(up, tone)
+  if adain:
+    up = adain_filter_latent(up, latents.astype(up.dtype), adain_factor)
+  if tone:
+    up = tone_map_latents(up, compression)
   if normalize:
     up = normalize_latents(up, mean, std, scaling_factor)
   return up
@@ -481,11 +483,11 @@ def upsample_latents(
     latents,
     mean,
     std,
+    jnp.asarray([scaling_factor, adain_factor, tone_map_compression_ratio], _F32),
     denormalize=bool(latents_normalized),
     normalize=bool(normalize_output),
-    scaling_factor=float(scaling_factor),
-    adain=float(adain_factor),
-    tone=float(tone_map_compression_ratio),
+    adain=adain_factor > 0.0,
+    tone=tone_map_compression_ratio > 0.0,
   )
   return jnp.moveaxis(out, -1, 1) if layout == "BCFHW" else out
 
