@@ -1,7 +1,6 @@
-"""Flux.2 Klein denoising against diffusers' `Flux2KleinPipeline` (output_type="latent") on a tiny random
-pipeline (tests/fixtures/flux_pipeline/klein), and reference-image conditioning against a closed form."""
-
-import pathlib
+"""Flux.2 Klein pipelines against diffusers' `Flux2KleinPipeline` / `Flux2KleinKVPipeline` run from text
+and reference PNGs on a tiny random pipeline (tests/fixtures/flux2_pipeline), reference-latent
+conditioning against a closed form, and input errors."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +9,13 @@ import pytest
 from flax import nnx
 
 import md_flux
+from md_core import testing
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "flux_pipeline"
-COMMON = dict(height=32, width=48, progress=False)
+FIXTURES = testing.fixture_path("flux2_pipeline")
+PROMPTS = ["a photo of a cat", "An astronaut riding a horse on the moon"]
+REFS = [FIXTURES / "ref_0.png", FIXTURES / "ref_1.png"]
+TEXT = dict(max_sequence_length=40, text_encoder_out_layers=(1, 2, 3), progress=False)
+SMALL = dict(height=32, width=48, **TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -25,69 +28,55 @@ def klein():
   return md_flux.load_pipeline(FIXTURES / "klein")
 
 
-def test_klein_text_to_latents_matches_diffusers(klein, outputs):
+def _check(got, want, what):
+  got = np.asarray(got)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  err = float(np.abs(got - want).max())
+  assert err < 1e-3, f"{what}: max abs error {err}"
+
+
+@pytest.mark.filterwarnings("ignore:prompt 1 is")  # the long prompt is cut as in the reference
+def test_klein_text_to_image_matches_diffusers(klein, outputs):
   assert isinstance(klein, md_flux.Flux2KleinPipeline) and not klein.is_distilled
-  z = klein(
-    prompt_embeds=outputs["klein/prompt_embeds"],
-    negative_prompt_embeds=outputs["klein/negative_prompt_embeds"],
-    latents=outputs["klein/latents"],
+  embeds = klein.encode_prompt(PROMPTS, max_sequence_length=40, text_encoder_out_layers=(1, 2, 3))
+  _check(embeds, outputs["t2i/prompt_embeds"], "prompt_embeds")
+  images = klein(
+    PROMPTS, latents=outputs["t2i/latents"], num_inference_steps=3, guidance_scale=4.0, **SMALL
+  )
+  _check(images, outputs["t2i/images"], "t2i images")
+
+
+@pytest.mark.filterwarnings("ignore:prompt 0 is")
+def test_klein_edit_matches_diffusers(klein, outputs):
+  """Two reference PNGs (one centre-cropped from 100x72, one grey), two images per prompt, guidance
+  on; the output size defaults to the first reference's 96x64."""
+  images = klein(
+    PROMPTS[1],
+    image=REFS,
+    num_images_per_prompt=2,
+    latents=outputs["edit/latents"],
     num_inference_steps=3,
     guidance_scale=4.0,
-    **COMMON,
+    **TEXT,
   )
-  want = outputs["klein/latents_out"].transpose(0, 2, 3, 1)  # reference NCHW → channels-last
-  assert z.shape == want.shape
-  err = float(np.abs(np.asarray(z) - want).max())
-  assert err < 1e-3, f"max abs error {err}"
+  _check(images, outputs["edit/images"], "edit images")
 
 
-def _refs(outputs, case):
-  """The reference's packed reference latents `[B, R, 16]` → one channels-last grid per image."""
-  packed, refs, at = outputs[f"{case}/ref_latents"], [], 0
-  for h, w in outputs[f"{case}/ref_shapes"]:
-    refs.append(packed[:, at : at + h * w].reshape(packed.shape[0], h, w, -1))
-    at += h * w
-  return refs
-
-
-@pytest.mark.parametrize("case", ["klein_edit", "klein_kv"])
-def test_klein_edit_matches_diffusers(klein, outputs, case):
-  """Two reference images: appended after the target (Flux2KleinPipeline, CFG) or cached after the
-  first step (Flux2KleinKVPipeline, no guidance)."""
-  kv = case == "klein_kv"
-  z = klein(
-    prompt_embeds=outputs[f"{case}/prompt_embeds"],
-    negative_prompt_embeds=None if kv else outputs[f"{case}/negative_prompt_embeds"],
-    latents=outputs[f"{case}/latents"],
-    image_latents=_refs(outputs, case),
-    kv_cache=kv,
-    num_inference_steps=3,
-    guidance_scale=1.0 if kv else 4.0,
-    **COMMON,
-  )
-  want = outputs[f"{case}/latents_out"].transpose(0, 2, 3, 1)
-  err = float(np.abs(np.asarray(z) - want).max())
-  assert err < 1e-3, f"max abs error {err}"
-
-
-def test_kv_checkpoint_loads_in_kv_mode(outputs):
+@pytest.mark.filterwarnings("ignore:prompt 1 is")
+def test_klein_kv_edit_matches_diffusers(outputs):
   kv = md_flux.load_pipeline(FIXTURES / "klein_kv")
   assert kv.use_kv_cache and kv.is_distilled
-  with pytest.raises(ValueError, match="no guidance|without guidance"):
-    md_flux.Flux2KleinPipeline(
-      transformer=kv.transformer,
-      scheduler_config=kv.scheduler_config,
-      bn_mean=kv.bn_mean,
-      bn_std=kv.bn_std,
-      use_kv_cache=True,
-    )(prompt_embeds=outputs["klein_kv/prompt_embeds"], guidance_scale=4.0, **COMMON)
+  images = kv(
+    PROMPTS, images=REFS, latents=outputs["kv_edit/latents"], num_inference_steps=3, **SMALL
+  )
+  _check(images, outputs["kv_edit/images"], "kv edit images")
 
 
 def test_reference_latents_appended_with_time_offsets(klein, outputs):
   """One Euler step with two references equals the transformer on [target; ref1; ref2] with ids at
   t = 0, 10, 20, keeping only the target's prediction (the references are never updated)."""
-  embeds = outputs["klein/prompt_embeds"][:1]
-  noise = outputs["klein/latents"][:1]  # [1, 16, 2, 3]
+  embeds = outputs["t2i/prompt_embeds"][:1]
+  noise = outputs["t2i/latents"][:1]  # [1, 16, 2, 3]
   rng = np.random.RandomState(0)
   refs = [rng.randn(1, 2, 2, 16).astype(np.float32), rng.randn(1, 1, 3, 16).astype(np.float32)]
   sigmas = [0.8]
@@ -98,7 +87,8 @@ def test_reference_latents_appended_with_time_offsets(klein, outputs):
     num_inference_steps=1,
     sigmas=sigmas,
     guidance_scale=1.0,
-    **COMMON,
+    output_type="latent",
+    **SMALL,
   )
   # Closed form: the scheduler's shifted sigma, one step to sigma 0.
   st = md_flux._pipeline2.mdsch.from_config(klein.scheduler_config).init(
@@ -130,16 +120,56 @@ def test_reference_latents_appended_with_time_offsets(klein, outputs):
   )
 
 
-def test_klein_input_errors(klein, outputs):
-  embeds = outputs["klein/prompt_embeds"][:1]
+def test_reference_image_preparation():
+  """Sizes as the reference's image processor: large images scaled to ~1024² pixels, then centre-
+  cropped to multiples of 16; small or extreme images rejected."""
+  grey = np.full((1100, 1300), 128, np.uint8)
+  pixels = md_flux.prepare_reference_image(grey)
+  assert pixels.shape == (
+    928,
+    1104,
+    3,
+  )  # 1300x1100 (w x h) → 1113x941 (area ≤ 1024²) → multiples of 16
+  assert np.abs(pixels - (128 / 255 * 2 - 1)).max() < 2.5 / 255  # Lanczos keeps a flat image flat
+  with pytest.raises(ValueError, match=r"too small.*at least 64"):
+    md_flux.prepare_reference_image(np.zeros((48, 80, 3), np.uint8), what="reference image 1")
+  with pytest.raises(ValueError, match=r"aspect ratio of 9.0:1"):
+    md_flux.prepare_reference_image(np.zeros((64, 576, 3), np.uint8))
+
+
+def test_klein_input_errors(klein, outputs, tmp_path):
+  embeds = outputs["t2i/prompt_embeds"][:1]
+  one = dict(prompt_embeds=embeds, guidance_scale=1.0, **SMALL)
   ref = np.zeros((1, 2, 2, 16), np.float32)
   with pytest.raises(ValueError, match="5 reference images given; Flux.2 Klein takes at most 4"):
-    klein(prompt_embeds=embeds, image_latents=[ref] * 5, guidance_scale=1.0, **COMMON)
+    klein(image=[REFS[0]] * 5, **one)
+  with pytest.raises(ValueError, match="5 reference images given"):
+    klein(image_latents=[ref] * 5, **one)
   with pytest.raises(ValueError, match=r"image_latents\[0\] has shape \(1, 2, 2, 8\)"):
-    klein(prompt_embeds=embeds, image_latents=[ref[..., :8]], guidance_scale=1.0, **COMMON)
-  with pytest.raises(ValueError, match="Qwen3"):
-    klein("a cat", **COMMON)
-  with pytest.raises(ValueError, match="negative_prompt_embeds"):
-    klein(prompt_embeds=embeds, guidance_scale=4.0, **COMMON)
+    klein(image_latents=[ref[..., :8]], **one)
+  broken = tmp_path / "broken.png"
+  broken.write_text("not an image")
+  with pytest.raises(ValueError, match=r"reference image 1: cannot read .*broken\.png"):
+    klein(image=[REFS[0], broken], **one)
+  with pytest.raises(FileNotFoundError, match=r"reference image 0: .*missing\.png"):
+    klein(image=tmp_path / "missing.png", **one)
+  with pytest.raises(ValueError, match="negative_prompt_embeds|not both"):
+    klein("a cat", prompt_embeds=embeds, **SMALL)
   with pytest.raises(ValueError, match=r"width=40 → 32 or 48"):
     klein(prompt_embeds=embeds, height=32, width=40, progress=False)
+  with pytest.raises(ValueError, match=r"height=72 → 64 or 80"):
+    klein(prompt_embeds=embeds, image=REFS[0], height=72, guidance_scale=1.0, **TEXT)
+  with pytest.raises(ValueError, match="output_type"):
+    klein(prompt_embeds=embeds, output_type="pil", **SMALL)
+
+
+def test_klein_without_text_encoder_asks_for_embeddings(klein, outputs):
+  bare = md_flux.Flux2KleinPipeline(
+    transformer=klein.transformer, scheduler_config=klein.scheduler_config, vae=klein.vae
+  )
+  with pytest.raises(ValueError, match="no text encoder.*pass prompt_embeds"):
+    bare("a cat", **SMALL)
+  with pytest.raises(ValueError, match="negative_prompt_embeds"):
+    bare(prompt_embeds=outputs["t2i/prompt_embeds"], guidance_scale=4.0, **SMALL)
+  with pytest.raises(ValueError, match="no guidance|without guidance"):
+    bare(prompt_embeds=outputs["t2i/prompt_embeds"], guidance_scale=4.0, kv_cache=True, **SMALL)

@@ -1,4 +1,4 @@
-"""md-flux: the Flux.1 (dev, schnell) and Flux.2 (Klein) transformers, their configs and weight maps."""
+"""md-flux: the Flux.1 (dev, schnell) and Flux.2 (Klein) transformers, weight maps and pipelines."""
 
 from md_flux._config import FLUX2_VARIANTS, FLUX_VARIANTS, Flux2Config, FluxConfig
 from md_flux._flux1 import BlockKV, FluxTransformer
@@ -11,7 +11,12 @@ from md_flux._pipeline import (
   pack_latents,
   unpack_latents,
 )
-from md_flux._pipeline2 import MAX_REFERENCE_IMAGES, Flux2KleinPipeline, text_ids
+from md_flux._pipeline2 import (
+  MAX_REFERENCE_IMAGES,
+  Flux2KleinPipeline,
+  prepare_reference_image,
+  text_ids,
+)
 from md_flux._weights1 import (
   bfl_view,
   bfl_virtual_names,
@@ -46,6 +51,7 @@ __all__ = [
   "load_flux",
   "load_flux2",
   "pack_latents",
+  "prepare_reference_image",
   "single_file_layout",
   "text_ids",
   "unpack_latents",

@@ -429,12 +429,13 @@ def load_pipeline(
 
   Args:
     source: a local diffusers pipeline folder (with `model_index.json`) or a hub id
-      (`"black-forest-labs/FLUX.1-dev"`, `"black-forest-labs/FLUX.1-schnell"`), resolved through
+      (`"black-forest-labs/FLUX.1-dev"`, `"black-forest-labs/FLUX.2-klein-4B"`), resolved through
       md-core (the hub cache; downloads when online).
     mesh: place every parameter on this mesh by its logical axes (and split the batch over data ×
       fsdp).
     dtype: parameter dtype of the transformer (default float32; bfloat16 on accelerators).
-    text_dtype: parameter dtype of the T5 encoder (default float32); CLIP and the VAE stay float32.
+    text_dtype: parameter dtype of the T5 encoder (default float32) or of Klein's Qwen3 encoder (default:
+      as stored); CLIP and the VAEs stay float32.
     rules: md-sharding logical axis rules (default: `md_sharding.DEFAULT_RULES`).
     attention: an `md_attention.AttentionConfig` for the transformer (e.g. context parallelism
       `AttentionConfig(implementation="ulysses")` over the mesh's `context` axis).
@@ -442,8 +443,9 @@ def load_pipeline(
     progress: progress bars while loading tensors.
 
   Returns:
-    A `FluxPipeline` (Flux.1; call it to generate images) or a `Flux2KleinPipeline` (Flux.2 Klein:
-    denoises from prompt embeddings to latents until the Qwen3 encoder and Flux.2 VAE are wired in).
+    A `FluxPipeline` (Flux.1; call it to generate images) or a `Flux2KleinPipeline` (Flux.2 Klein,
+    `Flux2KleinPipeline` / `Flux2KleinKVPipeline` folders: text-to-image and editing with up to 4
+    reference images).
 
   Raises:
     FileNotFoundError: no such folder or hub id, or a component folder is missing (named).
@@ -467,6 +469,7 @@ def load_pipeline(
       index,
       mesh=mesh,
       dtype=dtype,
+      text_dtype=text_dtype,
       rules=rules,
       attention=attention,
       progress=progress,

@@ -1,20 +1,24 @@
-"""The Flux.2 Klein denoising pipeline (diffusers' `Flux2KleinPipeline`) from prompt embeddings.
+"""The Flux.2 Klein pipelines (diffusers' `Flux2KleinPipeline` and `Flux2KleinKVPipeline`).
 
-md does not yet have the Qwen3 text encoder wired in nor the Flux.2 VAE, so this pipeline takes
-`prompt_embeds` (the Qwen3 hidden states the reference stacks) and returns the reference's
-`output_type="latent"` result: latents denormalised by the VAE's batch-norm statistics and unpatchified,
-channels-last `[B, H/8, W/8, C]`. Reference images enter as already encoded, normalised, patchified
-latents (`image_latents`): they are packed, appended after the target tokens with their own time
-offsets in the ids (10, 20, …), and left unchanged by the update (only the target tokens' prediction
-is used).
+Text → Qwen3 (chat-templated, right-padded to `max_sequence_length`; the hidden states of layers 9, 18
+and 27 stacked per token) → the Flux.2 transformer's denoising loop → the Flux.2 VAE. Reference images
+are read (paths, PIL images or arrays), prepared as the reference's image processor does (at most 1024²
+pixels by a Lanczos resize, then centre-cropped to multiples of 16), encoded by the VAE (posterior
+mode, 2x2 patchify, batch-norm normalisation), packed, appended after the target tokens with their own
+time offsets in the ids (10, 20, …), and left unchanged by the update (only the target tokens'
+prediction is used). In KV-cache mode (`Flux2KleinKVPipeline`) the references run only at the first
+step, which returns their keys/values, reused by the later steps that see the target tokens alone.
 
-Behaviour follows the reference: 4-axis ids `(t, row, col, 0)` for image tokens and `(0, 0, 0, l)`
-for text, sigmas `linspace(1, 1/n, n)` shifted with Flux.2's empirical `mu`, and classifier-free
-guidance (`neg + s * (pos - neg)`) when `guidance_scale > 1` and the model is not distilled.
+Three kinds of jitted programs per shape: text encoding, image encoding (one per reference size), the
+denoising loop (one `fori_loop`), and decoding. Behaviour follows the reference: 4-axis ids
+`(t, row, col, 0)` for image tokens and `(0, 0, 0, l)` for text, sigmas `linspace(1, 1/n, n)` shifted
+with Flux.2's empirical `mu`, and classifier-free guidance (`neg + s * (pos - neg)`, the negative prompt
+"" by default) when `guidance_scale > 1` and the model is not distilled.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,11 +29,25 @@ import numpy as np
 
 import md_core
 import md_schedulers as mdsch
+import md_text
+import md_vae
 from md_core import progress as md_progress
 from md_flux._flux2 import Flux2Transformer
-from md_flux._pipeline import _place, _Split, _using, check_size, image_ids, unpack_latents
+from md_flux._pipeline import (
+  _as_list,
+  _place,
+  _Split,
+  _using,
+  check_size,
+  image_ids,
+  unpack_latents,
+)
 
 MAX_REFERENCE_IMAGES = 4
+# The reference image processor's limits (diffusers' Flux2ImageProcessor).
+_MIN_SIDE = 64
+_MAX_ASPECT = 8
+_MAX_AREA = 1024 * 1024
 
 
 def text_ids(length: int) -> np.ndarray:
@@ -39,11 +57,84 @@ def text_ids(length: int) -> np.ndarray:
   return ids
 
 
+def _open_image(image: Any, what: str):
+  """A reference image as a PIL image: files are decoded (EXIF orientation applied, RGB, as
+  diffusers' `load_image`), arrays `[H, W, 3]` / `[H, W]` (uint8, or floats in [0, 1]) are
+  quantised to 8 bits, PIL images are used as they are."""
+  from PIL import Image
+
+  if isinstance(image, Image.Image):
+    return image
+  if isinstance(image, str | os.PathLike):
+    try:
+      pixels = md_core.media.load_image(image)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"{what}: {e}") from None
+    except (ValueError, OSError) as e:
+      raise ValueError(f"{what}: cannot read {os.fspath(image)!r}: {e}") from None
+  else:
+    arr = np.asarray(image)
+    if arr.ndim == 4 and arr.shape[0] == 1:
+      arr = arr[0]
+    if arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[-1] not in (1, 3, 4)):
+      raise ValueError(
+        f"{what}: an image array must be [H, W, 3] (or [H, W] grey), uint8 or floats in [0, 1]; "
+        f"got shape {arr.shape}"
+      )
+    try:
+      pixels = md_core.media.load_image(arr)
+    except ValueError as e:
+      raise ValueError(f"{what}: {e}") from None
+  return Image.fromarray(np.round(pixels * 255.0).astype(np.uint8), "RGB")
+
+
+def prepare_reference_image(
+  image: Any, *, multiple_of: int = 16, what: str = "image"
+) -> np.ndarray:
+  """A reference image as diffusers' Flux2Klein pipelines prepare it: float32 `[H, W, 3]` in [-1, 1].
+
+  Both sides must be at least 64 pixels and the aspect ratio at most 8:1; an image of more than 1024²
+  pixels is first scaled to about that area (Lanczos); then height and width are floored to multiples
+  of `multiple_of` by a centre crop (`Flux2ImageProcessor.resize(..., resize_mode="crop")`).
+
+  Raises:
+    FileNotFoundError: a path that does not exist (named).
+    ValueError: a file that cannot be decoded (named), or a size the reference rejects.
+  """
+  from PIL import Image
+
+  pil = _open_image(image, what)
+  w, h = pil.size
+  if w < _MIN_SIDE or h < _MIN_SIDE:
+    raise ValueError(
+      f"{what}: {w}x{h} pixels is too small; Flux.2 reference images need both sides at least "
+      f"{_MIN_SIDE} pixels"
+    )
+  if max(w / h, h / w) > _MAX_ASPECT:
+    raise ValueError(
+      f"{what}: {w}x{h} pixels has an aspect ratio of {max(w / h, h / w):.1f}:1; Flux.2 takes at "
+      f"most {_MAX_ASPECT}:1"
+    )
+  lanczos = Image.Resampling.LANCZOS
+  if w * h > _MAX_AREA:
+    s = math.sqrt(_MAX_AREA / (w * h))
+    pil = pil.resize((int(w * s), int(h * s)), lanczos)
+    w, h = pil.size
+  tw, th = w // multiple_of * multiple_of, h // multiple_of * multiple_of
+  left, top = (w - tw) // 2, (h - th) // 2  # the centre crop (Flux2ImageProcessor._resize_and_crop)
+  pil = pil.crop((left, top, left + tw, top + th)).convert("RGB")
+  pixels = np.asarray(pil, np.float32) / 255.0
+  return 2.0 * pixels - 1.0
+
+
 class Flux2KleinPipeline:
-  """A loaded Flux.2 Klein pipeline (see `load_pipeline`) that denoises from prompt embeddings.
+  """A loaded Flux.2 Klein pipeline (see `load_pipeline`); call it to generate or edit images.
 
   Attributes:
     transformer: the md `Flux2Transformer`.
+    vae: the md `AutoencoderKLFlux2` (None: latents out only).
+    text_encoder, tokenizer: the md `Qwen3Encoder` and its transformers tokenizer (None: prompt
+      embeddings only).
     scheduler_config: the checkpoint's `scheduler_config.json` dict.
     is_distilled: guidance-distilled checkpoints never run classifier-free guidance.
     use_kv_cache: the default of `kv_cache` (True for `Flux2KleinKVPipeline` checkpoints).
@@ -55,28 +146,136 @@ class Flux2KleinPipeline:
     *,
     transformer: Flux2Transformer,
     scheduler_config: Mapping[str, Any],
-    bn_mean: np.ndarray,
-    bn_std: np.ndarray,
+    vae: md_vae.AutoencoderKLFlux2 | None = None,
+    text_encoder: md_text.Qwen3Encoder | None = None,
+    tokenizer: Any = None,
+    bn_mean: np.ndarray | None = None,
+    bn_std: np.ndarray | None = None,
     is_distilled: bool = False,
     use_kv_cache: bool = False,
-    vae_scale_factor: int = 8,
+    vae_scale_factor: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     source: str = "",
   ):
-    self.transformer = transformer
+    self.transformer, self.vae = transformer, vae
+    self.text_encoder, self.tokenizer = text_encoder, tokenizer
     self.scheduler_config = dict(scheduler_config)
+    if vae is not None:
+      eps = vae.config.batch_norm_eps
+      bn_mean = np.asarray(jax.device_get(vae.bn.running_mean[...]), np.float32)
+      var = np.asarray(jax.device_get(vae.bn.running_var[...]), np.float32)
+      bn_std = np.sqrt(var + eps)
+      vae_scale_factor = vae.config.downscale
+    if bn_mean is None or bn_std is None:
+      raise ValueError(
+        "Flux2KleinPipeline needs the VAE or its batch-norm statistics (bn_mean, bn_std)"
+      )
     self.bn_mean = np.asarray(bn_mean, np.float32)
     self.bn_std = np.asarray(bn_std, np.float32)
     self.is_distilled = bool(is_distilled)
     self.use_kv_cache = bool(use_kv_cache)
-    self.vae_scale_factor = int(vae_scale_factor)
+    self.vae_scale_factor = int(vae_scale_factor or 8)
     self.mesh, self.source = mesh, source
     self._tr = _Split.of(transformer)
+    self._vae, self._te = _Split.of(vae), _Split.of(text_encoder)
     self._compiled: dict[Any, Any] = {}
 
+  @property
+  def default_size(self) -> int:
+    """The reference's default pixel size without reference images (128 × the VAE factor: 1024)."""
+    return 128 * self.vae_scale_factor
+
+  def _jit(self, key, make):
+    fn = self._compiled.get(key)
+    if fn is None:
+      fn = self._compiled[key] = make()
+    return fn
+
+  # --- text ---------------------------------------------------------------------------------------------
+  def encode_prompt(
+    self,
+    prompts: str | Sequence[str],
+    *,
+    max_sequence_length: int = md_text.FLUX2_KLEIN_MAX_LENGTH,
+    text_encoder_out_layers: Sequence[int] = md_text.FLUX2_KLEIN_LAYERS,
+  ) -> jax.Array:
+    """Prompt embeddings `[B, max_sequence_length, len(layers) * hidden]` (the reference's
+    `_get_qwen3_prompt_embeds`: chat template, right padding, stacked hidden states)."""
+    if self.text_encoder is None or self.tokenizer is None:
+      raise ValueError(
+        f"{self.source or 'this pipeline'}: no text encoder / tokenizer was loaded (model_index.json "
+        "lists none); pass prompt_embeds [B, S, joint_attention_dim] instead of a prompt"
+      )
+    layers = tuple(int(i) for i in text_encoder_out_layers)
+    for i in layers:
+      self.text_encoder.output_index(i)  # a clear error for a layer the encoder does not have
+    tokens = md_text.qwen3_tokenize(self.tokenizer, prompts, max_length=int(max_sequence_length))
+
+    def make():
+      te = self._te
+
+      def encode(state, ids, mask):
+        embeds = md_text.encode_flux2_prompt(te.merge(state), ids, mask, layers=layers)
+        return embeds.astype(jnp.float32)
+
+      return jax.jit(encode)
+
+    fn = self._jit(("encode", layers), make)
+    with _using(self.mesh):
+      return fn(self._te.state, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
+
+  # --- images -------------------------------------------------------------------------------------------
+  def encode_image(self, pixels: np.ndarray) -> jax.Array:
+    """A prepared reference image `[H, W, 3]` in [-1, 1] → the transformer's latents
+    `[1, H/16, W/16, 4C]` (posterior mode, patchified, normalised)."""
+    if self.vae is None:
+      raise ValueError(
+        f"{self.source or 'this pipeline'}: no VAE was loaded; pass image_latents instead of images"
+      )
+
+    def make():
+      vae = self._vae
+      return jax.jit(lambda state, x: vae.merge(state).encode_latents(x).astype(jnp.float32))
+
+    fn = self._jit(("encode_image", pixels.shape), make)
+    with _using(self.mesh):
+      return fn(self._vae.state, jnp.asarray(pixels, jnp.float32)[None])
+
+  def decode(self, latents: jax.Array, rows: int, cols: int) -> jax.Array:
+    """The transformer's packed latents `[B, rows * cols, 4C]` → images `[B, 16 rows, 16 cols, 3]`
+    in [0, 1]."""
+    if self.vae is None:
+      raise ValueError(
+        f"{self.source or 'this pipeline'}: no VAE was loaded; call with output_type='latent'"
+      )
+
+    def make():
+      vae = self._vae
+
+      def decode(state, packed):
+        b, _, c = packed.shape
+        images = vae.merge(state).decode_latents(packed.reshape(b, rows, cols, c))
+        return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0.0, 1.0)
+
+      return jax.jit(decode)
+
+    fn = self._jit(("decode", rows, cols), make)
+    with _using(self.mesh):
+      return fn(self._vae.state, latents)
+
+  def _reference_latents(self, images: Sequence[Any]) -> tuple[list[jax.Array], tuple[int, int]]:
+    """Prepared and encoded reference images, and the first one's pixel size `(height, width)`."""
+    m = 2 * self.vae_scale_factor
+    latents, size = [], None
+    for i, image in enumerate(images):
+      pixels = prepare_reference_image(image, multiple_of=m, what=f"reference image {i}")
+      size = size or pixels.shape[:2]
+      latents.append(self.encode_image(pixels))
+    return latents, size
+
+  # --- the loop -----------------------------------------------------------------------------------------
   def _loop_fn(self, sched, *, steps: int, cfg: bool, kv: bool, s_img: int, show: bool):
     tr = self._tr
-    mean, std = jnp.asarray(self.bn_mean)[None, None], jnp.asarray(self.bn_std)[None, None]
 
     def loop(state, x, refs, sched_state, ctx, img_ids, ref_ids, txt, scale):
       model = tr.merge(state)
@@ -116,15 +315,30 @@ class Flux2KleinPipeline:
           tick(i)
         return x, st
 
-      x = jax.lax.fori_loop(start, steps, body, carry)[0]
-      return x * std + mean  # the VAE's batch-norm, undone
+      return jax.lax.fori_loop(start, steps, body, carry)[0]
 
     return jax.jit(loop)
+
+  def _embeddings(self, prompts, embeds, what, text_kw) -> jax.Array:
+    if embeds is not None:
+      if prompts:
+        raise ValueError(f"pass either {what} or {what}_embeds, not both")
+      embeds = jnp.asarray(embeds, jnp.float32)
+      d = self.transformer.cfg.joint_attention_dim
+      if embeds.ndim != 3 or embeds.shape[-1] != d:
+        raise ValueError(f"{what}_embeds have shape {embeds.shape}; expected [B, S, {d}]")
+      return embeds
+    if not prompts:
+      raise ValueError(f"pass {what} (a string or a list) or {what}_embeds [B, S, D]")
+    return self.encode_prompt(prompts, **text_kw)
 
   def __call__(
     self,
     prompt: str | Sequence[str] | None = None,
+    image: Any = None,
     *,
+    images: Sequence[Any] | None = None,
+    negative_prompt: str | Sequence[str] | None = None,
     height: int | None = None,
     width: int | None = None,
     num_inference_steps: int = 50,
@@ -137,44 +351,68 @@ class Flux2KleinPipeline:
     image_latents: Sequence[Any] | None = None,
     kv_cache: bool | None = None,
     sigmas: Sequence[float] | None = None,
+    max_sequence_length: int = md_text.FLUX2_KLEIN_MAX_LENGTH,
+    text_encoder_out_layers: Sequence[int] = md_text.FLUX2_KLEIN_LAYERS,
+    output_type: str = "image",
     progress: bool = True,
   ) -> jax.Array:
-    """Denoises latents for prompt embeddings, optionally conditioned on reference latents.
+    """Generates images from text, optionally conditioned on up to 4 reference images.
 
     Args:
-      prompt: not supported yet (the Qwen3 encoder is not wired in): pass `prompt_embeds`.
-      height, width: pixels, multiples of 16 (default 1024).
+      prompt: one prompt or a list (or pass `prompt_embeds`).
+      image: one reference image or a list (paths, PIL images, or arrays `[H, W, 3]` uint8 / floats
+        in [0, 1]); `images=` is the same. Prepared as the reference does (see
+        `prepare_reference_image`) and encoded by the VAE.
+      negative_prompt: the unconditional prompt for guidance (default "", what the reference always
+        uses; it has no parameter for it).
+      height, width: pixels, multiples of 16 (default: the first reference image's prepared size, or
+        1024).
       num_inference_steps: denoising steps.
       guidance_scale: classifier-free guidance when > 1 and the model is not distilled.
-      num_images_per_prompt: outputs per prompt embedding.
-      seed: the noise seed.
+      num_images_per_prompt: outputs per prompt.
+      seed: the noise seed (same seed and inputs → same images).
       latents: initial noise in the reference's layout `[B, 4C, H/16, W/16]` (patchified, NCHW).
       prompt_embeds: `[B, S, joint_attention_dim]` (the reference's stacked Qwen3 hidden states).
-      negative_prompt_embeds: for guidance (the reference encodes "" by default).
-      image_latents: up to 4 reference latents, each normalised and patchified channels-last
-        `[1 or B, h_r, w_r, 4C]`.
+      negative_prompt_embeds: for guidance (default: `negative_prompt` encoded).
+      image_latents: instead of images, up to 4 reference latents, each normalised and patchified
+        channels-last `[1 or B, h_r, w_r, 4C]` (`vae.encode_latents`).
       kv_cache: compute the references' keys/values once at the first step and reuse them
         (diffusers' `Flux2KleinKVPipeline`; no guidance). Default: on for KV checkpoints.
       sigmas: custom sigmas (default `linspace(1, 1/n, n)`).
+      max_sequence_length: Qwen3 tokens per prompt (512 in the reference).
+      text_encoder_out_layers: the Qwen3 hidden states stacked into the prompt embeddings.
+      output_type: "image": images `[B, H, W, 3]` in [0, 1]; "latent": the reference's
+        `output_type="latent"` (denormalised, unpatchified latents `[B, H/8, W/8, C]`, channels-last).
       progress: show a progress bar.
 
     Returns:
-      Latents `[B, H/8, W/8, C]` (the reference's `output_type="latent"`, channels-last).
+      Images `[B * num_images_per_prompt, height, width, 3]` in [0, 1] (float32), or latents.
 
     Raises:
-      ValueError: sizes that do not pack, more than 4 reference images, missing embeddings, inputs of
-        the wrong shape.
+      ValueError: sizes that do not pack, more than 4 reference images, an image that cannot be read
+        (named) or is too small, missing or conflicting prompt inputs, inputs of the wrong shape.
+      FileNotFoundError: a reference image path that does not exist.
     """
-    if prompt is not None:
+    if output_type not in ("image", "latent"):
+      raise ValueError(f"output_type={output_type!r}; expected 'image' or 'latent'")
+    if image is not None and images is not None:
+      raise ValueError("pass reference images as image= or images=, not both")
+    refs_in = image if image is not None else images
+    if refs_in is not None and not isinstance(refs_in, list | tuple):
+      refs_in = [refs_in]
+    if refs_in is not None and image_latents is not None:
+      raise ValueError("pass reference images or image_latents, not both")
+    n_refs = len(refs_in if refs_in is not None else image_latents or [])
+    if n_refs > MAX_REFERENCE_IMAGES:
       raise ValueError(
-        "Flux2KleinPipeline: text prompts need the Qwen3 encoder, which md-flux does not wire in yet; "
-        "pass prompt_embeds [B, S, D] (and negative_prompt_embeds for guidance)"
+        f"{n_refs} reference images given; Flux.2 Klein takes at most {MAX_REFERENCE_IMAGES}"
       )
-    if prompt_embeds is None:
-      raise ValueError("Flux2KleinPipeline: pass prompt_embeds [B, S, joint_attention_dim]")
-    size = 128 * self.vae_scale_factor
-    height, width = height or size, width or size
-    check_size(height, width, 2 * self.vae_scale_factor)
+    if refs_in is None:  # fail before encoding anything
+      size = self.default_size
+      check_size(height or size, width or size, 2 * self.vae_scale_factor)
+    n = int(num_inference_steps)
+    if n < 1:
+      raise ValueError(f"num_inference_steps must be at least 1, got {n}")
     cfg_on = guidance_scale > 1 and not self.is_distilled
     kv = self.use_kv_cache if kv_cache is None else bool(kv_cache)
     if kv and cfg_on:
@@ -182,22 +420,48 @@ class Flux2KleinPipeline:
         f"the KV-cache mode runs without guidance (as Flux2KleinKVPipeline); got guidance_scale="
         f"{guidance_scale} on a non-distilled model: pass guidance_scale=1 or kv_cache=False"
       )
+    text_kw = dict(
+      max_sequence_length=max_sequence_length, text_encoder_out_layers=text_encoder_out_layers
+    )
+    prompts = _as_list(prompt)
+    embeds = self._embeddings(prompts, prompt_embeds, "prompt", text_kw)
     reps = int(num_images_per_prompt)
-    embeds = jnp.repeat(jnp.asarray(prompt_embeds, jnp.float32), reps, axis=0)
-    ctx = embeds
+    if reps < 1:
+      raise ValueError(f"num_images_per_prompt must be at least 1, got {reps}")
+    ctx = jnp.repeat(embeds, reps, axis=0)
     if cfg_on:
       if negative_prompt_embeds is None:
+        if self.text_encoder is None:
+          raise ValueError(
+            f"guidance_scale={guidance_scale} > 1 runs classifier-free guidance: pass "
+            "negative_prompt_embeds (the reference encodes the empty prompt), or guidance_scale=1"
+          )
+        negs = _as_list(negative_prompt if negative_prompt is not None else "")
+        if len(negs) not in (1, embeds.shape[0]):
+          raise ValueError(
+            f"{len(negs)} negative prompts for {embeds.shape[0]} prompts; give one or one per prompt"
+          )
+        neg = self.encode_prompt(negs, **text_kw)
+        neg = jnp.broadcast_to(neg, (embeds.shape[0], *neg.shape[1:]))
+      else:
+        if negative_prompt is not None:
+          raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
+        neg = jnp.asarray(negative_prompt_embeds, jnp.float32)
+      neg = jnp.repeat(neg, reps, axis=0)
+      if neg.shape != ctx.shape:
         raise ValueError(
-          f"guidance_scale={guidance_scale} > 1 runs classifier-free guidance: pass "
-          "negative_prompt_embeds (the reference encodes the empty prompt), or guidance_scale=1"
+          f"negative prompt embeddings have shape {neg.shape}; the prompt's {ctx.shape}; they must "
+          "match (same max_sequence_length, one negative per prompt)"
         )
-      neg = jnp.repeat(jnp.asarray(negative_prompt_embeds, jnp.float32), reps, axis=0)
-      if neg.shape != embeds.shape:
-        raise ValueError(
-          f"negative_prompt_embeds have shape {neg.shape}; prompt_embeds {embeds.shape}; they must match"
-        )
-      ctx = jnp.concatenate([embeds, neg], axis=0)
-    batch = embeds.shape[0]
+      ctx = jnp.concatenate([ctx, neg], axis=0)
+    batch = embeds.shape[0] * reps
+
+    ref_size = None
+    if refs_in is not None:
+      image_latents, ref_size = self._reference_latents(refs_in)
+    height = height or (ref_size[0] if ref_size else self.default_size)
+    width = width or (ref_size[1] if ref_size else self.default_size)
+    check_size(height, width, 2 * self.vae_scale_factor)
     f = self.vae_scale_factor
     rows, cols = height // (2 * f), width // (2 * f)
     ch = self.transformer.cfg.in_channels
@@ -215,13 +479,7 @@ class Flux2KleinPipeline:
 
     ids = []
     refs = None
-    if image_latents is not None:
-      image_latents = list(image_latents)
-      if len(image_latents) > MAX_REFERENCE_IMAGES:
-        raise ValueError(
-          f"{len(image_latents)} reference images given; Flux.2 Klein takes at most "
-          f"{MAX_REFERENCE_IMAGES}"
-        )
+    if image_latents is not None and len(image_latents):
       packed = []
       for i, ref in enumerate(image_latents):
         ref = jnp.asarray(ref, jnp.float32)
@@ -234,20 +492,19 @@ class Flux2KleinPipeline:
         packed.append(jnp.broadcast_to(ref, (batch, h_r, w_r, ch)).reshape(batch, h_r * w_r, ch))
         ids.append(image_ids(h_r, w_r, time=10.0 * (i + 1), axes=4))
       refs = jnp.concatenate(packed, axis=1)
-    n = int(num_inference_steps)
     sched = mdsch.from_config(self.scheduler_config)
     mu = mdsch.flux2_empirical_mu(rows * cols, n)
     if sigmas is None:
       sigmas = np.linspace(1.0, 1.0 / n, n)
+    if self.scheduler_config.get("use_flow_sigmas"):
+      sigmas = None  # as the reference: the scheduler's own flow sigmas win
     st = sched.init(n, sigmas=sigmas, mu=mu)
     steps = len(st.timesteps)
     show = bool(progress) and md_progress.progress_enabled()
-    key = ("loop", repr(sorted(sched.config.items())), steps, cfg_on, kv, rows * cols, show)
-    loop = self._compiled.get(key)
-    if loop is None:
-      loop = self._compiled[key] = self._loop_fn(
-        sched, steps=steps, cfg=cfg_on, kv=kv, s_img=rows * cols, show=show
-      )
+    loop = self._jit(
+      ("loop", repr(sorted(sched.config.items())), steps, cfg_on, kv, rows * cols, show),
+      lambda: self._loop_fn(sched, steps=steps, cfg=cfg_on, kv=kv, s_img=rows * cols, show=show),
+    )
     place = lambda a: _place(self.mesh, a)  # noqa: E731
     with _using(self.mesh):
       z = loop(
@@ -261,7 +518,12 @@ class Flux2KleinPipeline:
         jnp.asarray(text_ids(ctx.shape[1])),
         jnp.float32(guidance_scale),
       )
-    return unpack_latents(z, 2 * rows, 2 * cols)
+    if output_type == "latent":
+      z = (
+        z * jnp.asarray(self.bn_std)[None, None] + jnp.asarray(self.bn_mean)[None, None]
+      )  # the VAE's batch-norm, undone
+      return unpack_latents(z, 2 * rows, 2 * cols)
+    return self.decode(z, rows, cols)
 
 
 def load_klein(
@@ -270,46 +532,41 @@ def load_klein(
   *,
   mesh=None,
   dtype=None,
+  text_dtype=None,
   rules=None,
   attention=None,
   progress=False,
   source="",
 ) -> Flux2KleinPipeline:
-  """Loads the transformer, scheduler and VAE batch-norm statistics of a Flux.2 Klein folder."""
+  """Loads a Flux.2 Klein folder: transformer, VAE, scheduler, and the Qwen3 text encoder and its
+  tokenizer where model_index.json lists them (a folder without them runs from prompt embeddings)."""
   from md_flux._pipeline import _component
   from md_flux._weights2 import load_flux2
 
   kv = index.get("_class_name") == "Flux2KleinKVPipeline"
   folders = {n: _component(root, n, index) for n in ("transformer", "vae", "scheduler")}
-  transformer = load_flux2(
-    folders["transformer"],
-    dtype=dtype,
-    attention=attention,
-    mesh=mesh,
-    rules=rules,
-    progress=progress,
-  )
-  vae_cfg = md_core.read_json(folders["vae"] / "config.json")
-  ckpt = md_core.open_checkpoint(folders["vae"])
-  missing = [k for k in ("bn.running_mean", "bn.running_var") if k not in ckpt]
-  if missing:
-    raise ValueError(
-      f"{folders['vae']}: the Flux.2 VAE file lacks {missing} (batch-norm statistics)"
+  kw = dict(mesh=mesh, rules=rules, progress=progress)
+  transformer = load_flux2(folders["transformer"], dtype=dtype, attention=attention, **kw)
+  vae = md_vae.load_vae_flux2(folders["vae"], subfolder=None, **kw)
+  listed = lambda name: bool((index.get(name) or [None])[0])  # noqa: E731
+  text_encoder = tokenizer = None
+  if listed("text_encoder") or listed("tokenizer"):
+    te_folder, tok_folder = (
+      _component(root, "text_encoder", index),
+      _component(root, "tokenizer", index),
     )
-  eps = float(vae_cfg.get("batch_norm_eps", 1e-4))
-  mean = np.asarray(ckpt["bn.running_mean"], np.float32)
-  std = np.sqrt(np.asarray(ckpt["bn.running_var"], np.float32) + eps)
-  blocks = vae_cfg.get("block_out_channels", [128, 256, 512, 512])
+    text_encoder = md_text.load_qwen3_encoder(te_folder, subfolder=None, dtype=text_dtype, **kw)
+    tokenizer = md_text.load_tokenizer(tok_folder, subfolder=None)
   sched_cfg = mdsch.read_config(folders["scheduler"])
-  mdsch.from_config(sched_cfg)
+  mdsch.from_config(sched_cfg)  # fail now, not at the first call, on a scheduler md lacks
   return Flux2KleinPipeline(
     transformer=transformer,
+    vae=vae,
+    text_encoder=text_encoder,
+    tokenizer=tokenizer,
     scheduler_config=sched_cfg,
-    bn_mean=mean,
-    bn_std=std,
     is_distilled=bool(index.get("is_distilled", kv)),
     use_kv_cache=kv,
-    vae_scale_factor=2 ** (len(blocks) - 1),
     mesh=mesh,
     source=source,
   )
