@@ -245,8 +245,8 @@ class LTXVideoPipeline:
     def encode(state, x, key):
       model = vae.merge(state)
       z = model.encode(x[None, None] * 2 - 1).sample(key)
-      mean = model.latents_mean[...].astype(z.dtype)
-      std = model.latents_std[...].astype(z.dtype)
+      mean = model.latents_mean[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
+      std = model.latents_std[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       return (z - mean) * 1.0 / std  # the pipelines normalise with scaling factor 1 here
 
     fn = self._jit(("encode_image", image.shape), lambda: jax.jit(encode))
@@ -465,6 +465,7 @@ class LTXVideoPipeline:
         )
       if not 0.0 <= float(c.strength) <= 1.0:
         raise ValueError(f"conditions[{i}].strength={c.strength} must be in [0, 1]")
+    pics = [_image_array(c.image, f"conditions[{i}].image") for i, c in enumerate(conditions)]
     cfg_on = guidance_scale > 1.0
     keys = jax.random.split(jax.random.key(int(seed)), 5)
 
@@ -569,7 +570,7 @@ class LTXVideoPipeline:
       extra_x, extra_coords, extra_mask = [], [], []
       kcond = jax.random.split(keys[1], 2 * max(len(conditions), 1))
       for i, c in enumerate(conditions):
-        pic = _image_array(c.image, f"conditions[{i}].image")
+        pic = pics[i]
         if pic.shape[:2] != (height, width):
           pic = np.asarray(
             jnp.clip(jax.image.resize(pic, (height, width, 3), method="lanczos3"), 0.0, 1.0)
