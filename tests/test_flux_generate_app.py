@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -67,3 +68,66 @@ def test_flux_generate_reports_bad_settings_clearly(tmp_path):
   out = run_app(f"--workdir={tmp_path}", variant="flux1-schnell")
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert "black-forest-labs/FLUX.1-schnell" in out.stderr and "HF_HUB_OFFLINE=1" in out.stderr
+
+
+KLEIN = "tests/fixtures/flux2_pipeline"
+
+
+def _klein_outputs(tmp_path, out, count, shape):
+  from md_core import media
+
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"wrote {count} image(s) and settings.json to {tmp_path}" in out.stdout
+  images = [media.load_image(tmp_path / f"image_{i:04d}.png") for i in range(count)]
+  assert all(im.shape == (*shape, 3) for im in images)
+  assert all(0.05 < float(im.std()) for im in images)  # decoded pictures, not a flat fill
+  return json.loads((tmp_path / "settings.json").read_text())
+
+
+def test_flux_generate_klein_edit_from_reference_pngs(tmp_path):
+  """Two reference PNGs; the output size comes from the first one (100x72 cropped to 96x64)."""
+  out = run_app(
+    f"--workdir={tmp_path}",
+    "--config.prompt=a cat",
+    "--config.num_images_per_prompt=2",
+    variant="tiny-klein-edit",
+  )
+  settings = _klein_outputs(tmp_path, out, 2, (64, 96))
+  assert settings["model"] == f"{KLEIN}/klein" and settings["edit"] is True
+  assert settings["images"] == f"{KLEIN}/ref_0.png,{KLEIN}/ref_1.png"
+  assert settings["image_size"] == [64, 96] and settings["kv_cache_used"] is False
+
+
+@pytest.mark.slow
+def test_flux_generate_klein_text_to_image(tmp_path):
+  out = run_app(f"--workdir={tmp_path}", "--config.prompt=a cat", variant="tiny-klein")
+  settings = _klein_outputs(tmp_path, out, 1, (32, 48))
+  assert settings["edit"] is False and settings["kv_cache_used"] is False
+
+
+@pytest.mark.slow
+def test_flux_generate_klein_kv_edit(tmp_path):
+  out = run_app(
+    f"--workdir={tmp_path}",
+    "--config.prompt=a cat",
+    "--config.seed=2",
+    variant="tiny-klein-kv-edit",
+  )
+  settings = _klein_outputs(tmp_path, out, 1, (64, 96))
+  assert settings["kv_cache_used"] is True
+
+
+def test_flux_generate_klein_reports_bad_references(tmp_path):
+  five = ",".join([f"{KLEIN}/ref_0.png"] * 5)
+  out = run_app(f"--workdir={tmp_path}", f"--config.images={five}", variant="tiny-klein-edit")
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "at most 4 reference images are supported; got 5" in out.stderr
+  broken = tmp_path / "broken.png"
+  broken.write_text("not an image")
+  out = run_app(
+    f"--workdir={tmp_path}",
+    f"--config.images={KLEIN}/ref_0.png,{broken}",
+    variant="tiny-klein-edit",
+  )
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "reference image 1: cannot read" in out.stderr and "broken.png" in out.stderr

@@ -7,18 +7,23 @@ uv run apps/flux_generate --config=apps/configs/flux.py:flux2-klein-9b-kv-edit -
 uv run apps/flux_generate --config=apps/configs/flux.py:tiny --workdir=/tmp/flux   # the bundled tiny pipeline
 
 Variants: flux1-dev, flux1-schnell, flux2-klein-4b, flux2-klein-9b (text), flux2-klein-4b-edit,
-flux2-klein-9b-edit (reference images), flux2-klein-9b-kv-edit (reference K/V cached after the first step),
-and tiny, tiny-schnell (tests/fixtures/flux_pipeline). Defaults follow the reference pipelines and model
-cards (steps, guidance, max_sequence_length). Hub ids need the hub cache (or network); offline they fail
-with a message that says how to get them. The Flux.2 Klein variants name their checkpoints; md-flux's
-Klein pipeline still needs prompt embeddings and reference latents (no Qwen3 encoder or Flux.2 VAE wired in
-yet), so from this app they stop with that message.
+flux2-klein-9b-edit (up to 4 reference images), flux2-klein-9b-kv-edit (reference K/V cached after the
+first step), and the bundled tiny pipelines: tiny, tiny-schnell (tests/fixtures/flux_pipeline), tiny-klein,
+tiny-klein-edit, tiny-klein-kv-edit (tests/fixtures/flux2_pipeline, with its two reference PNGs). Defaults
+follow the reference pipelines and model cards (steps, guidance, max_sequence_length). Edit variants take
+the output size from the first reference image when height and width are 0. Hub ids need the hub cache
+(or network); offline they fail with a message that says how to get them.
 """
 
 import ml_collections
 
 _FIXTURES = "tests/fixtures/flux_pipeline"
+_KLEIN_FIXTURES = "tests/fixtures/flux2_pipeline"
 _TINY = dict(height=32, width=48, steps=3, max_sequence_length=8)
+# The tiny Qwen3 has 3 layers: its hidden states 1, 2, 3 stand in for the real 9, 18, 27.
+_TINY_KLEIN = dict(steps=3, max_sequence_length=40, text_layers="1,2,3")
+_TINY_REFS = f"{_KLEIN_FIXTURES}/ref_0.png,{_KLEIN_FIXTURES}/ref_1.png"
+_EDIT = dict(edit=True, height=0, width=0)  # the output size of the first reference image
 
 # variant -> settings that differ from the defaults below
 VARIANTS = {
@@ -29,21 +34,35 @@ VARIANTS = {
   "flux2-klein-4b": dict(model="black-forest-labs/FLUX.2-klein-4B", steps=4, guidance_scale=1.0),
   "flux2-klein-9b": dict(model="black-forest-labs/FLUX.2-klein-9B", steps=4, guidance_scale=1.0),
   "flux2-klein-4b-edit": dict(
-    model="black-forest-labs/FLUX.2-klein-4B", steps=4, guidance_scale=1.0, edit=True
+    model="black-forest-labs/FLUX.2-klein-4B", steps=4, guidance_scale=1.0, **_EDIT
   ),
   "flux2-klein-9b-edit": dict(
-    model="black-forest-labs/FLUX.2-klein-9B", steps=4, guidance_scale=1.0, edit=True
+    model="black-forest-labs/FLUX.2-klein-9B", steps=4, guidance_scale=1.0, **_EDIT
   ),
   # The KV pipeline has no guidance or negative prompt (diffusers' Flux2KleinKVPipeline).
   "flux2-klein-9b-kv-edit": dict(
     model="black-forest-labs/FLUX.2-klein-9b-kv",
     steps=4,
     guidance_scale=1.0,
-    edit=True,
     kv_cache=True,
+    **_EDIT,
   ),
   "tiny": dict(model=f"{_FIXTURES}/dev", guidance_scale=3.5, **_TINY),
   "tiny-schnell": dict(model=f"{_FIXTURES}/schnell", guidance_scale=0.0, **_TINY),
+  "tiny-klein": dict(
+    model=f"{_KLEIN_FIXTURES}/klein", guidance_scale=4.0, height=32, width=48, **_TINY_KLEIN
+  ),
+  "tiny-klein-edit": dict(
+    model=f"{_KLEIN_FIXTURES}/klein", guidance_scale=4.0, images=_TINY_REFS, **_EDIT, **_TINY_KLEIN
+  ),
+  "tiny-klein-kv-edit": dict(
+    model=f"{_KLEIN_FIXTURES}/klein_kv",
+    guidance_scale=1.0,
+    images=_TINY_REFS,
+    kv_cache=True,
+    **_EDIT,
+    **_TINY_KLEIN,
+  ),
 }
 
 
@@ -61,7 +80,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.text_dtype = "float32"
   # What to generate.
   c.prompt = "a photo of an astronaut riding a horse on the moon"
-  c.negative_prompt = ""  # Flux.1: used with true_cfg_scale > 1
+  c.negative_prompt = (
+    ""  # Flux.1: used with true_cfg_scale > 1; Klein: with guidance ("" by default)
+  )
   c.true_cfg_scale = 1.0
   c.num_images_per_prompt = 1
   c.height = 1024
@@ -69,8 +90,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.steps = 28
   c.guidance_scale = 3.5
   c.max_sequence_length = 512
+  # Flux.2 Klein: the Qwen3 hidden states stacked into the prompt embeddings.
+  c.text_layers = "9,18,27"
   c.seed = 0
-  # Flux.2 Klein editing: reference images (comma-separated files, at most 4) and the KV cache.
+  # Flux.2 Klein editing: reference images (comma-separated files, at most 4) and the KV cache (always
+  # on for Flux2KleinKVPipeline checkpoints).
   c.edit = False
   c.images = ""
   c.kv_cache = False

@@ -1,7 +1,5 @@
-"""flux_generate: Flux.1 (dev, schnell) images with md-flux; writes PNGs and the settings used.
-
-Flux.2 Klein checkpoints load, then stop with a message: md-flux's Klein pipeline needs prompt embeddings
-and reference latents until the Qwen3 encoder and the Flux.2 VAE are wired in.
+"""flux_generate: Flux.1 (dev, schnell) and Flux.2 Klein (text-to-image, editing with up to 4 reference
+images, KV-cache editing) images with md-flux; writes PNGs and the settings used.
 
 uv run apps/flux_generate --config=apps/configs/flux.py:flux1-dev --config.prompt="a cat" --workdir=out
 """
@@ -21,16 +19,31 @@ _WORKDIR = flags.DEFINE_string(
 )
 
 
+def _images(config) -> list[str]:
+  return [p.strip() for p in config.images.split(",") if p.strip()]
+
+
+def _layers(config) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in config.text_layers.split(",") if x.strip())
+  except ValueError:
+    raise app.UsageError(
+      f"--config.text_layers={config.text_layers!r}: give comma-separated layer indices, e.g. 9,18,27"
+    ) from None
+
+
 def _check(config) -> None:
   if not config.model:
     raise app.UsageError("--config.model is empty: give a diffusers pipeline folder or hub id")
   import md_flux
 
-  try:
-    md_flux.check_size(config.height, config.width)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  images = [p for p in config.images.split(",") if p.strip()]
+  images = _images(config)
+  size_from_reference = config.edit and config.height == 0 and config.width == 0
+  if not size_from_reference:
+    try:
+      md_flux.check_size(config.height, config.width)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
   if config.edit and not images:
     raise app.UsageError(
       f"variant {config.variant!r} edits reference images: set --config.images=<file>[,<file>…]"
@@ -41,6 +54,16 @@ def _check(config) -> None:
     raise app.UsageError(
       "--config.images is set but this variant generates from text; use an *-edit variant"
     )
+  from PIL import Image
+
+  for i, path in enumerate(images):  # before loading the model: a bad file fails in a second
+    if not pathlib.Path(path).is_file():
+      raise app.UsageError(f"reference image {i}: no such file {path!r}")
+    try:
+      with Image.open(path) as im:
+        im.verify()
+    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a broken file
+      raise app.UsageError(f"reference image {i}: cannot read {path!r}: {e}") from None
 
 
 def main(argv):
@@ -80,27 +103,39 @@ def main(argv):
   except (FileNotFoundError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   loaded = time.perf_counter() - start
-  if isinstance(pipe, md_flux.Flux2KleinPipeline):
+  klein = isinstance(pipe, md_flux.Flux2KleinPipeline)
+  if config.edit and not klein:
     raise app.UsageError(
-      f"{config.model}: Flux.2 Klein pipelines in md-flux run from prompt embeddings and reference "
-      "latents only (the Qwen3 encoder and the Flux.2 VAE are not wired in yet); call "
-      "md_flux.load_pipeline(...)(prompt_embeds=..., image_latents=[...]) from Python"
+      f"{config.model}: reference images need a Flux.2 Klein checkpoint; this is a Flux.1 pipeline"
     )
+  common = dict(
+    height=config.height or None,
+    width=config.width or None,
+    num_inference_steps=config.steps,
+    guidance_scale=config.guidance_scale,
+    num_images_per_prompt=config.num_images_per_prompt,
+    max_sequence_length=config.max_sequence_length,
+    seed=config.seed,
+  )
   start = time.perf_counter()
   try:
-    images = pipe(
-      config.prompt,
-      config.negative_prompt or None,
-      height=config.height,
-      width=config.width,
-      num_inference_steps=config.steps,
-      guidance_scale=config.guidance_scale,
-      true_cfg_scale=config.true_cfg_scale,
-      num_images_per_prompt=config.num_images_per_prompt,
-      max_sequence_length=config.max_sequence_length,
-      seed=config.seed,
-    )
-  except ValueError as e:
+    if klein:
+      images = pipe(
+        config.prompt,
+        image=_images(config) or None,
+        negative_prompt=config.negative_prompt or None,
+        kv_cache=config.kv_cache or None,  # KV checkpoints always cache
+        text_encoder_out_layers=_layers(config),
+        **common,
+      )
+    else:
+      images = pipe(
+        config.prompt,
+        config.negative_prompt or None,
+        true_cfg_scale=config.true_cfg_scale,
+        **common,
+      )
+  except (FileNotFoundError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   images = np.asarray(images)
   seconds = time.perf_counter() - start
@@ -110,6 +145,8 @@ def main(argv):
   settings = dict(
     config.to_dict(),
     scheduler_config=pipe.scheduler_config,
+    image_size=list(images.shape[1:3]),
+    kv_cache_used=bool(klein and _images(config) and (config.kv_cache or pipe.use_kv_cache)),
     images_written=[p.name for p in paths],
     load_seconds=round(loaded, 2),
     generate_seconds=round(seconds, 2),
