@@ -196,6 +196,14 @@ def test_real_checkpoint_is_covered():
   assert original_config(Shapes(original)) == cfg
 
 
+def test_real_ltx23_checkpoint_is_covered():
+  """LTX-2.3 (gates, modulated text cross-attention with its sigma adaLN-single, no caption projections)."""
+  cfg = LTX2Config.from_json(repo_root() / "tools/configs/ltx/ltx2_transformer_2.3.json")
+  assert cfg == VARIANTS["2.3"]
+  model = nnx.eval_shape(lambda: LTX2Transformer(cfg, rngs=nnx.Rngs(0)))
+  assert md_core.coverage(_manifest("ltx2_transformer_2.3"), model, convert_key) == []
+
+
 @pytest.mark.slow
 def test_bf16_keeps_modulation_tables_f32():
   """bf16 weights and activations, float32 modulation tables; the result stays near the f32 reference."""
@@ -322,3 +330,40 @@ def test_load_errors_name_the_tensor(tmp_path):
   assert "'transformer_blocks.0.audio_to_video_attn.to_k.weight' has shape (24, 32)" in msg
   assert "'audio_proj_out/bias' (6,) has no tensor" in msg
   assert "transformer_blocks.0.attn3.to_q.weight" in msg
+
+
+@pytest.mark.slow
+def test_static_prompt_tables_equal_zero_sigma_modulation():
+  """`use_prompt_adaln_single=False` (KV-cacheable text attention) modulates the text states by the per-block
+  tables alone: the same as the sigma-dependent form with a zero sigma modulation."""
+  from md_ltx._ltx2_transformer import LTX2Block, Rope, _Inputs
+
+  cfg = LTX2Config(
+    **{**VARIANTS["tiny"].__dict__, "cross_attn_mod": True, "use_prompt_embeddings": False},
+  )
+  block = LTX2Block(cfg, rngs=nnx.Rngs(3))
+  keys = iter(jax.random.split(jax.random.key(0), 16))
+
+  def rnd(*shape):
+    return jax.random.normal(next(keys), shape, jnp.float32)
+
+  def rope(n, heads, width):
+    angles = rnd(1, n, heads, width // (2 * heads))
+    return Rope(jnp.cos(angles), jnp.sin(angles))
+
+  b, s, s_a = 2, 6, 4
+  ins = _Inputs(
+    rnd(b, 5, 32), rnd(b, 5, 24), None, None, rnd(b, 1, 9, 32), rnd(b, 1, 6, 24), rnd(b, 1, 4, 32),
+    rnd(b, 1, 4, 24), rnd(b, 1, 1, 32), rnd(b, 1, 1, 24), None, None, rope(s, 4, 32),
+    rope(s_a, 2, 24), rope(s, 4, 24), rope(s_a, 2, 24), None,
+  )  # fmt: skip
+  v, a = rnd(b, s, 32), rnd(b, s_a, 24)
+  graphdef, state = nnx.split(block)
+  apply = jax.jit(lambda st, ins: nnx.merge(graphdef, st)(v, a, ins, cross_modal=True))
+  static = apply(state, ins)
+  zeros = ins._replace(
+    prompt_temb=jnp.zeros((b, 1, 2, 32)), audio_prompt_temb=jnp.zeros((b, 1, 2, 24))
+  )
+  chex.assert_trees_all_close(static, apply(state, zeros), atol=1e-6, rtol=0)
+  shifted = zeros._replace(prompt_temb=jnp.ones((b, 1, 2, 32)))
+  assert float(jnp.max(jnp.abs(apply(state, shifted)[0] - static[0]))) > 1e-3

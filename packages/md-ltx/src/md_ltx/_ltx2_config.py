@@ -247,6 +247,11 @@ _REAL = dict(rope_type="split")
 VARIANTS: dict[str, LTX2Config] = {
   # Lightricks/LTX-2 `transformer/config.json` (tools/configs/ltx/ltx2_transformer.json).
   "2.0": LTX2Config(**_REAL),
+  # Lightricks/LTX-2.3 (tools/configs/ltx/ltx2_transformer_2.3.json).
+  "2.3": LTX2Config(
+    **_REAL, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True, audio_cross_attn_mod=True,
+    use_prompt_embeddings=False, perturbed_attn=True,
+  ),
   # Test size (tools/fixtures/ltx2_transformer.py builds the same one in diffusers).
   "tiny": LTX2Config(
     in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8,

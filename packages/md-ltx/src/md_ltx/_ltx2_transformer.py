@@ -543,7 +543,7 @@ class LTX2Transformer(nnx.Module):
         f"{name} must be [B={b}, {want_axes}, S={s}, 2] patch boundaries (or [B, {want_axes}, S] "
         f"positions), got {coords.shape}"
       )
-    return jnp.broadcast_to(coords, (b,) + coords.shape[1:])
+    return coords  # batch 1 or B: the rotary tables broadcast over the batch
 
   def __call__(
     self,
