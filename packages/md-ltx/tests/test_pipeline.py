@@ -160,3 +160,25 @@ def test_heads_not_divisible_by_tensor(t2v):
     ValueError, match="num_attention_heads=2 is not divisible by the mesh's tensor"
   ):
     pipe(PROMPTS[0], **KW)
+
+
+@pytest.mark.slow
+def test_condition_refine_matches_reference(cond, ref):
+  """The multi-scale recipe's second pass: given latents, denoise_strength 0.6 of 5 steps."""
+  out = cond(
+    PROMPTS[0], NEGATIVE, conditions=[md_ltx.LTXCondition(ref["cond_refine/image"])],
+    guidance_scale=3.0, latents=ref["cond_refine/latents"], noise=ref["cond_refine/noise"],
+    denoise_strength=0.6, image_cond_noise_scale=0.025, step_noise=ref["cond_refine/step_noise"],
+    decode_noise_scale=0.025, decode_noise=ref["cond_refine/decode_noise"],
+    **dict(KW, num_inference_steps=5),
+  )  # fmt: skip
+  assert _max_diff(out, ref["cond_refine/frames"]) < 1e-3
+
+
+def test_latent_output_and_refine_errors(t2v, cond, ref):
+  with pytest.raises(ValueError, match="denoise_strength < 1 needs the conditioning mode"):
+    t2v(PROMPTS[0], denoise_strength=0.5, latents=ref["cond/latents"], **KW)
+  with pytest.raises(ValueError, match="refines given latents: pass latents="):
+    cond(PROMPTS[0], denoise_strength=0.5, **KW)
+  with pytest.raises(ValueError, match="output_type='pil' must be"):
+    cond(PROMPTS[0], output_type="pil", **KW)

@@ -396,6 +396,7 @@ class LTXVideoPipeline:
     guidance_scale: float = 3.0,
     guidance_rescale: float = 0.0,
     image_cond_noise_scale: float = 0.15,
+    denoise_strength: float = 1.0,
     num_videos_per_prompt: int = 1,
     seed: int = 0,
     latents: Any = None,
@@ -407,7 +408,9 @@ class LTXVideoPipeline:
     decode_noise_scale: float | Sequence[float] | None = None,
     decode_noise: Any = None,
     step_noise: Any = None,
+    noise: Any = None,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+    output_type: str = "frames",
     progress: bool = True,
   ) -> jax.Array:
     """Generates videos.
@@ -425,6 +428,9 @@ class LTXVideoPipeline:
       guidance_rescale: the std rescale of the guided prediction (0: off).
       image_cond_noise_scale: noise added at each step to hard-conditioned tokens (strength 1), scaled by
         `(t / 1000)^2` (conditioning mode).
+      denoise_strength: below 1 (conditioning mode), `latents` are a video's normalized latents
+        `[B, C, F, H, W]` (e.g. a first pass's upsampled `output_type="latent"` result): the last
+        `int(num_inference_steps * denoise_strength)` steps run from them noised to that step's level.
       num_videos_per_prompt: videos per prompt.
       seed: draws every noise not given (initial latents, posterior samples, keyframe and step noise,
         decode noise).
@@ -435,19 +441,35 @@ class LTXVideoPipeline:
       decode_timestep, decode_noise_scale: the 0.9.1+ decoder's timestep and noise blend (per video or one).
       decode_noise: the decode noise `[B, C, F, H, W]` (default: drawn from `seed`).
       step_noise: the conditioning mode's per-step noise `[steps, B, S, C]` (default: drawn from `seed`).
+      noise: with `denoise_strength < 1`, the noise `[B, C, F, H, W]` mixed into `latents` (default: drawn
+        from `seed`).
       max_sequence_length: T5 tokens (128 in the reference).
+      output_type: "frames", or "latent" for the denoised normalized latents `[B, C, F, H, W]` (the
+        reference's layout), e.g. for a latent upsampler.
       progress: show a progress bar over the steps.
 
     Returns:
-      Frames `[B, num_frames, height, width, 3]` float32 in [0, 1].
+      Frames `[B, num_frames, height, width, 3]` float32 in [0, 1] (or latents, see `output_type`).
     """
     self.check_size(height, width, num_frames)
+    if output_type not in ("frames", "latent"):
+      raise ValueError(f"output_type={output_type!r} must be 'frames' or 'latent'")
+    if not 0.0 < denoise_strength <= 1.0:
+      raise ValueError(f"denoise_strength={denoise_strength} must be in (0, 1]")
     if image is not None:
       if conditions:
         raise ValueError("pass either image= or conditions=, not both")
       conditions = [LTXCondition(image)]
     conditions = list(conditions or [])
     mode = "condition" if (conditions or self.condition_pipeline) else "t2v"
+    refine = denoise_strength < 1.0
+    if refine and mode == "t2v":
+      raise ValueError(
+        "denoise_strength < 1 needs the conditioning mode (LTXConditionPipeline semantics): load with "
+        "load_pipeline(..., condition=True) or pass conditions"
+      )
+    if refine and latents is None:
+      raise ValueError("denoise_strength < 1 refines given latents: pass latents= [B, C, F, H, W]")
     cfg = self.transformer.cfg
     with self._context():
       # Heads vs the mesh's tensor degree: fail before any encoding or compiling.
@@ -556,8 +578,30 @@ class LTXVideoPipeline:
           sc["max_shift"],
         )
       st_ = sched.init(timesteps=timesteps, mu=mu)
-    ts = jnp.asarray(np.asarray(st_.timesteps, np.float32))
-    sigmas = jnp.asarray(np.asarray(st_.sigmas, np.float32))
+    ts_host = np.asarray(st_.timesteps, np.float32)
+    sigmas_host = np.asarray(st_.sigmas, np.float32)
+    if refine:
+      # The reference's get_timesteps: keep the last int(n * strength) steps; the latents start at the
+      # first kept noise level (the scheduler's full sigma list still gives each step's next level).
+      start = num_inference_steps - min(
+        int(num_inference_steps * denoise_strength), num_inference_steps
+      )
+      ts_host = ts_host[start:]
+      if ts_host.size == 0:
+        raise ValueError(
+          f"denoise_strength={denoise_strength} with {num_inference_steps} steps leaves no step"
+        )
+      sigma0 = sigmas_host[start]
+      if noise is None:
+        eps = jax.random.normal(keys[4], x.shape, _F32)
+      else:
+        eps = jnp.asarray(noise, _F32)
+        if eps.shape != full:
+          raise ValueError(f"noise must be [B, C, F, H, W] = {full}, got {eps.shape}")
+        eps = jnp.transpose(eps, (0, 2, 3, 4, 1))
+      x = sigma0 * eps + (1 - sigma0) * x
+    ts = jnp.asarray(ts_host)
+    sigmas = jnp.asarray(sigmas_host)
     total = int(ts.shape[0])
 
     # Conditioning (conditioning mode): blend / append latents, per-token strengths, coordinates.
@@ -623,6 +667,8 @@ class LTXVideoPipeline:
       )  # fmt: skip
     x = x[:, x.shape[1] - tokens :]
     x = self._unpack(x, f, h, w)
+    if output_type == "latent":
+      return jnp.transpose(x, (0, 4, 1, 2, 3))
     return self._decode(x, decode_timestep, decode_noise_scale, decode_noise, keys[3])
 
 
@@ -644,6 +690,7 @@ def load_pipeline(
   source: str | os.PathLike,
   *,
   transformer: str | os.PathLike | LTXTransformer | None = None,
+  condition: bool | None = None,
   mesh: jax.sharding.Mesh | None = None,
   dtype: Any = None,
   rules: Any = None,
@@ -661,6 +708,8 @@ def load_pipeline(
       `"Lightricks/LTX-Video-0.9.5"`, `"Lightricks/LTX-Video-0.9.7-dev"`, ...).
     transformer: another transformer: a loaded `LTXTransformer`, a diffusers transformer folder or an
       original single file (`ltxv-13b-0.9.8-distilled.safetensors`), used with the source's VAE and T5.
+    condition: use LTXConditionPipeline semantics without conditions too (default: when the folder is an
+      `LTXConditionPipeline`); needed for `denoise_strength < 1`.
     mesh: place parameters on this mesh by their logical axes (FSDP over `fsdp`, heads over `tensor`).
     dtype: parameter dtype of the transformer and the text encoder (default: as stored); the VAE stays
       float32.
@@ -714,7 +763,7 @@ def load_pipeline(
     text_encoder=te,
     tokenizer=tok,
     scheduler_config=sched_cfg,
-    condition_pipeline=cls == "LTXConditionPipeline",
+    condition_pipeline=cls == "LTXConditionPipeline" if condition is None else bool(condition),
     mesh=mesh,
     source=str(source),
   )
