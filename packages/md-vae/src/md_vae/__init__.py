@@ -21,6 +21,17 @@ from md_vae._kl import (
 )
 from md_vae._kl_weights import load_vae_kl, vae_kl_convert_key
 
+# LTX-2 video VAE (the LTX-Video blocks, reflect padding, runtime causality, tiled encode / decode).
+from md_vae._ltx2_vae import LTX2_VAE_VARIANTS, LTX2Tiling, LTX2VideoVAE, LTX2VideoVAEConfig
+from md_vae._ltx2_vae_weights import (
+  VAE_LTX2_ORIGINAL_ALLOW_UNUSED,
+  load_vae_ltx2,
+  load_vae_ltx2_original,
+  vae_ltx2_convert_key,
+  vae_ltx2_original_keymap,
+  vae_ltx2_original_to_diffusers,
+)
+
 # LTX-Video causal video VAE (0.9.0, 0.9.1 timestep-conditioned decoder, 0.9.5+ encoder).
 from md_vae._ltx_vae import LTX_VAE_VARIANTS, LTXLatentDist, LTXVideoVAE, LTXVideoVAEConfig
 from md_vae._ltx_vae_weights import (
@@ -77,6 +88,17 @@ __all__ = [
   "vae_ltx_original_keymap",
   "vae_ltx_original_to_diffusers",
   "vae_ltx_original_version",
+  # LTX-2 video VAE
+  "LTX2_VAE_VARIANTS",
+  "LTX2Tiling",
+  "LTX2VideoVAE",
+  "LTX2VideoVAEConfig",
+  "VAE_LTX2_ORIGINAL_ALLOW_UNUSED",
+  "load_vae_ltx2",
+  "load_vae_ltx2_original",
+  "vae_ltx2_convert_key",
+  "vae_ltx2_original_keymap",
+  "vae_ltx2_original_to_diffusers",
   # FLUX.2 VAE
   "FLUX2_VAE_ALLOW_UNUSED",
   "FLUX2_VAE_VARIANTS",

@@ -27,6 +27,7 @@ _F32 = jnp.float32
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
 _DOWN_TYPES = ("LTXVideoDownBlock3D", "LTXVideo095DownBlock3D")
 _DOWNSAMPLE_STRIDES = {"spatial": (1, 2, 2), "temporal": (2, 1, 1), "spatiotemporal": (2, 2, 2)}
+_PADDING_MODES = ("zeros", "reflect")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,11 @@ class LTXVideoVAEConfig:
   decoder_causal: bool = False
   spatial_compression_ratio: int | None = None
   temporal_compression_ratio: int | None = None
+  # LTX-2 (`AutoencoderKLLTX2Video`, see md_vae._ltx2_vae) parametrises these; LTX-Video's are the defaults:
+  # zero spatial padding and 2x2x2 upsamplers.
+  upsample_type: tuple[str, ...] | None = None
+  encoder_spatial_padding_mode: str = "zeros"
+  decoder_spatial_padding_mode: str = "zeros"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -70,7 +76,18 @@ class LTXVideoVAEConfig:
       raise ValueError(
         f"downsample_type {bad} not supported; expected conv, {', '.join(_DOWNSAMPLE_STRIDES)}"
       )
+    for name in ("encoder_spatial_padding_mode", "decoder_spatial_padding_mode"):
+      if getattr(self, name) not in _PADDING_MODES:
+        raise ValueError(
+          f"{name}={getattr(self, name)!r} not supported; expected one of {_PADDING_MODES}"
+        )
     n = len(self.decoder_block_out_channels)
+    if self.upsample_type is not None and (
+      len(self.upsample_type) != n or any(t not in _DOWNSAMPLE_STRIDES for t in self.upsample_type)
+    ):
+      raise ValueError(
+        f"upsample_type={self.upsample_type} needs {n} entries out of {', '.join(_DOWNSAMPLE_STRIDES)}"
+      )
     if len(self.decoder_layers_per_block) != n + 1 or len(self.decoder_inject_noise) != n + 1:
       raise ValueError(
         f"decoder_layers_per_block={self.decoder_layers_per_block} and decoder_inject_noise="
@@ -141,13 +158,17 @@ LTX_VAE_VARIANTS: dict[str, LTXVideoVAEConfig] = {
 
 class CausalConv3d(nnx.Module):
   """A 3D convolution padded in time by repeating edge frames (causal: the first frame, `k - 1` times in
-  front; else `(k - 1) / 2` first frames in front and last frames behind), zero-padded in space."""
+  front; else `(k - 1) / 2` first frames in front and last frames behind), padded in space with zeros or
+  (`padding_mode="reflect"`, LTX-2's decoder) by reflection."""
 
-  def __init__(self, cin, cout, kernel_size=3, *, stride=1, causal=True, rngs=None):
+  def __init__(self, cin, cout, kernel_size=3, *, stride=1, causal=True, padding_mode="zeros",
+               rngs=None):  # fmt: skip
     k = kernel_size
     self.kernel_t, self.causal = k, causal
+    self.reflect = k // 2 if padding_mode == "reflect" else 0
+    pad = 0 if self.reflect else k // 2
     self.conv = nn.Conv(
-      cin, cout, (k, k, k), stride=stride, padding=((0, 0), (k // 2, k // 2), (k // 2, k // 2)),
+      cin, cout, (k, k, k), stride=stride, padding=((0, 0), (pad, pad), (pad, pad)),
       axes=("conv_in", "conv_out"), rngs=rngs,
     )  # fmt: skip
 
@@ -158,6 +179,9 @@ class CausalConv3d(nnx.Module):
     else:
       p = (k - 1) // 2
       x = jnp.concatenate([jnp.repeat(x[:, :1], p, axis=1), x, jnp.repeat(x[:, -1:], p, axis=1)], 1)
+    if self.reflect:
+      r = self.reflect
+      x = jnp.pad(x, ((0, 0), (0, 0), (r, r), (r, r), (0, 0)), mode="reflect")
     return self.conv(x)
 
 
@@ -175,11 +199,12 @@ class TimeEmbedder(nnx.Module):
 class ResnetBlock(nnx.Module):
   """RMS norm (no affine) → [modulation] → SiLU → conv → [noise], twice, plus a (normed, 1x1) shortcut."""
 
-  def __init__(self, cin, cout, *, eps, causal, inject_noise=False, conditioned=False, rngs=None):
+  def __init__(self, cin, cout, *, eps, causal, inject_noise=False, conditioned=False,
+               padding_mode="zeros", rngs=None):  # fmt: skip
     self.norm1 = nn.RMSNorm(cin, eps=1e-8, elementwise_affine=False)
-    self.conv1 = CausalConv3d(cin, cout, causal=causal, rngs=rngs)
+    self.conv1 = CausalConv3d(cin, cout, causal=causal, padding_mode=padding_mode, rngs=rngs)
     self.norm2 = nn.RMSNorm(cout, eps=1e-8, elementwise_affine=False)
-    self.conv2 = CausalConv3d(cout, cout, causal=causal, rngs=rngs)
+    self.conv2 = CausalConv3d(cout, cout, causal=causal, padding_mode=padding_mode, rngs=rngs)
     shortcut = cin != cout
     self.norm3 = nn.LayerNorm(cin, eps=eps, rngs=rngs) if shortcut else None
     self.conv_shortcut = CausalConv3d(cin, cout, 1, causal=causal, rngs=rngs) if shortcut else None
@@ -242,12 +267,13 @@ def _depth_to_space(x, stride):
 class Downsampler(nnx.Module):
   """0.9.5+: space-to-depth of a conv plus the group mean of the space-to-depth input (a residual)."""
 
-  def __init__(self, cin, cout, stride, *, causal, rngs=None):
+  def __init__(self, cin, cout, stride, *, causal, padding_mode="zeros", rngs=None):
     self.stride = stride
     self.group_size = cin * stride[0] * stride[1] * stride[2] // cout
     self.conv = CausalConv3d(
-      cin, cout // (stride[0] * stride[1] * stride[2]), causal=causal, rngs=rngs
-    )
+      cin, cout // (stride[0] * stride[1] * stride[2]), causal=causal, padding_mode=padding_mode,
+      rngs=rngs,
+    )  # fmt: skip
 
   def __call__(self, x):
     x = jnp.concatenate([x[:, : self.stride[0] - 1], x], axis=1)
@@ -257,35 +283,45 @@ class Downsampler(nnx.Module):
 
 
 class Upsampler(nnx.Module):
-  """Depth-to-space of a conv (2x in time and space), dropping the first new frame; optional residual."""
+  """Depth-to-space of a conv (2x in time and space, or LTX-2's `stride`), dropping the first new frames
+  (`stride[0] - 1`); optional residual."""
 
-  def __init__(self, cin, *, residual, factor, causal, rngs=None):
-    self.residual, self.factor = residual, factor
-    self.conv = CausalConv3d(cin, cin * 8 // factor, causal=causal, rngs=rngs)
+  def __init__(self, cin, *, residual, factor, causal, stride=(2, 2, 2), padding_mode="zeros",
+               rngs=None):  # fmt: skip
+    self.residual, self.factor, self.stride = residual, factor, tuple(stride)
+    n = stride[0] * stride[1] * stride[2]
+    self.conv = CausalConv3d(
+      cin, cin * n // factor, causal=causal, padding_mode=padding_mode, rngs=rngs
+    )
 
   def __call__(self, x):
-    stride = (2, 2, 2)
-    h = _depth_to_space(self.conv(x), stride)[:, 1:]
+    stride = self.stride
+    drop = stride[0] - 1
+    h = _depth_to_space(self.conv(x), stride)[:, drop:]
     if self.residual:
-      r = _depth_to_space(x, stride)[:, 1:]
-      h = h + jnp.tile(r, (1, 1, 1, 1, 8 // self.factor))
+      r = _depth_to_space(x, stride)[:, drop:]
+      h = h + jnp.tile(r, (1, 1, 1, 1, stride[0] * stride[1] * stride[2] // self.factor))
     return h
 
 
 class DownBlock(nnx.Module):
   def __init__(self, cfg, i, cin, cout, *, rngs=None):
-    kw = dict(eps=cfg.resnet_norm_eps, causal=cfg.encoder_causal, rngs=rngs)
+    pad = cfg.encoder_spatial_padding_mode
+    kw = dict(eps=cfg.resnet_norm_eps, causal=cfg.encoder_causal, padding_mode=pad, rngs=rngs)
     self.resnets = nnx.List([ResnetBlock(cin, cin, **kw) for _ in range(cfg.layers_per_block[i])])
     is_095 = cfg.down_block_types[i] == "LTXVideo095DownBlock3D"
     downsamplers = None
     if cfg.spatio_temporal_scaling[i]:
       kind = cfg.downsample_type[i] if is_095 else "conv"
       if kind == "conv":
-        down = CausalConv3d(cin, cin, stride=2, causal=cfg.encoder_causal, rngs=rngs)
+        down = CausalConv3d(
+          cin, cin, stride=2, causal=cfg.encoder_causal, padding_mode=pad, rngs=rngs
+        )
       else:
         down = Downsampler(
-          cin, cout, _DOWNSAMPLE_STRIDES[kind], causal=cfg.encoder_causal, rngs=rngs
-        )
+          cin, cout, _DOWNSAMPLE_STRIDES[kind], causal=cfg.encoder_causal, padding_mode=pad,
+          rngs=rngs,
+        )  # fmt: skip
       downsamplers = nnx.List([down])
     self.downsamplers = downsamplers
     self.conv_out = ResnetBlock(cin, cout, **kw) if not is_095 and cin != cout else None
@@ -301,9 +337,11 @@ class DownBlock(nnx.Module):
 
 
 class MidBlock(nnx.Module):
-  def __init__(self, c, layers, *, eps, causal, inject_noise=False, conditioned=False, rngs=None):
+  def __init__(self, c, layers, *, eps, causal, inject_noise=False, conditioned=False,
+               padding_mode="zeros", rngs=None):  # fmt: skip
     self.time_embedder = TimeEmbedder(4 * c, rngs=rngs) if conditioned else None
-    kw = dict(eps=eps, causal=causal, inject_noise=inject_noise, conditioned=conditioned, rngs=rngs)
+    kw = dict(eps=eps, causal=causal, inject_noise=inject_noise, conditioned=conditioned,
+              padding_mode=padding_mode, rngs=rngs)  # fmt: skip
     self.resnets = nnx.List([ResnetBlock(c, c, **kw) for _ in range(layers)])
 
   def __call__(self, x, t=None, key=None):
@@ -318,8 +356,9 @@ class MidBlock(nnx.Module):
 
 class UpBlock(nnx.Module):
   def __init__(self, cin, cout, layers, *, eps, causal, inject_noise, conditioned, scale, residual,
-               factor, rngs=None):  # fmt: skip
-    kw = dict(eps=eps, causal=causal, inject_noise=inject_noise, conditioned=conditioned, rngs=rngs)
+               factor, stride=(2, 2, 2), padding_mode="zeros", rngs=None):  # fmt: skip
+    kw = dict(eps=eps, causal=causal, inject_noise=inject_noise, conditioned=conditioned,
+              padding_mode=padding_mode, rngs=rngs)  # fmt: skip
     self.time_embedder = TimeEmbedder(4 * cin, rngs=rngs) if conditioned else None
     self.conv_in = ResnetBlock(cin, cout, **kw) if cin != cout else None
     if self.conv_in is not None and conditioned:
@@ -327,7 +366,10 @@ class UpBlock(nnx.Module):
         "a timestep-conditioned LTX decoder up block whose width changes is not supported (the reference "
         "feeds it the raw timestep); no released checkpoint has one"
       )
-    up = Upsampler(cout * factor, residual=residual, factor=factor, causal=causal, rngs=rngs)
+    up = Upsampler(
+      cout * factor, residual=residual, factor=factor, causal=causal, stride=stride,
+      padding_mode=padding_mode, rngs=rngs,
+    )  # fmt: skip
     self.upsamplers = nnx.List([up]) if scale else None
     self.resnets = nnx.List([ResnetBlock(cout, cout, **kw) for _ in range(layers)])
 
@@ -350,7 +392,10 @@ class Encoder(nnx.Module):
     bo = cfg.block_out_channels
     p = cfg.patch_size
     c = bo[0]
-    self.conv_in = CausalConv3d(cfg.in_channels * p * p, c, causal=cfg.encoder_causal, rngs=rngs)
+    pad = cfg.encoder_spatial_padding_mode
+    self.conv_in = CausalConv3d(
+      cfg.in_channels * p * p, c, causal=cfg.encoder_causal, padding_mode=pad, rngs=rngs
+    )
     is_095 = cfg.down_block_types[-1] == "LTXVideo095DownBlock3D"
     n = len(bo) - (1 if is_095 else 0)
     blocks = []
@@ -360,10 +405,13 @@ class Encoder(nnx.Module):
       blocks.append(DownBlock(cfg, i, cin, c, rngs=rngs))
     self.down_blocks = nnx.List(blocks)
     self.mid_block = MidBlock(
-      c, cfg.layers_per_block[-1], eps=cfg.resnet_norm_eps, causal=cfg.encoder_causal, rngs=rngs
-    )
+      c, cfg.layers_per_block[-1], eps=cfg.resnet_norm_eps, causal=cfg.encoder_causal,
+      padding_mode=pad, rngs=rngs,
+    )  # fmt: skip
     self.norm_out = nn.RMSNorm(c, eps=1e-8, elementwise_affine=False)
-    self.conv_out = CausalConv3d(c, cfg.latent_channels + 1, causal=cfg.encoder_causal, rngs=rngs)
+    self.conv_out = CausalConv3d(
+      c, cfg.latent_channels + 1, causal=cfg.encoder_causal, padding_mode=pad, rngs=rngs
+    )
 
   def __call__(self, x):  # [B, F, H, W, 3] → [B, F', H', W', latent + 1]
     cfg = self.cfg
@@ -386,12 +434,16 @@ class Decoder(nnx.Module):
     noise = tuple(reversed(cfg.decoder_inject_noise))
     residual = tuple(reversed(cfg.upsample_residual))
     factor = tuple(reversed(cfg.upsample_factor))
+    # Unlike the other per-block options, the reference does not reverse upsample_type.
+    kinds = cfg.upsample_type or ("spatiotemporal",) * len(bo)
     cond, causal, eps = cfg.timestep_conditioning, cfg.decoder_causal, cfg.resnet_norm_eps
+    pad = cfg.decoder_spatial_padding_mode
     c = bo[0]
-    self.conv_in = CausalConv3d(cfg.latent_channels, c, causal=causal, rngs=rngs)
+    self.conv_in = CausalConv3d(cfg.latent_channels, c, causal=causal, padding_mode=pad, rngs=rngs)
     self.mid_block = MidBlock(
-      c, layers[0], eps=eps, causal=causal, inject_noise=noise[0], conditioned=cond, rngs=rngs
-    )
+      c, layers[0], eps=eps, causal=causal, inject_noise=noise[0], conditioned=cond,
+      padding_mode=pad, rngs=rngs,
+    )  # fmt: skip
     blocks = []
     for i in range(len(bo)):
       cin, c = c // factor[i], bo[i] // factor[i]
@@ -407,6 +459,8 @@ class Decoder(nnx.Module):
           scale=scaling[i],
           residual=residual[i],
           factor=factor[i],
+          stride=_DOWNSAMPLE_STRIDES[kinds[i]],
+          padding_mode=pad,
           rngs=rngs,
         )  # fmt: skip
       )
@@ -414,7 +468,7 @@ class Decoder(nnx.Module):
     self.norm_out = nn.RMSNorm(c, eps=1e-8, elementwise_affine=False)
     p = cfg.patch_size
     self.conv_out = CausalConv3d(
-      c, cfg.out_channels * p * p * cfg.patch_size_t, causal=causal, rngs=rngs
+      c, cfg.out_channels * p * p * cfg.patch_size_t, causal=causal, padding_mode=pad, rngs=rngs
     )
     multiplier = embedder = table = None
     if cond:
@@ -494,6 +548,8 @@ class LTXVideoVAE(nnx.Module):
     self.latents_mean = nnx.Param(jnp.zeros((c,), _F32), logical_axes=("norm",))
     self.latents_std = nnx.Param(jnp.ones((c,), _F32), logical_axes=("norm",))
 
+  _NAME = "LTX-Video VAE"  # in error messages (LTX2VideoVAE overrides it)
+
   def check_video(self, video) -> None:
     cfg = self.config
     if video.ndim != 5 or video.shape[-1] != cfg.in_channels:
@@ -508,7 +564,7 @@ class LTXVideoVAE(nnx.Module):
         problems.append(f"{name}={n} is not a multiple of {s} (nearest: {_nearest(n, s, s)})")
     if problems:
       raise ValueError(
-        f"the LTX-Video VAE cannot encode video {video.shape}: " + "; ".join(problems)
+        f"the {self._NAME} cannot encode video {video.shape}: " + "; ".join(problems)
       )
 
   def encode(self, video: jax.Array) -> LTXLatentDist:
@@ -534,6 +590,11 @@ class LTXVideoVAE(nnx.Module):
         the decoder is timestep-conditioned (0.9.1+).
       key: random key for the noise the 0.9.1 decoder injects (required when it has noise injection).
     """
+    t, key = self._decoder_inputs(latents, timestep, key)
+    return self.decoder(latents, t, key)
+
+  def _decoder_inputs(self, latents, timestep, key):
+    """Checks `decode`'s arguments; → (the `[B]` float32 timestep or None, the noise key or None)."""
     cfg = self.config
     if latents.ndim != 5 or latents.shape[-1] != cfg.latent_channels:
       raise ValueError(
@@ -542,19 +603,17 @@ class LTXVideoVAE(nnx.Module):
     if cfg.timestep_conditioning:
       if timestep is None:
         raise ValueError(
-          "this LTX-Video VAE decoder is timestep-conditioned (0.9.1+): pass timestep= (the pipeline's "
+          f"this {self._NAME} decoder is timestep-conditioned: pass timestep= (the pipeline's "
           "decode_timestep, e.g. 0.05)"
         )
       t = jnp.broadcast_to(jnp.asarray(timestep, _F32).reshape(-1), (latents.shape[0],))
     elif timestep is not None:
-      raise ValueError("this LTX-Video VAE decoder (0.9.0) takes no timestep")
+      raise ValueError(f"this {self._NAME} decoder is not timestep-conditioned: pass no timestep")
     else:
       t = None
     if any(cfg.decoder_inject_noise) and key is None:
-      raise ValueError(
-        "this LTX-Video VAE decoder injects noise (0.9.1): pass key=jax.random.key(...)"
-      )
-    return self.decoder(latents, t, key if any(cfg.decoder_inject_noise) else None)
+      raise ValueError(f"this {self._NAME} decoder injects noise: pass key=jax.random.key(...)")
+    return t, key if any(cfg.decoder_inject_noise) else None
 
   def _stats(self, like: jax.Array) -> tuple[jax.Array, jax.Array]:
     shape = (1,) * (like.ndim - 1) + (-1,)
