@@ -7,7 +7,6 @@ import re
 from typing import Any
 
 import jax
-from flax import nnx
 
 import md_core
 from md_vae._ltx2_audio import LTX2AudioVAE, LTX2AudioVAEConfig
@@ -63,7 +62,7 @@ def load_vae_ltx2_audio(
   folder = md_core.resolve_source(source, subfolder=subfolder)
   cfg = LTX2AudioVAEConfig.from_json(folder / "config.json")
   return md_core.load_weights(
-    lambda: LTX2AudioVAE(cfg, rngs=nnx.Rngs(0)),
+    lambda: LTX2AudioVAE(cfg),  # rngs=None: faster to trace
     md_core.open_checkpoint(folder),
     vae_ltx2_audio_convert_key,
     dtype=dtype,
