@@ -36,6 +36,18 @@ def outputs(root):
 
 
 @pytest.fixture(scope="module")
+def features():
+  """Cases of tests/fixtures/sd_features (tools/fixtures/sd_features.py) that reuse this module's loops."""
+  cases = {}
+  for key, value in testing.load_arrays(
+    testing.fixture_path("sd_features") / "outputs.npz"
+  ).items():
+    case, name = key.split("/")
+    cases.setdefault(case, {})[name] = value
+  return cases
+
+
+@pytest.fixture(scope="module")
 def sd(root):
   return md_sd.load_pipeline(root / "sd")
 
@@ -65,6 +77,13 @@ def test_sd_text_to_image(sd, outputs, sched):
   images = sd(
     PROMPTS, latents=case["latents"], guidance_scale=5.0, scheduler=SCHEDULER[sched], **COMMON
   )
+  check(images, case["images"])
+
+
+def test_sd_clip_skip(sd, features):
+  """SD: the prompt's embeddings from the penultimate layer through the final LayerNorm (negative: none)."""
+  case = features["sd_clip_skip"]
+  images = sd(PROMPTS, latents=case["latents"], guidance_scale=5.0, clip_skip=1, **COMMON)
   check(images, case["images"])
 
 
@@ -149,6 +168,20 @@ def test_sdxl_text_to_image(sdxl, outputs, sched):
   case = outputs[f"sdxl_{sched}"]
   images = sdxl(
     PROMPTS, latents=case["latents"], guidance_scale=5.0, scheduler=SCHEDULER[sched], **COMMON
+  )
+  check(images, case["images"])
+
+
+def test_sdxl_clip_skip(sdxl, features):
+  """SDXL: both encoders' hidden_states[-(clip_skip + 2)] for the prompt, no final LayerNorm."""
+  case = features["sdxl_clip_skip"]
+  images = sdxl(
+    PROMPTS,
+    latents=case["latents"],
+    guidance_scale=5.0,
+    clip_skip=1,
+    scheduler="EulerDiscreteScheduler",
+    **COMMON,
   )
   check(images, case["images"])
 

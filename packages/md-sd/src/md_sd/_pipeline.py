@@ -6,9 +6,12 @@ graph definition (static) and their state (a jit argument), so calling a pipelin
 shapes and settings reuses the compiled programs.
 
 Behaviour follows diffusers' `StableDiffusionPipeline`, `StableDiffusionImg2ImgPipeline`,
-`StableDiffusionXLPipeline` and their ControlNet variants: the batch order of classifier-free guidance
-(`[negative, positive]`), `guidance_rescale`, SDXL's pooled embeddings and `time_ids`, the scheduler's
-initial noise scale, img2img's strength → first step, and the VAE's scaling.
+`StableDiffusionXLPipeline`, `StableDiffusionXLImg2ImgPipeline` (also as the SDXL refiner) and their
+ControlNet variants (one or several ControlNets, text- or image-to-image): the batch order of classifier-free
+guidance (`[negative, positive]`), `guidance_rescale`, `clip_skip`, SDXL's pooled embeddings and `time_ids`
+(with the refiner's aesthetic scores), the scheduler's initial noise scale, img2img's strength → first step
+with any scheduler (see `_schedule`), SDXL's `denoising_start` / `denoising_end`, ControlNet guidance
+windows, and the VAE's scaling.
 """
 
 from __future__ import annotations
@@ -29,21 +32,12 @@ import md_schedulers as mdsch
 import md_text
 import md_vae
 from md_core import progress as md_progress
+from md_sd import _schedule
 from md_sd._config import UNetConfig
 from md_sd._controlnet import ControlNetModel
 from md_sd._unet import UNet2DConditionModel
 from md_sd._weights import load_controlnet, load_unet, unet_key_map
 
-# Schedulers whose noisy sample is `x0 + sigma * noise` (k-diffusion style); the others use
-# `sqrt(alphā) x0 + sqrt(1 - alphā) noise`. Decides how image-to-image noises the image's latents.
-_SIGMA_SCHEDULERS = frozenset(
-  {
-    "EulerDiscreteScheduler",
-    "EulerAncestralDiscreteScheduler",
-    "LMSDiscreteScheduler",
-    "HeunDiscreteScheduler",
-  }
-)
 _KINDS = {
   "StableDiffusionPipeline": "sd",
   "StableDiffusionImg2ImgPipeline": "sd",
@@ -51,6 +45,8 @@ _KINDS = {
   "StableDiffusionXLPipeline": "sdxl",
   "StableDiffusionXLImg2ImgPipeline": "sdxl",
   "StableDiffusionXLControlNetPipeline": "sdxl",
+  "StableDiffusionControlNetImg2ImgPipeline": "sd",
+  "StableDiffusionXLControlNetImg2ImgPipeline": "sdxl",
 }
 
 
@@ -121,10 +117,13 @@ class StableDiffusionPipeline:
 
   Attributes:
     kind: `"sd"` (SD 1.x / 2.x) or `"sdxl"`.
-    unet, vae, text_encoder, text_encoder_2, controlnet: the md modules (None where absent).
+    unet, vae, text_encoder, text_encoder_2: the md modules (None where absent: the SDXL refiner has no
+      `text_encoder`).
+    controlnet: one `ControlNetModel`, a list of them (used together), or None.
     tokenizer, tokenizer_2: transformers tokenizers.
     scheduler_config: the checkpoint's `scheduler_config.json` dict.
     force_zeros_for_empty_prompt: SDXL: zero negative embeddings when no negative prompt is given.
+    requires_aesthetics_score: SDXL refiner: `time_ids` hold an aesthetic score instead of the target size.
   """
 
   def __init__(
@@ -133,13 +132,14 @@ class StableDiffusionPipeline:
     kind: str,
     unet: UNet2DConditionModel,
     vae: md_vae.AutoencoderKL,
-    text_encoder: md_text.CLIPTextModel,
+    text_encoder: md_text.CLIPTextModel | None,
     tokenizer: Any,
     scheduler_config: Mapping[str, Any],
     text_encoder_2: md_text.CLIPTextModelWithProjection | None = None,
     tokenizer_2: Any = None,
-    controlnet: ControlNetModel | None = None,
+    controlnet: ControlNetModel | Sequence[ControlNetModel] | None = None,
     force_zeros_for_empty_prompt: bool = True,
+    requires_aesthetics_score: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     source: str = "",
   ):
@@ -147,15 +147,29 @@ class StableDiffusionPipeline:
       raise ValueError(f"kind must be 'sd' or 'sdxl', got {kind!r}")
     if kind == "sdxl" and (text_encoder_2 is None or tokenizer_2 is None):
       raise ValueError("an SDXL pipeline needs text_encoder_2 and tokenizer_2")
+    if kind == "sd" and (text_encoder is None or tokenizer is None):
+      raise ValueError("an SD pipeline needs text_encoder and tokenizer")
+    if (text_encoder is None) != (tokenizer is None):
+      raise ValueError("text_encoder and tokenizer come together (both or neither)")
     self.kind, self.source, self.mesh = kind, source, mesh
     self.unet, self.vae, self.controlnet = unet, vae, controlnet
+    if controlnet is None:
+      nets = []
+    elif isinstance(controlnet, ControlNetModel):
+      nets = [controlnet]
+    else:
+      nets = list(controlnet)
+      if not nets or not all(isinstance(n, ControlNetModel) for n in nets):
+        raise ValueError("controlnet must be a ControlNetModel or a non-empty list of them")
+    self.controlnets = nets
     self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
     self.tokenizer, self.tokenizer_2 = tokenizer, tokenizer_2
     self.scheduler_config = dict(scheduler_config)
     self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
+    self.requires_aesthetics_score = bool(requires_aesthetics_score)
     self._unet, self._vae = _Split.of(unet), _Split.of(vae)
     self._te, self._te2 = _Split.of(text_encoder), _Split.of(text_encoder_2)
-    self._cn = _Split.of(controlnet)
+    self._cns = [_Split.of(n) for n in nets]
     self._compiled: dict[Any, Any] = {}
 
   # --- facts --------------------------------------------------------------------------------------------
@@ -190,27 +204,54 @@ class StableDiffusionPipeline:
       fn = self._compiled[key] = make()
     return fn
 
-  def _encode_fn(self):
+  def _encode_fn(self, clip_skip: int | None):
     te, te2, kind = self._te, self._te2, self.kind
 
     def encode(te_state, te2_state, ids, ids2):
       if kind == "sd":
-        return te.merge(te_state)(ids, output_hidden_states=False).last_hidden_state, None
-      o1 = te.merge(te_state)(ids, output_hidden_states=True)
+        model = te.merge(te_state)
+        if clip_skip is None:
+          return model(ids, output_hidden_states=False).last_hidden_state, None
+        # The reference takes an earlier layer's output and applies the final LayerNorm to it.
+        hidden = model(ids, output_hidden_states=True).hidden_states[-(clip_skip + 1)]
+        return model.final_layer_norm(hidden), None
+      # SDXL counts from the penultimate layer; no final LayerNorm. The refiner has only encoder 2.
+      index = -((clip_skip or 0) + 2)
       o2 = te2.merge(te2_state)(ids2, output_hidden_states=True)
-      embeds = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
-      return embeds, o2.text_embeds
+      parts = [o2.hidden_states[index]]
+      if te is not None:
+        o1 = te.merge(te_state)(ids, output_hidden_states=True)
+        parts.insert(0, o1.hidden_states[index])
+      return jnp.concatenate(parts, axis=-1), o2.text_embeds
 
     return jax.jit(encode)
 
-  def encode_prompt(self, prompts: Sequence[str]) -> tuple[jax.Array, jax.Array | None]:
-    """Text embeddings `[B, S, D]` (and SDXL's pooled `[B, P]`) for a list of prompts."""
-    ids = md_text.tokenize(self.tokenizer, list(prompts)).ids
+  def encode_prompt(
+    self, prompts: Sequence[str], clip_skip: int | None = None
+  ) -> tuple[jax.Array, jax.Array | None]:
+    """Text embeddings `[B, S, D]` (and SDXL's pooled `[B, P]`) for a list of prompts.
+
+    `clip_skip` layers are skipped from the end, as the reference does for positive prompts: SD takes
+    `hidden_states[-(clip_skip + 1)]` through the final LayerNorm, SDXL `hidden_states[-(clip_skip + 2)]`.
+    """
+    if clip_skip is not None:
+      clip_skip = int(clip_skip)
+      encoders = [e for e in (self.text_encoder, self.text_encoder_2) if e is not None]
+      layers = min(e.config.num_hidden_layers for e in encoders)
+      if not 0 <= clip_skip <= layers - (1 if self.kind == "sdxl" else 0):
+        raise ValueError(
+          f"clip_skip={clip_skip} is out of range for a {layers}-layer text encoder ({self.kind})"
+        )
+    ids = None if self.tokenizer is None else md_text.tokenize(self.tokenizer, list(prompts)).ids
     ids2 = md_text.tokenize(self.tokenizer_2, list(prompts)).ids if self.kind == "sdxl" else None
-    fn = self._jit("encode", self._encode_fn)
+    fn = self._jit(("encode", clip_skip), lambda: self._encode_fn(clip_skip))
+    te_state = None if self._te is None else self._te.state
     te2_state = None if self._te2 is None else self._te2.state
     return fn(
-      self._te.state, te2_state, jnp.asarray(ids), None if ids2 is None else jnp.asarray(ids2)
+      te_state,
+      te2_state,
+      None if ids is None else jnp.asarray(ids),
+      None if ids2 is None else jnp.asarray(ids2),
     )
 
   def _decode_fn(self):
@@ -239,33 +280,39 @@ class StableDiffusionPipeline:
     vae = self._vae
     cfg = self.vae.config
 
+    mean = None if cfg.latents_mean is None else np.asarray(cfg.latents_mean, np.float32)
+    std = None if cfg.latents_std is None else np.asarray(cfg.latents_std, np.float32)
+
     def encode(state, images, eps):  # images [B, H, W, 3] in [0, 1]; eps [B, h, w, C]
       posterior = vae.merge(state).encode(images.astype(jnp.float32) * 2 - 1)
       z = posterior.mean + posterior.std * eps
+      if mean is not None and std is not None:
+        return (z - mean) * cfg.scaling_factor / std
       return vae.merge(state).scale_latents(z) if cfg.shift_factor else z * cfg.scaling_factor
 
     return jax.jit(encode)
 
-  def _loop_fn(self, sched, *, start, cfg_on, rescale_on, control, guess_mode, total, show):
-    unet, cn = self._unet, self._cn
+  def _loop_fn(self, sched, *, start, stop, cfg_on, rescale_on, guess_mode, show):
+    unet, nets = self._unet, self._cns
     kind = self.kind
 
     def loop(
       unet_state,
-      cn_state,
+      cn_states,
       latents,
       sched_state,
       context,
       added,
-      cond,
+      conds,
       guidance,
       rescale,
-      cscale,
+      cscales,
+      keep,
       key,
     ):
       model = unet.merge(unet_state)
-      net = None if cn is None or cond is None else cn.merge(cn_state)
-      tick = md_progress.make_step_callback(total - start, desc="denoising") if show else None
+      cns = [] if conds is None else [n.merge(st) for n, st in zip(nets, cn_states)]
+      tick = md_progress.make_step_callback(stop - start, desc="denoising") if show else None
 
       def body(i, carry):
         x, st = carry
@@ -275,22 +322,29 @@ class StableDiffusionPipeline:
           xin = jnp.concatenate([xin, xin], axis=0)
         added_kw = None if kind == "sd" else added
         residuals = {}
-        if net is not None:
+        if cns:
           c_in, c_ctx, c_added = xin, context, added_kw
           if cfg_on and guess_mode:
-            # Guess mode: the ControlNet sees only the conditional half.
+            # Guess mode: the ControlNets see only the conditional half.
             half = x.shape[0]
             c_in, c_ctx = xin[half:], context[half:]
             c_added = None if added_kw is None else {k: v[half:] for k, v in added_kw.items()}
-          down, mid = net(
-            c_in,
-            t,
-            c_ctx,
-            cond,
-            conditioning_scale=cscale,
-            guess_mode=guess_mode,
-            added_cond_kwargs=c_added,
-          )
+          down = mid = None
+          for j, (net, cond) in enumerate(zip(cns, conds)):
+            # The reference's guidance window: a net outside its [start, end] share runs at scale 0.
+            d, m = net(
+              c_in,
+              t,
+              c_ctx,
+              cond,
+              conditioning_scale=cscales[j] * keep[i, j],
+              guess_mode=guess_mode,
+              added_cond_kwargs=c_added,
+            )
+            if down is None:
+              down, mid = list(d), m
+            else:
+              down, mid = [a + b for a, b in zip(down, d)], mid + m
           if cfg_on and guess_mode:
             down = [jnp.concatenate([jnp.zeros_like(d), d]) for d in down]
             mid = jnp.concatenate([jnp.zeros_like(mid), mid])
@@ -307,7 +361,7 @@ class StableDiffusionPipeline:
           tick(i - start)
         return x, st
 
-      x, _ = jax.lax.fori_loop(start, total, body, (latents, sched_state))
+      x, _ = jax.lax.fori_loop(start, stop, body, (latents, sched_state))
       return x
 
     return jax.jit(loop)
@@ -322,13 +376,14 @@ class StableDiffusionPipeline:
     pooled_prompt_embeds,
     negative_pooled_prompt_embeds,
     cfg_on: bool,
+    clip_skip: int | None = None,
   ):
     """(positive, negative) embeddings and pooled embeddings for the batch of prompts."""
     prompts = _as_list(prompt)
     if prompt_embeds is None:
       if not prompts:
         raise ValueError("pass prompt (a string or a list) or prompt_embeds")
-      embeds, pooled = self.encode_prompt(prompts)
+      embeds, pooled = self.encode_prompt(prompts, clip_skip)
     else:
       if prompts:
         raise ValueError("pass either prompt or prompt_embeds, not both")
@@ -387,30 +442,43 @@ class StableDiffusionPipeline:
     negative_prompt_embeds: Any = None,
     pooled_prompt_embeds: Any = None,
     negative_pooled_prompt_embeds: Any = None,
+    clip_skip: int | None = None,
     scheduler: str | mdsch.Scheduler | None = None,
     scheduler_options: Mapping[str, Any] | None = None,
     image: Any = None,
+    image_latents: Any = None,
     strength: float = 0.8,
     noise: Any = None,
     encode_noise: Any = None,
+    denoising_start: float | None = None,
+    denoising_end: float | None = None,
     control_image: Any = None,
-    controlnet_conditioning_scale: float = 1.0,
+    controlnet_conditioning_scale: float | Sequence[float] = 1.0,
+    control_guidance_start: float | Sequence[float] = 0.0,
+    control_guidance_end: float | Sequence[float] = 1.0,
     guess_mode: bool = False,
     original_size: tuple[int, int] | None = None,
     crops_coords_top_left: tuple[int, int] = (0, 0),
     target_size: tuple[int, int] | None = None,
+    negative_original_size: tuple[int, int] | None = None,
+    negative_crops_coords_top_left: tuple[int, int] = (0, 0),
+    negative_target_size: tuple[int, int] | None = None,
+    aesthetic_score: float = 6.0,
+    negative_aesthetic_score: float = 2.5,
+    output_type: str = "np",
     progress: bool = True,
   ) -> jax.Array:
     """Generates images.
 
-    Text-to-image by default; image-to-image when `image` is given; ControlNet when the pipeline was loaded
-    with one (then `control_image` is required).
+    Text-to-image by default; image-to-image when `image` (or `image_latents`) is given; ControlNet when the
+    pipeline was loaded with one or several (then `control_image` is required), also with image-to-image.
 
     Args:
       prompt: one prompt or a list (or pass `prompt_embeds`).
       negative_prompt: one for all prompts or one per prompt (default: empty; SDXL: zero embeddings, as the
         reference's `force_zeros_for_empty_prompt`).
-      height: image height in pixels, a multiple of 8 (default: the UNet's training size).
+      height: image height in pixels, a multiple of 8 (default: the input image's, else the UNet's
+        training size).
       width: image width in pixels, a multiple of 8.
       num_inference_steps: scheduler steps (image-to-image runs the last `strength` share of them).
       guidance_scale: classifier-free guidance; at most 1 disables it (one UNet batch instead of two).
@@ -422,44 +490,99 @@ class StableDiffusionPipeline:
       negative_prompt_embeds: `[B, S, D]`.
       pooled_prompt_embeds: SDXL `[B, P]` (with `prompt_embeds`).
       negative_pooled_prompt_embeds: SDXL `[B, P]` (with `negative_prompt_embeds`).
+      clip_skip: skip this many final text-encoder layers for the prompt (as the reference: SD takes
+        `hidden_states[-(clip_skip + 1)]` through the final LayerNorm, SDXL `hidden_states[-(clip_skip + 2)]`;
+        negative prompts are encoded without it).
       scheduler: a diffusers scheduler class name (`"EulerDiscreteScheduler"`, …) or an md Scheduler;
-        default: the checkpoint's.
+        default: the checkpoint's. Image-to-image works with every one (multistep solvers restart at the
+        first kept step, as the reference's `set_begin_index`).
       scheduler_options: options for the scheduler named by `scheduler` (e.g. `timestep_spacing`).
       image: image-to-image input `[B, H, W, 3]` in [0, 1] (one image, or one per generated image).
+      image_latents: image-to-image input already in latent space, `[B, 4, H/8, W/8]` (the reference's
+        4-channel `image`), e.g. an SDXL base run's `output_type="latent"` result for the refiner.
       strength: image-to-image: how much of the schedule to run (1 ignores the image's content).
       noise: image-to-image: the noise added to the image's latents, `[B·n, 4, H/8, W/8]` (default: from `seed`).
       encode_noise: image-to-image: the VAE posterior's sample noise, `[B_image, 4, H/8, W/8]` (default: from
         `seed`).
-      control_image: ControlNet conditioning image `[B, H, W, 3]` in [0, 1] (one, or one per generated image).
-      controlnet_conditioning_scale: multiplies the ControlNet's residuals.
+      denoising_start: SDXL image-to-image: start at this fraction of the training timesteps instead of
+        `strength`, without adding noise (the refiner continuing a base run with `denoising_end`).
+      denoising_end: SDXL: stop at this fraction of the training timesteps (use with
+        `output_type="latent"` and hand the latents to a refiner).
+      control_image: ControlNet conditioning image `[B, H, W, 3]` in [0, 1] (one, or one per generated image);
+        with several ControlNets, a list with one such image per ControlNet.
+      controlnet_conditioning_scale: multiplies the ControlNet's residuals (a list: one per ControlNet).
+      control_guidance_start: the share of the run's steps before which a ControlNet is off (one per net).
+      control_guidance_end: the share of the run's steps after which a ControlNet is off (one per net).
       guess_mode: ControlNet guess mode (residuals only for the conditional half, log-spaced scales).
       original_size: SDXL micro-conditioning (default `(height, width)`).
       crops_coords_top_left: SDXL micro-conditioning.
       target_size: SDXL micro-conditioning (default `(height, width)`).
+      negative_original_size: SDXL micro-conditioning of the negative batch half (default: `original_size`).
+      negative_crops_coords_top_left: SDXL micro-conditioning of the negative half.
+      negative_target_size: SDXL micro-conditioning of the negative half (default: `target_size`).
+      aesthetic_score: SDXL refiner (`requires_aesthetics_score`): the positive half's score.
+      negative_aesthetic_score: SDXL refiner: the negative half's score.
+      output_type: `"np"` for images, `"latent"` for the final latents `[B·n, 4, H/8, W/8]` (the reference's
+        layout, not decoded).
       progress: show a progress bar over the steps.
 
     Returns:
-      Images `[B·n, H, W, 3]`, float32 in [0, 1].
+      Images `[B·n, H, W, 3]`, float32 in [0, 1] (or latents, see `output_type`).
     """
-    height = self.default_size if height is None else int(height)
-    width = self.default_size if width is None else int(width)
-    check_size(height, width, self.vae_scale_factor)
+    if output_type not in ("np", "latent"):
+      raise ValueError(f"output_type must be 'np' or 'latent', got {output_type!r}")
+    if image is not None and image_latents is not None:
+      raise ValueError("pass image (pixels) or image_latents, not both")
+    img2img = image is not None or image_latents is not None
+    f = self.vae_scale_factor
+    if image_latents is not None:
+      image_latents = _nchw_to_nhwc(image_latents)
+      size = (image_latents.shape[1] * f, image_latents.shape[2] * f)
+    elif image is not None:
+      image = jnp.asarray(image, jnp.float32)
+      image = image[None] if image.ndim == 3 else image
+      size = tuple(image.shape[1:3]) if image.ndim == 4 else (None, None)
+    else:
+      size = (self.default_size, self.default_size)
+    height = size[0] if height is None else int(height)
+    width = size[1] if width is None else int(width)
+    check_size(height, width, f)
     n = int(num_inference_steps)
     if n < 1:
       raise ValueError(f"num_inference_steps must be >= 1, got {n}")
     if num_images_per_prompt < 1:
       raise ValueError(f"num_images_per_prompt must be >= 1, got {num_images_per_prompt}")
-    if self.controlnet is not None and control_image is None:
+    nets = self.controlnets
+    if nets and control_image is None:
       raise ValueError(
-        f"this pipeline has a ControlNet ({self.source}): pass control_image [B, H, W, 3]"
+        f"this pipeline has {len(nets)} ControlNet(s) ({self.source}): pass control_image [B, H, W, 3]"
+        + (" (a list, one per ControlNet)" if len(nets) > 1 else "")
       )
-    if self.controlnet is None and control_image is not None:
+    if not nets and control_image is not None:
       raise ValueError(
         "control_image given but the pipeline has no ControlNet: load_pipeline(..., controlnet=...)"
       )
-    if image is not None and control_image is not None:
+    if (denoising_start is not None or denoising_end is not None) and self.kind != "sdxl":
       raise ValueError(
-        "image-to-image with a ControlNet is not implemented; pass image or control_image"
+        "denoising_start / denoising_end are SDXL options (the base + refiner ensemble)"
+      )
+    if denoising_start is not None and not img2img:
+      raise ValueError(
+        "denoising_start continues a run: pass image_latents (the base's output_type='latent' result)"
+      )
+    controls = None
+    if nets:
+      controls = self._control_settings(
+        control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end
+      )
+    if self.requires_aesthetics_score and not img2img:
+      raise ValueError(
+        f"{self.source or 'this pipeline'} is an image-to-image model (requires_aesthetics_score, the "
+        "SDXL refiner): pass image or image_latents"
+      )
+    if img2img and latents is not None:
+      raise ValueError(
+        "image-to-image builds its start latents from the image: pass noise (and encode_noise), not latents"
       )
     cfg_on = guidance_scale > 1.0
     sched = self.make_scheduler(scheduler, **dict(scheduler_options or {}))
@@ -472,6 +595,7 @@ class StableDiffusionPipeline:
       pooled_prompt_embeds,
       negative_pooled_prompt_embeds,
       cfg_on,
+      clip_skip,
     )
     reps = num_images_per_prompt
     batch = embeds.shape[0] * reps
@@ -485,14 +609,22 @@ class StableDiffusionPipeline:
         neg_pooled,
         reps,
         cfg_on,
-        height,
-        width,
-        original_size,
-        crops_coords_top_left,
-        target_size,
+        self._time_ids(
+          height,
+          width,
+          img2img,
+          original_size,
+          crops_coords_top_left,
+          target_size,
+          negative_original_size,
+          negative_crops_coords_top_left,
+          negative_target_size,
+          aesthetic_score,
+          negative_aesthetic_score,
+        ),
       )
 
-    h, w = height // self.vae_scale_factor, width // self.vae_scale_factor
+    h, w = height // f, width // f
     c = self.unet.cfg.in_channels
     shape = (batch, h, w, c)
     key = jax.random.key(int(seed))
@@ -500,7 +632,7 @@ class StableDiffusionPipeline:
     state = sched.init(n, shape=shape)
     total = mdsch.num_calls(state)
 
-    if image is None:
+    if not img2img:
       start = 0
       if latents is None:
         x = jax.random.normal(k_latents, shape, jnp.float32)
@@ -508,23 +640,57 @@ class StableDiffusionPipeline:
         x = self._check_latents(_nchw_to_nhwc(latents), shape, "latents")
       x = x * state.init_noise_sigma
     else:
-      start, x = self._image_start(
-        sched, state, n, strength, image, shape, noise, encode_noise, k_latents, k_encode
-      )
+      if denoising_start is not None:
+        start = _schedule.denoising_start_index(sched, state, denoising_start)
+      else:
+        start = _schedule.strength_start(n, strength, _schedule.scheduler_order(sched))
+      if start >= total:
+        what = (
+          f"denoising_start={denoising_start}"
+          if denoising_start is not None
+          else f"strength={strength}"
+        )
+        raise ValueError(
+          f"{what} with {n} steps leaves no step to run; lower it or raise the steps"
+        )
+      z = self._start_latents(image, image_latents, shape, encode_noise, k_encode)
+      if denoising_start is None:
+        eps = (
+          jax.random.normal(k_latents, shape, jnp.float32)
+          if noise is None
+          else self._check_latents(_nchw_to_nhwc(noise), shape, "noise")
+        )
+        x = _schedule.noise_at(sched, state, start, z, eps)
+      else:
+        x = z  # the base's latents are already at this noise level
+    stop = total
+    if denoising_end is not None:
+      stop = _schedule.denoising_end_stop(sched, state, start, denoising_end)
+      if stop <= start:
+        raise ValueError(f"denoising_end={denoising_end} leaves no step to run")
+    state = _schedule.restart(sched, state, start)
 
-    cond = None
-    if control_image is not None:
-      cond = self._control_image(control_image, batch, height, width, cfg_on and not guess_mode)
+    conds = cscales = keep = None
+    if nets:
+      conds, cscales, keep = self._controls(
+        controls,
+        batch,
+        height,
+        width,
+        cfg_on and not guess_mode,
+        start,
+        total,
+      )
 
     key_name = (
       "loop",
       sched.name,
       repr(sorted(sched.config.items())),
       start,
-      total,
+      stop,
       cfg_on,
       cfg_on and guidance_rescale > 0,
-      cond is not None,
+      conds is not None,
       bool(guess_mode),
       bool(progress) and md_progress.progress_enabled(),
     )
@@ -533,29 +699,30 @@ class StableDiffusionPipeline:
       lambda: self._loop_fn(
         sched,
         start=start,
+        stop=stop,
         cfg_on=cfg_on,
         rescale_on=cfg_on and guidance_rescale > 0,
-        control=cond is not None,
         guess_mode=bool(guess_mode),
-        total=total,
         show=key_name[-1],
       ),
     )
     x = self._place(x)
-    state = state._replace(step=jnp.asarray(start, jnp.int32))
     x = loop(
       self._unet.state,
-      None if self._cn is None else self._cn.state,
+      [n_.state for n_ in self._cns],
       x,
       state,
       self._place(context),
       None if added is None else {k: self._place(v) for k, v in added.items()},
-      None if cond is None else self._place(cond),
+      None if conds is None else [self._place(cd) for cd in conds],
       jnp.float32(guidance_scale),
       jnp.float32(guidance_rescale),
-      jnp.float32(controlnet_conditioning_scale),
+      cscales,
+      keep,
       k_steps,
     )
+    if output_type == "latent":
+      return jnp.transpose(x, (0, 3, 1, 2))
     return self.decode(x)
 
   # --- helpers ---------------------------------------------------------------------------------------------
@@ -587,25 +754,103 @@ class StableDiffusionPipeline:
       )
     return x.astype(jnp.float32)
 
-  def _added_cond(
-    self, pooled, neg_pooled, reps, cfg_on, height, width, original_size, crop, target_size
-  ):
+  def _time_ids(
+    self,
+    height,
+    width,
+    img2img,
+    original_size,
+    crop,
+    target_size,
+    neg_original,
+    neg_crop,
+    neg_target,
+    aesthetic,
+    neg_aesthetic,
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """SDXL's (positive, negative) `time_ids` as the reference's text- and image-to-image pipelines build
+    them (they differ in which negative micro-conditioning they use)."""
     original = tuple(original_size or (height, width))
     target = tuple(target_size or (height, width))
-    ids = np.asarray([*original, *crop, *target], np.float32)
+    crop, neg_crop = tuple(crop), tuple(neg_crop)
+    if self.requires_aesthetics_score:
+      ids = [*original, *crop, aesthetic]
+      neg = [*(neg_original or original), *neg_crop, neg_aesthetic]
+    elif img2img:
+      ids = [*original, *crop, *target]
+      neg = [*(neg_original or original), *crop, *(neg_target or target)]
+    else:
+      ids = [*original, *crop, *target]
+      neg = ids
+      if neg_original is not None and neg_target is not None:
+        neg = [*neg_original, *neg_crop, *neg_target]
+    return np.asarray(ids, np.float32), np.asarray(neg, np.float32)
+
+  def _added_cond(self, pooled, neg_pooled, reps, cfg_on, time_ids):
+    ids, neg_ids = time_ids
     want = self.unet.cfg.projection_class_embeddings_input_dim
-    got = pooled.shape[-1] + len(ids) * self.unet.cfg.addition_time_embed_dim
+    step = self.unet.cfg.addition_time_embed_dim
+    got = pooled.shape[-1] + len(ids) * step
     if got != want:
+      hint = "text_encoder_2's projection_dim must fit"
+      if want - got == step:
+        hint = (
+          "the UNet expects one more time id: an SDXL refiner needs requires_aesthetics_score=True"
+        )
+      elif got - want == step:
+        hint = (
+          "the UNet expects one time id less: set requires_aesthetics_score=True (a refiner UNet)"
+        )
       raise ValueError(
-        f"pooled embeddings ({pooled.shape[-1]}) + 6 time ids give {got} features; the UNet expects "
-        f"projection_class_embeddings_input_dim={want} (text_encoder_2's projection_dim must fit)"
+        f"pooled embeddings ({pooled.shape[-1]}) + {len(ids)} time ids give {got} features; the UNet "
+        f"expects projection_class_embeddings_input_dim={want} ({hint})"
       )
     text_embeds = jnp.repeat(pooled, reps, axis=0)
-    time_ids = jnp.broadcast_to(jnp.asarray(ids), (text_embeds.shape[0], len(ids)))
+    b = text_embeds.shape[0]
+    time_ids = jnp.broadcast_to(jnp.asarray(ids), (b, len(ids)))
     if cfg_on:
       text_embeds = jnp.concatenate([jnp.repeat(neg_pooled, reps, axis=0), text_embeds], axis=0)
-      time_ids = jnp.concatenate([time_ids, time_ids], axis=0)
+      neg_time_ids = jnp.broadcast_to(jnp.asarray(neg_ids), (b, len(ids)))
+      time_ids = jnp.concatenate([neg_time_ids, time_ids], axis=0)
     return {"text_embeds": text_embeds, "time_ids": time_ids}
+
+  def _control_settings(self, images, scales, starts, ends):
+    """Checks the ControlNet settings (before any work) and gives one entry per ControlNet of each."""
+    k = len(self.controlnets)
+    if k == 1 and not isinstance(images, (list, tuple)):
+      images = [images]
+    if not isinstance(images, (list, tuple)) or len(images) != k:
+      got = len(images) if isinstance(images, (list, tuple)) else "1"
+      raise ValueError(f"{k} ControlNets need a list of {k} control images, got {got}")
+
+    def per_net(value, name):
+      values = list(value) if isinstance(value, (list, tuple)) else [value] * k
+      if len(values) != k:
+        raise ValueError(f"{name} has {len(values)} entries for {k} ControlNets")
+      return [float(v) for v in values]
+
+    scales = per_net(scales, "controlnet_conditioning_scale")
+    starts = per_net(starts, "control_guidance_start")
+    ends = per_net(ends, "control_guidance_end")
+    for s, e in zip(starts, ends):
+      if not 0.0 <= s < e <= 1.0:
+        raise ValueError(
+          f"control_guidance_start ({s}) must be below control_guidance_end ({e}), both in [0, 1]"
+        )
+    return list(images), scales, starts, ends
+
+  def _controls(self, settings, batch, height, width, double, start, total):
+    """Per ControlNet: conditioning images, scales `[nets]` and the on/off table `[calls, nets]` of the
+    guidance windows (the reference's `controlnet_keep`, over the run's calls)."""
+    images, scales, starts, ends = settings
+    k = len(images)
+    conds = [self._control_image(im, batch, height, width, double) for im in images]
+    keep = np.ones((total, k), np.float32)
+    run = total - start
+    for i in range(run):
+      for j, (s, e) in enumerate(zip(starts, ends)):
+        keep[start + i, j] = 1.0 - float(i / run < s or (i + 1) / run > e)
+    return conds, jnp.asarray(scales, jnp.float32), jnp.asarray(keep)
 
   def _control_image(self, control_image, batch, height, width, double) -> jax.Array:
     cond = jnp.asarray(control_image, jnp.float32)
@@ -626,59 +871,34 @@ class StableDiffusionPipeline:
       )
     return jnp.concatenate([cond, cond], axis=0) if double else cond
 
-  def _image_start(
-    self, sched, state, n, strength, image, shape, noise, encode_noise, k_noise, k_encode
-  ):
-    """Image-to-image: the first call index and the noised latents of `image` (the reference's
-    `get_timesteps` + `prepare_latents`)."""
-    if not 0.0 <= strength <= 1.0:
-      raise ValueError(f"strength must be in [0, 1], got {strength}")
-    if state.memory:
-      raise ValueError(
-        f"image-to-image with {sched.name} is not supported: it carries a history of model outputs that md "
-        "builds from the first step of the full schedule; use DDIMScheduler, EulerDiscreteScheduler, "
-        "EulerAncestralDiscreteScheduler, DDPMScheduler or LCMScheduler"
-      )
-    total = mdsch.num_calls(state)
-    order = total // n
-    init_steps = min(int(n * strength), n)
-    t_start = max(n - init_steps, 0) * order
-    if t_start >= total:
-      raise ValueError(
-        f"strength={strength} with {n} steps leaves no step to run; raise strength or steps"
-      )
-    images = jnp.asarray(image, jnp.float32)
-    if images.ndim == 3:
-      images = images[None]
+  def _start_latents(self, image, image_latents, shape, encode_noise, k_encode) -> jax.Array:
+    """Image-to-image: the image's latents (VAE posterior sample, scaled) for the whole batch, repeated
+    as the reference does (`[a, b, a, b]` for two images and two per prompt)."""
     b, h, w, c = shape
     f = self.vae_scale_factor
-    if images.ndim != 4 or images.shape[1:] != (h * f, w * f, 3):
-      raise ValueError(
-        f"image must be [B, {h * f}, {w * f}, 3] in [0, 1] (channels-last) for this height and width; got "
-        f"shape {images.shape}"
+    if image_latents is not None:
+      z = image_latents.astype(jnp.float32)
+      if z.shape[1:] != (h, w, c):
+        raise ValueError(
+          f"image_latents have shape {(z.shape[0], z.shape[3], z.shape[1], z.shape[2])}; expected "
+          f"[B, {c}, {h}, {w}] for height={h * f}, width={w * f}"
+        )
+    else:
+      if image.ndim != 4 or image.shape[1:] != (h * f, w * f, 3):
+        raise ValueError(
+          f"image must be [B, {h * f}, {w * f}, 3] in [0, 1] (channels-last) for this height and width; "
+          f"got shape {image.shape}"
+        )
+      lshape = (image.shape[0], h, w, c)
+      eps = (
+        jax.random.normal(k_encode, lshape, jnp.float32)
+        if encode_noise is None
+        else self._check_latents(_nchw_to_nhwc(encode_noise), lshape, "encode_noise")
       )
-    lshape = (images.shape[0], h, w, c)
-    eps = (
-      jax.random.normal(k_encode, lshape, jnp.float32)
-      if encode_noise is None
-      else self._check_latents(_nchw_to_nhwc(encode_noise), lshape, "encode_noise")
-    )
-    z = self._jit("image_latents", self._image_latents_fn)(self._vae.state, images, eps)
+      z = self._jit("image_latents", self._image_latents_fn)(self._vae.state, image, eps)
     if b % z.shape[0]:
       raise ValueError(f"{z.shape[0]} images for {b} outputs: give 1 image or one per output")
-    z = jnp.repeat(z, b // z.shape[0], axis=0)
-    eps = (
-      jax.random.normal(k_noise, shape, jnp.float32)
-      if noise is None
-      else self._check_latents(_nchw_to_nhwc(noise), shape, "noise")
-    )
-    if sched.name in _SIGMA_SCHEDULERS or sched.alphas_cumprod is None:
-      sigma = state.sigmas[t_start]
-      if sched.alphas_cumprod is None:  # flow matching
-        return t_start, (1 - sigma) * z + sigma * eps
-      return t_start, z + sigma * eps
-    t = jnp.full((b,), state.timesteps[t_start]).astype(jnp.int32)
-    return t_start, mdsch.add_noise(sched.alphas_cumprod, z, eps, t)
+    return jnp.tile(z, (b // z.shape[0], 1, 1, 1))
 
 
 # --- loading ----------------------------------------------------------------------------------------------------
@@ -700,7 +920,7 @@ def _component(root: pathlib.Path, name: str, index: Mapping[str, Any]) -> pathl
 def load_pipeline(
   source: str | os.PathLike,
   *,
-  controlnet: str | os.PathLike | None = None,
+  controlnet: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
   unet_file: str | os.PathLike | None = None,
   mesh: jax.sharding.Mesh | None = None,
   dtype: Any = None,
@@ -714,8 +934,8 @@ def load_pipeline(
     source: a local diffusers pipeline folder (with `model_index.json`) or a hub id
       (`"stable-diffusion-v1-5/stable-diffusion-v1-5"`, `"stabilityai/stable-diffusion-xl-base-1.0"`),
       resolved through md-core (the hub cache; downloads when online).
-    controlnet: a ControlNet folder or hub id (e.g. `"lllyasviel/sd-controlnet-canny"`); the pipeline then
-      needs `control_image`.
+    controlnet: a ControlNet folder or hub id (e.g. `"lllyasviel/sd-controlnet-canny"`), or a list of them
+      (used together, as the reference's `MultiControlNetModel`); the pipeline then needs `control_image`.
     unet_file: a UNet-only safetensors file (diffusers tensor names) loaded over the base UNet's config,
       e.g. SDXL-Lightning's `sdxl_lightning_4step_unet.safetensors`.
     mesh: place every parameter on this mesh by its logical axes (and split the batch over data × fsdp).
@@ -751,6 +971,11 @@ def load_pipeline(
   names = ["unet", "vae", "text_encoder", "tokenizer", "scheduler"]
   if kind == "sdxl":
     names += ["text_encoder_2", "tokenizer_2"]
+    # The SDXL refiner ships only the second encoder: model_index.json lists the first as [null, null].
+    for name in ("text_encoder", "tokenizer"):
+      entry = index.get(name)
+      if isinstance(entry, list) and entry and entry[0] is None:
+        names.remove(name)
   folders = {name: _component(root, name, index) for name in names}
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   if unet_file is None:
@@ -758,8 +983,12 @@ def load_pipeline(
   else:
     unet = load_unet_file(unet_file, folders["unet"] / "config.json", dtype=dtype, **kw)
   vae = md_vae.load_vae_kl(folders["vae"], subfolder=None, **kw)
-  te = md_text.load_clip_text(folders["text_encoder"], subfolder=None, with_projection=False, **kw)
-  tok = md_text.load_tokenizer(folders["tokenizer"], subfolder=None)
+  te = tok = None
+  if "text_encoder" in folders:
+    te = md_text.load_clip_text(
+      folders["text_encoder"], subfolder=None, with_projection=False, **kw
+    )
+    tok = md_text.load_tokenizer(folders["tokenizer"], subfolder=None)
   te2 = tok2 = None
   if kind == "sdxl":
     te2 = md_text.load_clip_text(
@@ -767,7 +996,11 @@ def load_pipeline(
     )
     tok2 = md_text.load_tokenizer(folders["tokenizer_2"], subfolder=None)
   net = None
-  if controlnet is not None:
+  if isinstance(controlnet, (list, tuple)):
+    if not controlnet:
+      raise ValueError("controlnet is an empty list; pass a folder / hub id or a list of them")
+    net = [load_controlnet(c, subfolder=None, dtype=dtype, **kw) for c in controlnet]
+  elif controlnet is not None:
     net = load_controlnet(controlnet, subfolder=None, dtype=dtype, **kw)
   sched_cfg = mdsch.read_config(folders["scheduler"])
   mdsch.from_config(sched_cfg)  # fail now, not at the first call, on a scheduler md lacks
@@ -782,6 +1015,7 @@ def load_pipeline(
     tokenizer_2=tok2,
     controlnet=net,
     force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", True)),
+    requires_aesthetics_score=bool(index.get("requires_aesthetics_score", False)),
     mesh=mesh,
     source=str(source),
   )

@@ -1,0 +1,193 @@
+"""Where a run starts and stops on a scheduler's schedule, as diffusers' SD pipelines decide it.
+
+Image-to-image keeps the last `strength` share of the steps (`get_timesteps`: whole steps, times the
+scheduler's `order`, so Heun's doubled calls stay paired); SDXL's ensemble of experts cuts the schedule at a
+fraction of the training timesteps (`denoising_end` on the base, `denoising_start` on the refiner). A run that
+starts part-way is a fresh run of the scheduler from that call (the reference's `set_begin_index`): the
+multistep solvers begin with an empty history, so their warm-up (first-order steps, no corrector) happens at
+the first kept step, not at step 0 of the full schedule. `restart` rebuilds an md `SchedulerState`'s
+per-call tables that way; `noise_at` adds noise to the image's latents as that scheduler's `add_noise` does at
+the first kept call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import md_schedulers as mdsch
+from md_schedulers import _dpm, _dpm_single, _pndm, _unipc
+
+# diffusers' `scheduler.order`: 2 for the schedulers whose timesteps repeat (one model call per stage).
+_ORDER_TWO = frozenset({"HeunDiscreteScheduler", "FlowMatchHeunDiscreteScheduler"})
+# k-diffusion style: noisy = x0 + sigma · noise.
+_SIGMA_NOISE = frozenset(
+  {
+    "EulerDiscreteScheduler",
+    "EulerAncestralDiscreteScheduler",
+    "LMSDiscreteScheduler",
+    "HeunDiscreteScheduler",
+  }
+)
+# The DPM-Solver family: noisy = alpha_t · x0 + sigma_t · noise from the sigma at the call.
+_VP_SIGMA_NOISE = frozenset(
+  {"DPMSolverMultistepScheduler", "DPMSolverSinglestepScheduler", "UniPCMultistepScheduler"}
+)
+
+
+def scheduler_order(sched: mdsch.Scheduler) -> int:
+  """The reference's `scheduler.order`: model calls per step (2 for Heun)."""
+  return 2 if sched.name in _ORDER_TWO else 1
+
+
+def strength_start(num_inference_steps: int, strength: float, order: int) -> int:
+  """The first kept call of an image-to-image run (the reference's `get_timesteps`)."""
+  if not 0.0 <= strength <= 1.0:
+    raise ValueError(f"strength must be in [0, 1], got {strength}")
+  n = int(num_inference_steps)
+  init = min(int(n * strength), n)
+  return max(n - init, 0) * order
+
+
+def _cutoff(sched: mdsch.Scheduler, frac: float, what: str) -> int:
+  if not 0.0 < frac < 1.0:
+    raise ValueError(f"{what} must be a float in (0, 1), got {frac}")
+  n_train = int(sched.config.get("num_train_timesteps", 1000))
+  return int(round(n_train - frac * n_train))
+
+
+def denoising_start_index(sched: mdsch.Scheduler, state: mdsch.SchedulerState, frac: float) -> int:
+  """The first call of a run that continues a base model stopped at `denoising_end=frac`."""
+  ts = np.asarray(state.timesteps)
+  kept = int((ts < _cutoff(sched, frac, "denoising_start")).sum())
+  if scheduler_order(sched) == 2 and kept % 2 == 0:
+    kept += 1  # never start between the two calls of a second-order step
+  return len(ts) - kept
+
+
+def denoising_end_stop(
+  sched: mdsch.Scheduler, state: mdsch.SchedulerState, start: int, frac: float
+) -> int:
+  """One past the last call of a run cut at `denoising_end=frac` (the timesteps at or above the cutoff)."""
+  ts = np.asarray(state.timesteps)[start:]
+  return start + int((ts >= _cutoff(sched, frac, "denoising_end")).sum())
+
+
+def restart(
+  sched: mdsch.Scheduler, state: mdsch.SchedulerState, begin: int
+) -> mdsch.SchedulerState:
+  """`state` positioned at call `begin` as a fresh run from there (empty solver history).
+
+  Single-step schedulers only move the call index. The multistep ones get their per-call tables from
+  `begin` on rebuilt for a run that starts there: DPM-Solver and UniPC warm up again (their orders and
+  UniPC's corrector count from the first kept step; the `< 15 steps` rule still sees the whole schedule),
+  DPM-Solver single-step lowers the order of a block cut by the start, and PNDM replays its counter-based
+  PLMS start (the repeated first step) on the kept timesteps. LMS and Heun need nothing: an LMS history of
+  zeros drops the terms the reference has no derivative for, and Heun's kept calls start on a first stage.
+  """
+  state = state._replace(step=jnp.asarray(begin, jnp.int32))
+  if begin == 0:
+    return state
+  name, cfg = sched.name, dict(sched.config)
+  sig = np.asarray(state.sigmas)
+  calls = len(np.asarray(state.timesteps))
+  tables = {k: np.array(v) for k, v in state.tables.items()}
+  if name == "DPMSolverMultistepScheduler":
+    if calls >= 15:
+      cfg["lower_order_final"] = False  # the reference's rule looks at the whole schedule's length
+    tables["weights"][begin:] = _dpm.dpm_multistep_weights(cfg, sig[begin:])
+  elif name == "UniPCMultistepScheduler":
+    cfg["disable_corrector"] = [d - begin for d in (cfg["disable_corrector"] or []) if d >= begin]
+    cw, pw = _unipc.unipc_weights(cfg, sig[begin:])
+    tables["corrector"][begin:], tables["predictor"][begin:] = cw, pw
+  elif name == "DPMSolverSinglestepScheduler":
+    full = dict(_dpm.DPM_DEFAULTS)
+    full.update(cfg)
+    k = int(full["solver_order"])
+    zero = full["final_sigmas_type"] == "zero"
+    lof = bool(full["lower_order_final"]) or calls % k != 0 or zero
+    orders = _dpm_single.order_list(calls, k, lof, zero)
+    # The reference lowers an order while the history lacks the outputs it needs.
+    orders = [o if i < begin else min(o, i - begin + 1) for i, o in enumerate(orders)]
+    tables["weights"] = _dpm_single._weights(full, sig, orders)
+    tables["block_start"] = (np.asarray(orders) == 1).astype(np.float32)
+  elif name == "PNDMScheduler":
+    tables.update(_pndm_tables(sched, np.asarray(state.timesteps), begin, tables))
+  return state._replace(
+    tables={k: jnp.asarray(np.asarray(v, np.float32)) for k, v in tables.items()}
+  )
+
+
+def _pndm_tables(sched: mdsch.Scheduler, ts: np.ndarray, begin: int, tables: dict) -> dict:
+  """PNDM's plan and coefficients for calls `begin …`: the reference's PLMS counts its calls from the first
+  kept one (the second call redoes the first step), whatever the timesteps."""
+  cfg = sched.config
+  if not cfg["skip_prk_steps"]:
+    raise ValueError(
+      "image-to-image with PNDMScheduler needs skip_prk_steps=True (as the Stable Diffusion configs set); "
+      "its Runge-Kutta warm-up is tied to the first steps of the full schedule"
+    )
+  n_train = int(cfg["num_train_timesteps"])
+  steps = len(ts) - 1  # PLMS-only: n steps make n + 1 calls
+  ratio = n_train // steps
+  kept = ts[begin:].astype(np.int64)
+  calls = len(kept)
+  t_used, t_prev = kept.copy(), kept - ratio
+  if calls > 1:
+    t_used[1], t_prev[1] = kept[1] + ratio, kept[1]
+  plan = _pndm._empty_plan(calls)
+  plan["weights"][0] = _pndm._AB[1]
+  if calls > 1:
+    plan["weights"][1], plan["output_weight"][1] = (0, 0, 0, 0.5), 0.5
+  for c in range(2, calls):
+    plan["weights"][c] = _pndm._AB[min(c, 4)]
+  plan["append"][:] = np.arange(calls) != 1
+  plan["set_first"][0] = 1
+  if calls > 1:
+    plan["use_first"][1] = 1
+  acp = sched.alphas_cumprod
+  final = np.float32(1.0) if cfg["set_alpha_to_one"] else acp[0]
+  one = np.float32(1)
+  a_t = acp[t_used]
+  a_prev = np.where(t_prev >= 0, acp[np.clip(t_prev, 0, None)], final).astype(np.float32)
+  b_t, b_prev = one - a_t, one - a_prev
+  denom = a_t * b_prev ** np.float32(0.5) + (a_t * b_t * a_prev) ** np.float32(0.5)
+  fresh = {
+    "sqrt_a": a_t ** np.float32(0.5),
+    "sqrt_b": b_t ** np.float32(0.5),
+    "sample_coef": (a_prev / a_t) ** np.float32(0.5),
+    "output_coef": (a_prev - a_t) / denom,
+    **plan,
+  }
+  out = {}
+  for key, rows in fresh.items():
+    full = np.array(tables[key])
+    full[begin:] = rows
+    out[key] = full
+  return out
+
+
+def noise_at(
+  sched: mdsch.Scheduler,
+  state: mdsch.SchedulerState,
+  begin: int,
+  latents: jax.Array,
+  noise: jax.Array,
+) -> jax.Array:
+  """The image's latents noised to call `begin`, as the scheduler's `add_noise` does there."""
+  if sched.alphas_cumprod is None:  # flow matching
+    sigma = state.sigmas[begin]
+    return (1 - sigma) * latents + sigma * noise
+  if sched.name in _SIGMA_NOISE:
+    return latents + state.sigmas[begin] * noise
+  if sched.name in _VP_SIGMA_NOISE:
+    sigma = state.sigmas[begin]
+    if sched.config.get("use_flow_sigmas"):
+      alpha_t, sigma_t = 1 - sigma, sigma
+    else:
+      alpha_t = 1 / (sigma**2 + 1) ** 0.5
+      sigma_t = sigma * alpha_t
+    return alpha_t * latents + sigma_t * noise
+  t = jnp.full((latents.shape[0],), state.timesteps[begin]).astype(jnp.int32)
+  return mdsch.add_noise(sched.alphas_cumprod, latents, noise, t)
