@@ -73,14 +73,15 @@ def test_connectors_match_diffusers(io, connectors, name):
 
 def test_prompt_path_end_to_end(io, connectors):
   """Tokenize (left padding, <bos>, cut at 16 with a warning) → Gemma 3 (all 5 hidden states) → packing →
-  LTX-2.0 connectors, against LTX2Pipeline._get_gemma_prompt_embeds and the connectors as the pipeline calls
-  them."""
+  LTX-2.0 connectors, against LTX2Pipeline.encode_prompt with guidance (negative prompt "") and the
+  connectors on [negative, positive] as the pipeline calls them."""
   tok = md_text.load_tokenizer(fixture_path("gemma3"))
-  with pytest.warns(UserWarning, match=r"prompt 1 is 35 tokens long; 19 token\(s\) were cut"):
-    tokens = md_text.gemma3_tokenize(tok, PROMPTS, max_length=16)
+  with pytest.warns(UserWarning, match=r"prompt 3 is 35 tokens long; 19 token\(s\) were cut"):
+    tokens = md_text.gemma3_tokenize(tok, ["", ""] + PROMPTS, max_length=16)
   np.testing.assert_array_equal(tokens.ids, io["prompt_ids"])
   np.testing.assert_array_equal(tokens.mask, io["prompt_mask"])
-  assert tokens.mask[0, 0] == 0 and tokens.mask[0, -1] == 1  # left padding
+  assert tokens.mask[0].sum() == 1 and tokens.ids[0, -1] == tok.bos_token_id  # "": <bos> only
+  assert tokens.mask[2, 0] == 0 and tokens.mask[2, -1] == 1  # left padding
   encoder = md_text.load_gemma3_encoder(fixture_path("gemma3"))
   graphdef_e, state_e = nnx.split(encoder)
   graphdef_c, state_c = nnx.split(connectors["connectors"])
@@ -92,7 +93,7 @@ def test_prompt_path_end_to_end(io, connectors):
     return embeds, md_text.encode_ltx2_prompt(enc, conn, ids, mask)
 
   embeds, out = run(state_e, state_c, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
-  chex.assert_shape(embeds, (2, 16, 32 * 5))
+  chex.assert_shape(embeds, (4, 16, 32 * 5))
   chex.assert_trees_all_close(embeds, io["prompt_embeds"], atol=1e-4, rtol=0)
   chex.assert_trees_all_close(out.video, io["e2e_video"], atol=1e-4, rtol=0)
   chex.assert_trees_all_close(out.audio, io["e2e_audio"], atol=1e-4, rtol=0)
