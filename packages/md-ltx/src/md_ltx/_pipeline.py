@@ -393,6 +393,7 @@ class LTXVideoPipeline:
     num_frames: int = 161,
     frame_rate: float = 25,
     num_inference_steps: int = 50,
+    timesteps: Sequence[float] | None = None,
     guidance_scale: float = 3.0,
     guidance_rescale: float = 0.0,
     image_cond_noise_scale: float = 0.15,
@@ -424,6 +425,9 @@ class LTXVideoPipeline:
       num_frames: `1 + 8k` frames.
       frame_rate: frames per second (scales the rotary time axis).
       num_inference_steps: Euler steps.
+      timesteps: custom descending timesteps (conditioning mode, e.g. the distilled checkpoints'
+        `[1000, 993, 987, 981, 975, 909, 725, 0.03]`), replacing the linear-quadratic schedule;
+        `num_inference_steps` is then their count.
       guidance_scale: classifier-free guidance (off at <= 1).
       guidance_rescale: the std rescale of the guided prediction (0: off).
       image_cond_noise_scale: noise added at each step to hard-conditioned tokens (strength 1), scaled by
@@ -463,6 +467,16 @@ class LTXVideoPipeline:
     conditions = list(conditions or [])
     mode = "condition" if (conditions or self.condition_pipeline) else "t2v"
     refine = denoise_strength < 1.0
+    if timesteps is not None:
+      if mode == "t2v":
+        raise ValueError(
+          "custom timesteps need the conditioning mode (the reference's LTXPipeline passes its own "
+          "sigmas): load with load_pipeline(..., condition=True) or pass conditions"
+        )
+      timesteps = [float(t) for t in timesteps]
+      if not timesteps or any(b >= a for a, b in zip(timesteps, timesteps[1:], strict=False)):
+        raise ValueError(f"timesteps={timesteps} must be a non-empty descending list")
+      num_inference_steps = len(timesteps)
     if refine and mode == "t2v":
       raise ValueError(
         "denoise_strength < 1 needs the conditioning mode (LTXConditionPipeline semantics): load with "
@@ -566,7 +580,8 @@ class LTXVideoPipeline:
       )
       st_ = sched.init(sigmas=mdsch.ltx_uniform_sigmas(num_inference_steps), mu=mu)
     else:
-      timesteps = mdsch.linear_quadratic_sigmas(num_inference_steps) * np.float32(1000)
+      if timesteps is None:
+        timesteps = mdsch.linear_quadratic_sigmas(num_inference_steps) * np.float32(1000)
       mu = None
       if sc.get("use_dynamic_shifting"):
         # The reference would stop here (no mu); md shifts by the token count as in text-to-video.

@@ -1,0 +1,204 @@
+"""ltx_generate: LTX-Video videos with md-ltx; writes MP4s and the settings used.
+
+uv run apps/ltx_generate --config=apps/configs/ltx.py:2b-0.9.1 --config.prompt="a cat surfing" --workdir=out
+"""
+
+import json
+import pathlib
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "ml-collections config file (apps/configs/ltx.py:<variant>)."
+)
+_WORKDIR = flags.DEFINE_string(
+  "workdir", "outputs/ltx", "Folder the videos and settings.json go to."
+)
+
+
+def _keyframes(spec: str) -> list[tuple[str, int]]:
+  out = []
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    path, sep, index = item.rpartition("@")
+    if not sep or not path or not index.strip().lstrip("-").isdigit():
+      raise app.UsageError(
+        f"--config.keyframes item {item!r} must be <image file>@<frame index>, e.g. end.png@160"
+      )
+    out.append((path, int(index)))
+  return out
+
+
+def _timesteps(spec: str) -> list[float] | None:
+  if not spec.strip():
+    return None
+  try:
+    return [float(t) for t in spec.split(",")]
+  except ValueError:
+    raise app.UsageError(
+      f"--config.timesteps={spec!r} must be comma-separated numbers, e.g. 1000,993,987"
+    ) from None
+
+
+def _check(config) -> None:
+  if not config.model:
+    raise app.UsageError("--config.model is empty: give a diffusers pipeline folder or hub id")
+  if config.needs_image and not config.image:
+    raise app.UsageError(
+      f"variant {config.variant!r} is image-to-video: set --config.image=<first frame image file>"
+    )
+  if config.needs_transformer and not config.transformer:
+    raise app.UsageError(
+      f"variant {config.variant!r} needs its transformer file: set --config.transformer=<path to "
+      "the original single file, e.g. ltxv-13b-0.9.8-distilled.safetensors from Lightricks/LTX-Video>"
+    )
+  if config.fps <= 0:
+    raise app.UsageError(f"--config.fps={config.fps} must be positive")
+  if config.upsampler and not 0 < config.downscale_factor <= 1:
+    raise app.UsageError(f"--config.downscale_factor={config.downscale_factor} must be in (0, 1]")
+
+
+def _conditions(config, md_ltx, media, num_frames: int):
+  """The conditioning items, images read now (a clear error for a file that is not an image)."""
+  items = []
+  specs = ([(config.image, 0, config.image_strength)] if config.image else []) + [
+    (path, index, 1.0) for path, index in _keyframes(config.keyframes)
+  ]
+  for path, index, strength in specs:
+    if not 0 <= index < num_frames:
+      raise app.UsageError(
+        f"conditioning image {path!r} at frame {index} is outside the video (frames 0 … "
+        f"{num_frames - 1})"
+      )
+    try:
+      pixels = media.load_image(path)
+    except (FileNotFoundError, OSError, ValueError) as e:
+      raise app.UsageError(f"cannot read the conditioning image {path!r}: {e}") from None
+    items.append(md_ltx.LTXCondition(pixels, frame_index=index, strength=strength))
+  return items
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(
+      f"unexpected arguments {argv[1:]}; settings go through --config.<key>=<value>"
+    )
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config=apps/configs/ltx.py:2b-0.9.1")
+  _check(config)
+  timesteps = _timesteps(config.timesteps)
+  from md_core import apps, media
+
+  try:
+    mesh = apps.start(config)
+  except ValueError as e:  # a mesh that does not fit the devices
+    raise app.UsageError(str(e)) from None
+  print(apps.describe_mesh(mesh))
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import md_ltx
+
+  conditions = _conditions(config, md_ltx, media, config.num_frames)
+  start = time.perf_counter()
+  try:
+    pipe = md_ltx.load_pipeline(
+      config.model,
+      transformer=config.transformer or None,
+      condition=True if config.condition else None,
+      mesh=mesh,
+      dtype=jnp.dtype(config.dtype),
+      attention=config.attention,
+      remat=config.remat,
+      progress=True,
+    )
+    upsampler = None
+    if config.upsampler:
+      # The upsampler's module (md-ltx, not yet exported from md_ltx's namespace).
+      from md_ltx._upsampler_weights import load_latent_upsampler
+
+      upsampler = load_latent_upsampler(config.upsampler, mesh=mesh, progress=True)
+  except FileNotFoundError as e:
+    raise app.UsageError(str(e)) from None
+  loaded = time.perf_counter() - start
+  kwargs = dict(
+    num_frames=config.num_frames,
+    frame_rate=config.fps,
+    guidance_scale=config.guidance_scale,
+    guidance_rescale=config.guidance_rescale,
+    num_videos_per_prompt=config.num_videos_per_prompt,
+    seed=config.seed,
+    conditions=conditions or None,
+    decode_timestep=config.decode_timestep,
+    decode_noise_scale=None if config.decode_noise_scale < 0 else config.decode_noise_scale,
+  )
+  prompt, negative = config.prompt, config.negative_prompt or None
+  steps = dict(num_inference_steps=config.steps, timesteps=timesteps)
+  start = time.perf_counter()
+  try:
+    if upsampler is None:
+      frames = pipe(
+        prompt, negative, height=config.height, width=config.width,
+        image_cond_noise_scale=config.image_cond_noise_scale, **steps, **kwargs,
+      )  # fmt: skip
+      passes = [(config.height, config.width)]
+    else:
+      m = pipe.size_multiple
+      h1 = max(m, int(config.height * config.downscale_factor) // m * m)
+      w1 = max(m, int(config.width * config.downscale_factor) // m * m)
+      latents = pipe(
+        prompt, negative, height=h1, width=w1, output_type="latent",
+        image_cond_noise_scale=config.image_cond_noise_scale, **steps, **kwargs,
+      )  # fmt: skip
+      vae = pipe.vae
+      from md_ltx._upsampler import upsample_latents
+
+      up = upsample_latents(
+        upsampler, latents, vae.latents_mean[...], vae.latents_std[...],
+        scaling_factor=vae.config.scaling_factor, adain_factor=config.adain_factor, layout="BCFHW",
+      )  # fmt: skip
+      h2, w2 = h1 * (up.shape[3] // latents.shape[3]), w1 * (up.shape[4] // latents.shape[4])
+      frames = pipe(
+        prompt, negative, height=h2, width=w2, latents=up,
+        denoise_strength=config.second_pass_denoise_strength,
+        num_inference_steps=config.second_pass_steps,
+        image_cond_noise_scale=config.second_pass_image_cond_noise_scale, **kwargs,
+      )  # fmt: skip
+      if (h2, w2) != (config.height, config.width):
+        b, f = frames.shape[:2]
+        frames = jnp.clip(
+          jax.image.resize(frames, (b, f, config.height, config.width, 3), method="lanczos3"), 0, 1
+        )
+      passes = [(h1, w1), (h2, w2)]
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  frames = np.asarray(frames)
+  seconds = time.perf_counter() - start
+
+  out = pathlib.Path(_WORKDIR.value)
+  paths = [
+    media.save_video(out / f"video_{i:04d}.mp4", video, config.fps)
+    for i, video in enumerate(frames)
+  ]
+  settings = dict(
+    config.to_dict(),
+    num_frames_generated=int(frames.shape[1]),
+    passes=[dict(height=h, width=w) for h, w in passes],
+    mode="condition" if (conditions or pipe.condition_pipeline) else "t2v",
+    scheduler_config=dict(pipe.scheduler_config),
+    videos=[p.name for p in paths],
+    load_seconds=round(loaded, 2),
+    generate_seconds=round(seconds, 2),
+  )
+  (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str) + "\n")
+  print(
+    f"wrote {len(paths)} video(s) and settings.json to {out} ({seconds:.1f}s, load {loaded:.1f}s)"
+  )
+
+
+if __name__ == "__main__":
+  app.run(main)
