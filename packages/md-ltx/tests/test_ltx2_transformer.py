@@ -13,14 +13,14 @@ from flax import nnx
 import md_core
 import md_sharding as mds
 from md_core.testing import fixture_path, load_arrays, repo_root
-from md_ltx._ltx2_config import VARIANTS, LTX2Config
-from md_ltx._ltx2_transformer import LTX2Transformer, audio_coords, video_coords
+from md_ltx._ltx2_config import LTX2_VARIANTS, LTX2Config
+from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
 from md_ltx._ltx2_weights import (
-  convert_key,
-  convert_original_key,
-  load_transformer,
-  original_config,
-  original_to_diffusers,
+  load_ltx2_transformer,
+  ltx2_convert_key,
+  ltx2_convert_original_key,
+  ltx2_original_config,
+  ltx2_original_to_diffusers,
 )
 
 T = md_core.Target
@@ -75,7 +75,7 @@ def run(model, ref):
 
 @pytest.fixture(scope="module")
 def models():
-  return {sub: load_transformer(ROOT, subfolder=sub) for sub in set(CASES.values())}
+  return {sub: load_ltx2_transformer(ROOT, subfolder=sub) for sub in set(CASES.values())}
 
 
 # isolate_modalities compiles a fourth program; it runs with the slow tests.
@@ -98,20 +98,20 @@ def test_positions_match_the_reference(models, case):
   ref = load_arrays(ROOT / f"{case}.npz")
   cfg = models[CASES[case]].cfg
   f, h, w, fa = (int(n) for n in ref["grid"])
-  got = video_coords(cfg, f, h, w, float(ref["fps"]))
+  got = ltx2_video_coords(cfg, f, h, w, float(ref["fps"]))
   np.testing.assert_array_equal(
     np.broadcast_to(got, ref["video_coords"].shape), ref["video_coords"]
   )
-  got = audio_coords(cfg, fa)
+  got = ltx2_audio_coords(cfg, fa)
   np.testing.assert_array_equal(
     np.broadcast_to(got, ref["audio_coords"].shape), ref["audio_coords"]
   )
 
 
 def test_configs_read_from_the_fixture_and_the_real_file(models):
-  assert models["transformer"].cfg == VARIANTS["tiny"]
+  assert models["transformer"].cfg == LTX2_VARIANTS["tiny"]
   cfg = LTX2Config.from_json(repo_root() / "tools/configs/ltx/ltx2_transformer.json")
-  assert cfg == VARIANTS["2.0"]
+  assert cfg == LTX2_VARIANTS["2.0"]
   assert (cfg.dim, cfg.audio_dim, cfg.num_layers, cfg.rope_type) == (4096, 2048, 48, "split")
   late = models["transformer_2.3"]
   assert late.caption_projection is None and late.prompt_adaln is not None
@@ -120,7 +120,7 @@ def test_configs_read_from_the_fixture_and_the_real_file(models):
 
 
 def test_original_single_file_gives_the_same_weights(models):
-  single = load_transformer(
+  single = load_ltx2_transformer(
     ROOT / "ltx-2-tiny.safetensors", num_attention_heads=4, audio_num_attention_heads=2
   )
   assert single.cfg == models["transformer"].cfg
@@ -128,7 +128,7 @@ def test_original_single_file_gives_the_same_weights(models):
 
 
 def test_convert_key_alone():
-  ck = convert_key
+  ck = ltx2_convert_key
   assert ck("transformer_blocks.3.audio_to_video_attn.to_q.weight") == T(
     ("blocks", "audio_to_video_attn", "to_q", "kernel"), "linear", layer=3
   )
@@ -156,7 +156,7 @@ def test_convert_key_alone():
 
 
 def test_original_names_alone():
-  o = original_to_diffusers
+  o = ltx2_original_to_diffusers
   assert o("model.diffusion_model.audio_patchify_proj.bias") == "audio_proj_in.bias"
   assert o("model.diffusion_model.adaln_single.linear.weight") == "time_embed.linear.weight"
   assert o("model.diffusion_model.audio_adaln_single.emb.timestep_embedder.linear_1.bias") == (
@@ -170,7 +170,7 @@ def test_original_names_alone():
   )
   assert o("model.diffusion_model.video_embeddings_connector.learnable_registers") is None
   assert o("vocoder.conv_pre.weight") is None
-  assert convert_original_key(
+  assert ltx2_convert_original_key(
     "model.diffusion_model.transformer_blocks.4.attn2.k_norm.weight"
   ) == T(("blocks", "attn2", "norm_k", "scale"), layer=4)
 
@@ -183,31 +183,31 @@ def _manifest(name):
 def test_real_checkpoint_is_covered():
   """Every tensor of the real LTX-2 transformer (diffusers layout and original single file) is mapped with
   the right shape, and the single file's shapes give back the real config."""
-  cfg = VARIANTS["2.0"]
+  cfg = LTX2_VARIANTS["2.0"]
   model = nnx.eval_shape(lambda: LTX2Transformer(cfg, rngs=nnx.Rngs(0)))
-  assert md_core.coverage(_manifest("ltx2_transformer"), model, convert_key) == []
+  assert md_core.coverage(_manifest("ltx2_transformer"), model, ltx2_convert_key) == []
   original = _manifest("ltx2_transformer_original")
-  assert md_core.coverage(original, model, convert_original_key) == []
+  assert md_core.coverage(original, model, ltx2_convert_original_key) == []
 
   class Shapes(dict):
     def shape(self, key):
       return tuple(self[key])
 
-  assert original_config(Shapes(original)) == cfg
+  assert ltx2_original_config(Shapes(original)) == cfg
 
 
 def test_real_ltx23_checkpoint_is_covered():
   """LTX-2.3 (gates, modulated text cross-attention with its sigma adaLN-single, no caption projections)."""
   cfg = LTX2Config.from_json(repo_root() / "tools/configs/ltx/ltx2_transformer_2.3.json")
-  assert cfg == VARIANTS["2.3"]
+  assert cfg == LTX2_VARIANTS["2.3"]
   model = nnx.eval_shape(lambda: LTX2Transformer(cfg, rngs=nnx.Rngs(0)))
-  assert md_core.coverage(_manifest("ltx2_transformer_2.3"), model, convert_key) == []
+  assert md_core.coverage(_manifest("ltx2_transformer_2.3"), model, ltx2_convert_key) == []
 
 
 @pytest.mark.slow
 def test_bf16_keeps_modulation_tables_f32():
   """bf16 weights and activations, float32 modulation tables; the result stays near the f32 reference."""
-  model = load_transformer(ROOT, subfolder="transformer_2.3", dtype=jnp.bfloat16)
+  model = load_ltx2_transformer(ROOT, subfolder="transformer_2.3", dtype=jnp.bfloat16)
   assert model.blocks.attn1.to_q.kernel[...].dtype == jnp.bfloat16
   for table in (
     model.scale_shift_table,
@@ -231,7 +231,7 @@ def test_sharded_matches_single_device(models):
     mds.MeshConfig(ici_fsdp_parallelism=2, ici_context_parallelism=2, ici_tensor_parallelism=2)
   )
   assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}
-  sharded = load_transformer(ROOT, subfolder="transformer_2.3", mesh=mesh, attention="ring")
+  sharded = load_ltx2_transformer(ROOT, subfolder="transformer_2.3", mesh=mesh, attention="ring")
   spec = sharded.blocks.audio_to_video_attn.to_q.kernel[...].sharding.spec
   assert tuple(spec) == (None, "fsdp", "tensor")
   assert tuple(sharded.blocks.audio_ff.proj_out.kernel[...].sharding.spec) == (
@@ -255,7 +255,7 @@ def _trace(model, arrays, **static):
 
 
 def test_input_errors():
-  cfg = VARIANTS["tiny"]
+  cfg = LTX2_VARIANTS["tiny"]
   model = nnx.eval_shape(lambda: LTX2Transformer(cfg, rngs=nnx.Rngs(0)))
   ok = dict(
     hidden_states=np.zeros((1, 12, 8)),
@@ -325,7 +325,7 @@ def test_load_errors_name_the_tensor(tmp_path):
   md_core.save_safetensors(folder / "diffusion_pytorch_model.safetensors", tensors)
   (folder / "config.json").write_text((ROOT / "transformer" / "config.json").read_text())
   with pytest.raises(md_core.WeightLoadError) as e:
-    load_transformer(folder, subfolder=None)
+    load_ltx2_transformer(folder, subfolder=None)
   msg = str(e.value)
   assert "'transformer_blocks.0.audio_to_video_attn.to_k.weight' has shape (24, 32)" in msg
   assert "'audio_proj_out/bias' (6,) has no tensor" in msg
@@ -336,10 +336,10 @@ def test_load_errors_name_the_tensor(tmp_path):
 def test_static_prompt_tables_equal_zero_sigma_modulation():
   """`use_prompt_adaln_single=False` (KV-cacheable text attention) modulates the text states by the per-block
   tables alone: the same as the sigma-dependent form with a zero sigma modulation."""
-  from md_ltx._ltx2_transformer import LTX2Block, Rope, _Inputs
+  from md_ltx._ltx2_transformer import LTX2Block, LTX2Rope, _Inputs
 
   cfg = LTX2Config(
-    **{**VARIANTS["tiny"].__dict__, "cross_attn_mod": True, "use_prompt_embeddings": False},
+    **{**LTX2_VARIANTS["tiny"].__dict__, "cross_attn_mod": True, "use_prompt_embeddings": False},
   )
   block = LTX2Block(cfg, rngs=nnx.Rngs(3))
   keys = iter(jax.random.split(jax.random.key(0), 16))
@@ -349,7 +349,7 @@ def test_static_prompt_tables_equal_zero_sigma_modulation():
 
   def rope(n, heads, width):
     angles = rnd(1, n, heads, width // (2 * heads))
-    return Rope(jnp.cos(angles), jnp.sin(angles))
+    return LTX2Rope(jnp.cos(angles), jnp.sin(angles))
 
   b, s, s_a = 2, 6, 4
   ins = _Inputs(

@@ -12,7 +12,7 @@ import md_attention as mda
 import md_core
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ROPE_TYPES = ("interleaved", "split")
+LTX2_ROPE_TYPES = ("interleaved", "split")
 
 # Keys diffusers writes that do not change the model.
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
@@ -152,8 +152,8 @@ class LTX2Config:
         f"LTX2Config.activation_fn={self.activation_fn!r} is not supported; LTX-2 uses "
         "'gelu-approximate' (tanh GELU)"
       )
-    if self.rope_type not in ROPE_TYPES:
-      raise ValueError(f"LTX2Config.rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
+    if self.rope_type not in LTX2_ROPE_TYPES:
+      raise ValueError(f"LTX2Config.rope_type={self.rope_type!r} is not one of {LTX2_ROPE_TYPES}")
     for name in ("patch_size", "patch_size_t", "audio_patch_size_t", "num_layers"):
       if getattr(self, name) < 1:
         raise ValueError(f"LTX2Config.{name}={getattr(self, name)} must be positive")
@@ -244,7 +244,7 @@ class LTX2Config:
 
 _REAL = dict(rope_type="split")
 
-VARIANTS: dict[str, LTX2Config] = {
+LTX2_VARIANTS: dict[str, LTX2Config] = {
   # Lightricks/LTX-2 `transformer/config.json` (tools/configs/ltx/ltx2_transformer.json).
   "2.0": LTX2Config(**_REAL),
   # Lightricks/LTX-2.3 (tools/configs/ltx/ltx2_transformer_2.3.json).

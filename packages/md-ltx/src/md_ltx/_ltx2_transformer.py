@@ -58,7 +58,7 @@ def _torch_linspace(n: int, dtype) -> np.ndarray:
   ).astype(dtype)
 
 
-def rope_frequencies(cfg: LTX2Config, dim: int, num_pos_dims: int) -> np.ndarray:
+def ltx2_rope_frequencies(cfg: LTX2Config, dim: int, num_pos_dims: int) -> np.ndarray:
   """The `dim // (2 * num_pos_dims)` rotary frequencies `theta**linspace(0, 1) * pi / 2`, float32.
 
   With `rope_double_precision` they are computed in float64 and rounded once, as the reference does.
@@ -71,7 +71,7 @@ def rope_frequencies(cfg: LTX2Config, dim: int, num_pos_dims: int) -> np.ndarray
   return ((powers * dtype(math.pi)) / dtype(2.0)).astype(np.float32)
 
 
-def video_coords(
+def ltx2_video_coords(
   cfg: LTX2Config, num_frames: int, height: int, width: int, fps: float = 24.0
 ) -> np.ndarray:
   """Video patch boundaries in pixel units (time in seconds): `[1, 3, N, 2]` float32, `N` frame-major.
@@ -95,7 +95,7 @@ def video_coords(
   return pixels[None]
 
 
-def audio_coords(cfg: LTX2Config, num_frames: int, shift: int = 0) -> np.ndarray:
+def ltx2_audio_coords(cfg: LTX2Config, num_frames: int, shift: int = 0) -> np.ndarray:
   """Audio latent frame boundaries in seconds: `[1, 1, N, 2]` float32 (the reference's float32 order).
 
   Latent frame `i` covers mel frames `[4 i, 4 (i + 1))` shifted by the causal offset (clamped at 0), times
@@ -124,7 +124,7 @@ def _cos_sin(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.cos(r), jnp.sin(r)
 
 
-class Rope(NamedTuple):
+class LTX2Rope(NamedTuple):
   """Rotary tables of one attention input. `split`: `[B, N, H, D/(2H)]` per head group (first half of each
   group pairs with its second half); interleaved: `[B, N, D]` (adjacent features pair)."""
 
@@ -132,14 +132,14 @@ class Rope(NamedTuple):
   sin: jax.Array
 
 
-def rope_tables(
+def ltx2_rope_tables(
   cfg: LTX2Config,
   coords: jax.Array,
   *,
   dim: int,
   heads: int,
   max_positions: Sequence[float],
-) -> Rope:
+) -> LTX2Rope:
   """Rotary tables from patch coordinates, as diffusers' `LTX2AudioVideoRotaryPosEmbed` computes them.
 
   Args:
@@ -150,14 +150,14 @@ def rope_tables(
     max_positions: the normalisation of each of the `P` position axes.
 
   Returns:
-    `Rope` (float32 cos and sin).
+    `LTX2Rope` (float32 cos and sin).
   """
   coords = jnp.asarray(coords, _F32)
   if coords.ndim == 4:
     coords = (coords[..., 0] + coords[..., 1]) / np.float32(2.0)
   p = coords.shape[1]
   grid = jnp.stack([coords[:, i] / np.float32(max_positions[i]) for i in range(p)], -1)  # [B, N, P]
-  freqs = jnp.asarray(rope_frequencies(cfg, dim, p)).reshape(1, 1, 1, -1)  # [K]
+  freqs = jnp.asarray(ltx2_rope_frequencies(cfg, dim, p)).reshape(1, 1, 1, -1)  # [K]
   angles = (grid[..., None] * np.float32(2) - np.float32(1)) * freqs  # [B, N, P, K]
   b, n = angles.shape[:2]
   angles = jnp.swapaxes(angles, -1, -2).reshape(b, n, -1)  # [B, N, K * P]: frequency-major
@@ -172,10 +172,10 @@ def rope_tables(
     sin = jnp.concatenate([jnp.zeros((b, n, pad), _F32), sin], -1)
   if cfg.rope_type == "split":
     cos, sin = cos.reshape(b, n, heads, -1), sin.reshape(b, n, heads, -1)
-  return Rope(cos, sin)
+  return LTX2Rope(cos, sin)
 
 
-def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
+def ltx2_apply_rope(x: jax.Array, rope: LTX2Rope) -> jax.Array:
   """Rotates `x [B, N, D]` (all heads, before the split into heads) in float32; returns x's dtype."""
   h = x.astype(_F32)
   b, n, d = h.shape
@@ -236,8 +236,8 @@ class LTX2Attention(nnx.Module):
     q = self.norm_q(self.to_q(x))
     k = self.norm_k(self.to_k(source))
     if q_rope is not None:
-      q = apply_rope(q, q_rope)
-      k = apply_rope(k, q_rope if k_rope is None else k_rope)
+      q = ltx2_apply_rope(q, q_rope)
+      k = ltx2_apply_rope(k, q_rope if k_rope is None else k_rope)
     heads, hd = self.heads, self.head_dim
     out = mda.attention(
       q.reshape(b, s, heads, hd),
@@ -292,10 +292,10 @@ class _Inputs(NamedTuple):
   audio_ca_gate: jax.Array
   prompt_temb: jax.Array | None
   audio_prompt_temb: jax.Array | None
-  rope: Rope
-  audio_rope: Rope
-  ca_rope: Rope
-  audio_ca_rope: Rope
+  rope: LTX2Rope
+  audio_rope: LTX2Rope
+  ca_rope: LTX2Rope
+  audio_ca_rope: LTX2Rope
   perturb: jax.Array | None  # [B, 1, 1] float32, or None without spatio-temporal guidance
 
 
@@ -574,7 +574,7 @@ class LTX2Transformer(nnx.Module):
     """Predicts the velocities of packed video and audio latent tokens (diffusers' forward, same names).
 
     Positions come from `video_coords` / `audio_coords` when given (what diffusers' LTX2Pipeline passes,
-    e.g. `md_ltx._ltx2_transformer.video_coords(cfg, F, H, W, fps)` repeated over the batch), else they
+    e.g. `ltx2_video_coords(cfg, F, H, W, fps)` repeated over the batch), else they
     are built from the static grid sizes `num_frames, height, width, fps` and `audio_num_frames`.
 
     Args:
@@ -638,28 +638,28 @@ class LTX2Transformer(nnx.Module):
     def build_video():
       if num_frames is None or height is None or width is None:
         raise ValueError("pass video_coords or the static num_frames, height and width")
-      return video_coords_fn(cfg, num_frames, height, width, fps)
+      return ltx2_video_coords(cfg, num_frames, height, width, fps)
 
     def build_audio():
       if audio_num_frames is None:
         raise ValueError("pass audio_coords or the static audio_num_frames")
-      return audio_coords_fn(cfg, audio_num_frames)
+      return ltx2_audio_coords(cfg, audio_num_frames)
 
     vc = self._coords(video_coords, "video_coords", 3, b, s_v, build_video)
     ac = self._coords(audio_coords, "audio_coords", 1, b, s_a, build_audio)
     base = (cfg.pos_embed_max_pos, cfg.base_height, cfg.base_width)
     cross_base = (max(cfg.pos_embed_max_pos, cfg.audio_pos_embed_max_pos),)
     heads, aheads = cfg.num_attention_heads, cfg.audio_num_attention_heads
-    rope = rope_tables(cfg, vc, dim=cfg.dim, heads=heads, max_positions=base)
-    audio_rope = rope_tables(
+    rope = ltx2_rope_tables(cfg, vc, dim=cfg.dim, heads=heads, max_positions=base)
+    audio_rope = ltx2_rope_tables(
       cfg, ac, dim=cfg.audio_dim, heads=aheads, max_positions=(cfg.audio_pos_embed_max_pos,)
     )
     # The audio<->video tables rotate the audio width by time alone; the video one is grouped by the
     # video head count, as the reference builds it.
-    ca_rope = rope_tables(
+    ca_rope = ltx2_rope_tables(
       cfg, vc[:, :1], dim=cfg.audio_cross_attention_dim, heads=heads, max_positions=cross_base
     )
-    audio_ca_rope = rope_tables(
+    audio_ca_rope = ltx2_rope_tables(
       cfg, ac, dim=cfg.audio_cross_attention_dim, heads=aheads, max_positions=cross_base
     )
 
@@ -757,8 +757,3 @@ class LTX2Transformer(nnx.Module):
       ha, self.audio_scale_shift_table, audio_emb, self.audio_norm_out, self.audio_proj_out
     )
     return video, audio
-
-
-# Module-level names for the coordinate builders (the forward's keyword arguments shadow them).
-video_coords_fn = video_coords
-audio_coords_fn = audio_coords

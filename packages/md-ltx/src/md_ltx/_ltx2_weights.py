@@ -92,11 +92,11 @@ _BLOCK_PARAM = re.compile(r"transformer_blocks\.(\d+)\.(\w+)")
 _MODULE = re.compile(r"(.+)\.(weight|bias)")
 
 # The modulation tables stay float32 whatever the load dtype (the released file stores them so).
-KEEP_F32 = (r"scale_shift_table$",)
+LTX2_KEEP_F32 = (r"scale_shift_table$",)
 
 # The original single file (`ltx-2-19b-dev.safetensors` …): diffusers' `convert_ltx2_transformer_to_diffusers`
 # renames, in its order, after dropping this prefix.
-ORIGINAL_PREFIX = "model.diffusion_model."
+LTX2_ORIGINAL_PREFIX = "model.diffusion_model."
 _ORIGINAL_RENAMES = (
   ("patchify_proj", "proj_in"),
   ("audio_patchify_proj", "audio_proj_in"),
@@ -110,7 +110,7 @@ _ORIGINAL_RENAMES = (
   ("k_norm", "norm_k"),
 )
 # The released files also hold the text connectors, both VAEs, the vocoder and the text feature projection.
-ORIGINAL_ALLOW_UNUSED = (
+LTX2_ORIGINAL_ALLOW_UNUSED = (
   r"model\.diffusion_model\.(video|audio)_embeddings_connector\..*",
   r"(vae|audio_vae|vocoder|text_embedding_projection)\..*",
 )
@@ -126,13 +126,13 @@ def _path(text: str) -> tuple[str, ...]:
   return tuple(text.split("/"))
 
 
-def convert_key(name: str) -> md_core.Target | None:
+def ltx2_convert_key(name: str) -> md_core.Target | None:
   """Maps one diffusers `LTX2VideoTransformer3DModel` tensor name to md's `LTX2Transformer` parameter.
 
   Block tensors `transformer_blocks.<i>.…` go to layer `i` of the stacked (scanned) parameter. Returns None
   for names that are not parameters of the model.
 
-  >>> convert_key("transformer_blocks.3.audio_to_video_attn.to_q.weight")
+  >>> ltx2_convert_key("transformer_blocks.3.audio_to_video_attn.to_q.weight")
   Target(path=('blocks', 'audio_to_video_attn', 'to_q', 'kernel'), layout='linear', split=None, layer=3)
   """
   if name in _TOP_PARAMS:
@@ -156,15 +156,15 @@ def convert_key(name: str) -> md_core.Target | None:
   return None
 
 
-def original_to_diffusers(name: str) -> str | None:
+def ltx2_original_to_diffusers(name: str) -> str | None:
   """An original LTX-2 single-file transformer name → its diffusers name (None: another component).
 
-  >>> original_to_diffusers("model.diffusion_model.audio_adaln_single.linear.weight")
+  >>> ltx2_original_to_diffusers("model.diffusion_model.audio_adaln_single.linear.weight")
   'audio_time_embed.linear.weight'
   """
-  if not name.startswith(ORIGINAL_PREFIX):
+  if not name.startswith(LTX2_ORIGINAL_PREFIX):
     return None
-  name = name[len(ORIGINAL_PREFIX) :]
+  name = name[len(LTX2_ORIGINAL_PREFIX) :]
   if name.startswith(("video_embeddings_connector.", "audio_embeddings_connector.")):
     return None
   for old, new in _ORIGINAL_RENAMES:
@@ -175,13 +175,13 @@ def original_to_diffusers(name: str) -> str | None:
   return name
 
 
-def convert_original_key(name: str) -> md_core.Target | None:
+def ltx2_convert_original_key(name: str) -> md_core.Target | None:
   """Maps one original single-file tensor name (`model.diffusion_model.…`) to md's parameter."""
-  diffusers = original_to_diffusers(name)
-  return None if diffusers is None else convert_key(diffusers)
+  diffusers = ltx2_original_to_diffusers(name)
+  return None if diffusers is None else ltx2_convert_key(diffusers)
 
 
-def original_config(checkpoint, **overrides) -> LTX2Config:
+def ltx2_original_config(checkpoint, **overrides) -> LTX2Config:
   """The `LTX2Config` of an original LTX-2 single file, read from its tensor shapes.
 
   The files carry no diffusers config. Widths, depth, caption width and the options that add tensors (gates,
@@ -189,7 +189,7 @@ def original_config(checkpoint, **overrides) -> LTX2Config:
   do not, so they are LTX-2's (32 video heads, 32 audio heads) unless given. Everything else takes
   `LTX2Config`'s defaults with the released model's `rope_type="split"`.
   """
-  p = ORIGINAL_PREFIX
+  p = LTX2_ORIGINAL_PREFIX
   name = getattr(checkpoint, "name", "checkpoint")
 
   def shape(key):
@@ -241,7 +241,7 @@ def original_config(checkpoint, **overrides) -> LTX2Config:
   return LTX2Config(**kwargs)
 
 
-def load_transformer(
+def load_ltx2_transformer(
   source: str | os.PathLike,
   *,
   subfolder: str | None = "transformer",
@@ -256,7 +256,7 @@ def load_transformer(
   Args:
     source: a diffusers pipeline folder or hub id (`"Lightricks/LTX-2"`), a transformer folder with
       `subfolder=None`, or an original single `.safetensors` file (`ltx-2-19b-dev.safetensors`; its config
-      is read from the tensor shapes, see `original_config`).
+      is read from the tensor shapes, see `ltx2_original_config`).
     subfolder: the component folder (ignored for a single file).
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
     dtype: floating dtype of the parameters (default: as stored); the modulation tables stay float32.
@@ -274,19 +274,19 @@ def load_transformer(
   path = pathlib.Path(os.fspath(source)).expanduser()
   if path.is_file():
     checkpoint = md_core.open_checkpoint(path)
-    cfg = original_config(checkpoint, **overrides)
-    convert, allow_unused = convert_original_key, ORIGINAL_ALLOW_UNUSED
+    cfg = ltx2_original_config(checkpoint, **overrides)
+    convert, allow_unused = ltx2_convert_original_key, LTX2_ORIGINAL_ALLOW_UNUSED
   else:
     folder = md_core.resolve_source(source, subfolder=subfolder)
     cfg = LTX2Config.from_json(folder / "config.json", **overrides)
     checkpoint = md_core.open_checkpoint(folder)
-    convert, allow_unused = convert_key, ()
+    convert, allow_unused = ltx2_convert_key, ()
   return md_core.load_weights(
     lambda: LTX2Transformer(cfg, rngs=nnx.Rngs(0)),
     checkpoint,
     convert,
     dtype=dtype,
-    keep_f32=KEEP_F32,
+    keep_f32=LTX2_KEEP_F32,
     mesh=mesh,
     rules=rules,
     allow_unused=allow_unused,
