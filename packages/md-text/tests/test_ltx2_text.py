@@ -226,3 +226,66 @@ def test_sharded_connectors(io):
       assert float(err) < tol, (side, dtype, err)
       err = jnp.abs(out.audio.astype(jnp.float32) - io[f"connectors_{side}_audio"]).max()
       assert float(err) < tol, (side, dtype, err)
+
+
+# diffusers name → original single-file name: the inverse of the public conversion script's renames.
+def _original_name(name: str) -> str:
+  for new, old in (
+    ("text_proj_in.", "text_embedding_projection.aggregate_embed."),
+    ("video_text_proj_in.", "text_embedding_projection.video_aggregate_embed."),
+    ("audio_text_proj_in.", "text_embedding_projection.audio_aggregate_embed."),
+  ):
+    if name.startswith(new):
+      return old + name[len(new) :]
+  name = name.replace("video_connector.", "video_embeddings_connector.")
+  name = name.replace("audio_connector.", "audio_embeddings_connector.")
+  name = name.replace("transformer_blocks.", "transformer_1d_blocks.")
+  name = name.replace(".norm_q.", ".q_norm.").replace(".norm_k.", ".k_norm.")
+  return "model.diffusion_model." + name
+
+
+def test_original_single_file_names(tmp_path, connectors):
+  """The original single file's names (connectors under `model.diffusion_model.…_embeddings_connector`,
+  the projection under `text_embedding_projection`) load to the same weights, the file's transformer / VAE /
+  vocoder tensors skipped; the real LTX-2 and 2.3 manifests in original names are covered."""
+  from safetensors.numpy import load_file, save_file
+
+  convert = md_text.ltx2_connectors_original_to_diffusers
+  assert (
+    convert(
+      "model.diffusion_model.audio_embeddings_connector.transformer_1d_blocks.1.attn1.k_norm.weight"
+    )
+    == "audio_connector.transformer_blocks.1.attn1.norm_k.weight"
+  )
+  assert (
+    convert("text_embedding_projection.video_aggregate_embed.bias") == "video_text_proj_in.bias"
+  )
+  assert convert("model.diffusion_model.transformer_blocks.0.attn1.q_norm.weight") is None
+
+  for name in ("connectors", "connectors_23"):
+    src = fixture_path("ltx2_text") / name / "diffusion_pytorch_model.safetensors"
+    tensors = {_original_name(k): v for k, v in load_file(str(src)).items()}
+    tensors["model.diffusion_model.transformer_blocks.0.attn1.to_q.weight"] = np.zeros(
+      (2, 2), np.float32
+    )
+    tensors["vae.decoder.conv_in.conv.weight"] = np.zeros((1,), np.float32)
+    path = tmp_path / f"{name}.safetensors"
+    save_file(tensors, str(path))
+    cfg = md_text.LTX2ConnectorsConfig.from_json(src.parent)
+    model = md_text.load_ltx2_connectors_original(path, config=cfg)
+    chex.assert_trees_all_equal(nnx.state(model), nnx.state(connectors[name]))
+  with pytest.raises(ValueError, match="config='ltx-3' is not one of"):
+    md_text.load_ltx2_connectors_original(path, config="ltx-3")
+
+  for manifest, variant in (("ltx2_connectors", "ltx-2"), ("ltx2_connectors_23", "ltx-2.3")):
+    data = json.loads((fixture_path("manifests") / f"{manifest}.json").read_text())
+    shapes = {_original_name(k): v["shape"] for k, v in data["tensors"].items()}
+    shapes["model.diffusion_model.transformer_blocks.0.attn1.to_q.weight"] = [4096, 4096]
+    cfg = md_text.LTX2_CONNECTORS_VARIANTS[variant]
+    problems = md_core.coverage(
+      shapes,
+      lambda cfg=cfg: md_text.LTX2TextConnectors(cfg, rngs=nnx.Rngs(0)),
+      md_text.convert_ltx2_connectors_original_key,
+      allow_unused=md_text.LTX2_CONNECTORS_ORIGINAL_ALLOW_UNUSED,
+    )
+    assert problems == []

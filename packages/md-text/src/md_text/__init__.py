@@ -45,13 +45,19 @@ from md_text._ltx2_text import (
   LTX2TextConnectors,
   LTX2TextEmbeds,
   connector_rope_tables,
-  convert_ltx2_connectors_key,
   encode_ltx2_prompt,
-  load_ltx2_connectors,
   ltx2_masked_mean_range_norm,
   ltx2_pack_hidden_states,
   ltx2_prompt_embeds,
   ltx2_token_rms_norm,
+)
+from md_text._ltx2_text_weights import (
+  LTX2_CONNECTORS_ORIGINAL_ALLOW_UNUSED,
+  convert_ltx2_connectors_key,
+  convert_ltx2_connectors_original_key,
+  load_ltx2_connectors,
+  load_ltx2_connectors_original,
+  ltx2_connectors_original_to_diffusers,
 )
 
 # Qwen3 text encoder (FLUX.2 [klein]: Qwen3-4B, Qwen3-8B).
@@ -133,6 +139,7 @@ __all__ = [
   # Gemma 3 and LTX-2's text connectors
   "GEMMA3_ALLOW_UNUSED",
   "GEMMA3_VARIANTS",
+  "LTX2_CONNECTORS_ORIGINAL_ALLOW_UNUSED",
   "LTX2_CONNECTORS_VARIANTS",
   "LTX2_MAX_LENGTH",
   "Gemma3Config",
@@ -145,11 +152,14 @@ __all__ = [
   "connector_rope_tables",
   "convert_gemma3_key",
   "convert_ltx2_connectors_key",
+  "convert_ltx2_connectors_original_key",
   "encode_ltx2_prompt",
   "gemma3_rope_tables",
   "gemma3_tokenize",
   "load_gemma3_encoder",
   "load_ltx2_connectors",
+  "load_ltx2_connectors_original",
+  "ltx2_connectors_original_to_diffusers",
   "ltx2_masked_mean_range_norm",
   "ltx2_pack_hidden_states",
   "ltx2_prompt_embeds",
