@@ -86,7 +86,7 @@ def test_vae_matches_diffusers(vaes, case):
     (mean, logvar), (_cl(ref["mean"]), _cl(ref["logvar"])), atol=TOL, rtol=0
   )
   decoded = _decode(graphdef, state, _cl(ref["latents"]))
-  chex.assert_shape(decoded, (2, 17, 16, 2))
+  chex.assert_shape(decoded, (2, 25, 16, 2))
   chex.assert_trees_all_close(decoded, _cl(ref["decoded"]), atol=TOL, rtol=0)
 
 
@@ -108,7 +108,7 @@ def test_latent_packing_and_statistics(vaes):
   ref = load_arrays(FIXTURES / "main.npz")
   z = ref["latents"]  # [B, C, L, M]
   packed = pack_audio_latents(_cl(z))
-  want = z.transpose(0, 2, 1, 3).reshape(2, 5, 8)  # the pipeline's [B, L, C * M]
+  want = z.transpose(0, 2, 1, 3).reshape(2, 7, 8)  # the pipeline's [B, L, C * M]
   np.testing.assert_array_equal(packed, want)
   np.testing.assert_array_equal(unpack_audio_latents(packed, 4), _cl(z))
   stats = md_core.open_checkpoint(FIXTURES / "main" / "audio_vae")
@@ -118,6 +118,18 @@ def test_latent_packing_and_statistics(vaes):
   chex.assert_trees_all_close(
     vae.denormalize_latents(vae.normalize_latents(packed)), want, atol=1e-6
   )
+
+
+def test_pipeline_audio_path_matches_diffusers(vaes, vocoders):
+  # LTX2Pipeline: packed normalised latents → denormalise → unpack → decode → vocode (same shapes
+  # as the component tests, so nothing new compiles).
+  ref = load_arrays(FIXTURES / "main.npz")
+  vae = vaes["main"]
+  z = vae.denormalize_latents(jnp.asarray(ref["packed"]))
+  z = unpack_audio_latents(z, vae.config.latent_mel_bins)
+  mel = _decode(*nnx.split(vae), z)
+  wave = _vocode(*nnx.split(vocoders["vocoder"]), mel)
+  chex.assert_trees_all_close(wave, ref["chain_waveform"].transpose(0, 2, 1), atol=WAVE_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("case", ("vocoder", "bwe"))
