@@ -1,0 +1,88 @@
+"""The tiny LTX-Video pipelines on 8 virtual devices give the single-device frames (within 1e-5) with
+weights FSDP-sharded, the video tokens over `context` (ring attention) and the CFG batch over `data`.
+
+Default: (data, fsdp, context, tensor) = (1, 2, 4, 1), text-to-video. Under `-m slow`: (1, 1, 8, 1), the
+data axis with two prompts (a CFG batch of 4) on (2, 1, 4, 1), and the conditioning mode (frame-0 image +
+keyframe: 64 tokens with explicit coordinates) on (1, 1, 8, 1).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import md_ltx
+import md_sharding as mds
+from md_core import testing
+
+ROOT = testing.fixture_path("ltx_pipeline")
+# The fixture's tokenizer is tiny: the prompts are cut to its 8 tokens (as the reference would).
+pytestmark = pytest.mark.filterwarnings("ignore:prompt .* tokens long")
+PROMPTS = ["a cat surfing", "a dog running"]
+# 32x32 pixels, 9 frames: a 3x4x4 latent grid, 48 tokens (64 with a keyframe), which 8 and 4 divide.
+KW = dict(
+  height=32, width=32, num_frames=9, num_inference_steps=2, guidance_scale=3.0,
+  max_sequence_length=8, decode_timestep=0.05, decode_noise_scale=0.0, progress=False,
+)  # fmt: skip
+
+
+def _mesh(shape):
+  d, f, c, t = shape
+  return mds.make_mesh(
+    mds.MeshConfig(
+      ici_data_parallelism=d,
+      ici_fsdp_parallelism=f,
+      ici_context_parallelism=c,
+      ici_tensor_parallelism=t,
+    )
+  )
+
+
+def _inputs(n: int, conditions: bool):
+  key = jax.random.key(0)
+  kw = dict(prompt=PROMPTS[:n], latents=jax.random.normal(key, (n, 8, 3, 4, 4)))
+  if conditions:
+    rng = np.random.default_rng(0)
+    pics = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(2)]
+    kw["conditions"] = [
+      md_ltx.LTXCondition(pics[0], frame_index=0, strength=0.9),
+      md_ltx.LTXCondition(pics[1], frame_index=6, strength=1.0),
+    ]
+    kw["image_cond_noise_scale"] = 0.0
+  return kw
+
+
+@pytest.fixture(scope="module")
+def single():
+  pipe = md_ltx.load_pipeline(ROOT / "t2v")
+  cache = {}
+
+  def run(n: int, conditions: bool):
+    if (n, conditions) not in cache:
+      cache[n, conditions] = np.asarray(pipe(**_inputs(n, conditions), **KW))
+    return cache[n, conditions]
+
+  return run
+
+
+def _check(single, shape, n=1, conditions=False):
+  mesh = _mesh(shape)
+  pipe = md_ltx.load_pipeline(ROOT / "t2v", mesh=mesh, attention="ring")
+  kernel = pipe.transformer.blocks.attn1.to_q.kernel[...]
+  if mesh.shape["fsdp"] > 1:
+    assert len(kernel.sharding.device_set) == 8 and kernel.sharding.spec != (None, None, None)
+  got = pipe(**_inputs(n, conditions), **KW)
+  np.testing.assert_allclose(np.asarray(got), single(n, conditions), atol=1e-5, rtol=0)
+
+
+def test_sharded_fsdp_context_matches_single_device(single):
+  _check(single, (1, 2, 4, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  ("shape", "n", "conditions"),
+  [((1, 1, 8, 1), 1, False), ((2, 1, 4, 1), 2, False), ((1, 1, 8, 1), 1, True)],
+  ids=["c8", "d2c4-two-prompts", "c8-conditions"],
+)
+def test_sharded_grid_matches_single_device(single, shape, n, conditions):
+  _check(single, shape, n, conditions)
