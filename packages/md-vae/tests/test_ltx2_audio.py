@@ -229,6 +229,8 @@ def test_input_errors(vaes, vocoders):
   vae = vaes["main"]
   with pytest.raises(ValueError, match=r"mel must be \[B, T, mel_bins, in_channels=2\], got shape"):
     vae.encode(jnp.zeros((1, 17, 16)))
+  with pytest.raises(ValueError, match=r"mel has 64 mel bins .* takes mel_bins=16"):
+    vae.encode(jnp.zeros((1, 17, 64, 2)))
   with pytest.raises(ValueError, match=r"latent_channels=2\], got shape \(1, 5, 4, 3\)"):
     vae.decode(jnp.zeros((1, 5, 4, 3)))
   with pytest.raises(ValueError, match=r"packed audio latents must be \[B, L, 8\]"):

@@ -367,6 +367,10 @@ class LTX2AudioVAE(nnx.Module):
       raise ValueError(
         f"mel must be [B, T, mel_bins, in_channels={cfg.in_channels}], got shape {mel.shape}"
       )
+    if cfg.mel_bins is not None and mel.shape[2] != cfg.mel_bins:
+      raise ValueError(
+        f"mel has {mel.shape[2]} mel bins (shape {mel.shape}); this VAE takes mel_bins={cfg.mel_bins}"
+      )
     moments = self.encoder(mel)
     mean, logvar = jnp.split(moments, 2, axis=-1)
     return DiagonalGaussian(mean, jnp.clip(logvar, -30.0, 20.0))
