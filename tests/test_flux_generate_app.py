@@ -118,10 +118,8 @@ def test_flux_generate_klein_kv_edit(tmp_path):
 
 
 def test_flux_generate_klein_reports_bad_references(tmp_path):
-  five = ",".join([f"{KLEIN}/ref_0.png"] * 5)
-  out = run_app(f"--workdir={tmp_path}", f"--config.images={five}", variant="tiny-klein-edit")
-  assert out.returncode != 0 and "Traceback" not in out.stderr
-  assert "at most 4 reference images are supported; got 5" in out.stderr
+  """A file that is not an image fails before the model loads, naming it (more than 4 references:
+  md-flux's own tests)."""
   broken = tmp_path / "broken.png"
   broken.write_text("not an image")
   out = run_app(

@@ -63,13 +63,25 @@ def test_klein_edit_matches_diffusers(klein, outputs):
 
 
 @pytest.mark.filterwarnings("ignore:prompt 1 is")
-def test_klein_kv_edit_matches_diffusers(outputs):
-  kv = md_flux.load_pipeline(FIXTURES / "klein_kv")
-  assert kv.use_kv_cache and kv.is_distilled
-  images = kv(
-    PROMPTS, images=REFS, latents=outputs["kv_edit/latents"], num_inference_steps=3, **SMALL
+def test_klein_kv_edit_matches_diffusers(klein, outputs):
+  """Flux2KleinKVPipeline over the same components: the KV-cache mode without guidance (the loaded
+  `klein` pipeline runs it, sharing its compiled text and image programs)."""
+  images = klein(
+    PROMPTS,
+    images=REFS,
+    kv_cache=True,
+    guidance_scale=1.0,
+    latents=outputs["kv_edit/latents"],
+    num_inference_steps=3,
+    **SMALL,
   )
   _check(images, outputs["kv_edit/images"], "kv edit images")
+
+
+def test_kv_checkpoint_loads_in_kv_mode():
+  kv = md_flux.load_pipeline(FIXTURES / "klein_kv")
+  assert kv.use_kv_cache and kv.is_distilled
+  assert kv.text_encoder is not None and kv.vae is not None
 
 
 def test_reference_latents_appended_with_time_offsets(klein, outputs):
