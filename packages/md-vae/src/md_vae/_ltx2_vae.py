@@ -15,7 +15,6 @@ time) and blend the seams linearly, exactly as the reference's `enable_tiling` +
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pathlib
@@ -32,12 +31,12 @@ from md_vae._ltx_vae import (
   _DOWNSAMPLE_STRIDES,
   _IGNORED_KEYS,
   _PADDING_MODES,
-  CausalConv3d,
   Decoder,
   Encoder,
   LTXLatentDist,
   LTXVideoVAE,
   LTXVideoVAEConfig,
+  causal_override,
 )
 
 _F32 = jnp.float32
@@ -350,23 +349,6 @@ def _tiled(
   return jnp.concatenate(kept, axis=1)[:, : out_size[0]]
 
 
-@contextlib.contextmanager
-def _causal(module: nnx.Module, causal: bool):
-  """Makes every `CausalConv3d` under `module` causal (or not) for the duration (the reference's runtime
-  `causal=` argument)."""
-  # Only convs that change are touched: the default call mutates nothing (so works on a closed-over module).
-  convs = [
-    m for _, m in nnx.iter_modules(module) if isinstance(m, CausalConv3d) and m.causal != causal
-  ]
-  try:
-    for c in convs:
-      c.causal = causal
-    yield
-  finally:
-    for c in convs:
-      c.causal = not causal
-
-
 class LTX2VideoVAE(LTXVideoVAE):
   """`AutoencoderKLLTX2Video`: `encode(video) -> LTXLatentDist`, `decode(latents) -> video`.
 
@@ -411,7 +393,7 @@ class LTX2VideoVAE(LTXVideoVAE):
     self.check_video(video)
     cfg, tiling = self.config, self._checked_tiling(tiling)
     s, r = cfg.spatial_ratio, cfg.temporal_ratio
-    with _causal(self.encoder, bool(causal) or cfg.encoder_causal):
+    with causal_override(bool(causal) or cfg.encoder_causal):
       if tiling is None:
         moments = self.encoder(video)
       else:
@@ -464,7 +446,7 @@ class LTX2VideoVAE(LTXVideoVAE):
     t, key = self._decoder_inputs(latents, timestep, key)
     cfg, tiling = self.config, self._checked_tiling(tiling)
     s, r = cfg.spatial_ratio, cfg.temporal_ratio
-    with _causal(self.decoder, bool(causal) or cfg.decoder_causal):
+    with causal_override(bool(causal) or cfg.decoder_causal):
       if tiling is None:
         return self.decoder(latents, t, key)
       tl = tiling

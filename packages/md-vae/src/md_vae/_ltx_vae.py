@@ -10,6 +10,8 @@ inject per-channel-scaled spatial noise. The file also holds per-channel latent 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 import pathlib
@@ -156,6 +158,24 @@ LTX_VAE_VARIANTS: dict[str, LTXVideoVAEConfig] = {
 }  # fmt: skip
 
 
+# Set (at trace time) by `causal_override`: forces every CausalConv3d called meanwhile causal or not.
+_CAUSAL_OVERRIDE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+  "md_vae_ltx_causal", default=None
+)
+
+
+@contextlib.contextmanager
+def causal_override(causal: bool | None):
+  """Within the block, every `CausalConv3d` pads causally (True) or symmetrically (False) whatever it was
+  built with (None: as built). LTX-2's runtime `causal=` argument; mutates no module, so it works on modules
+  closed over by a jitted function."""
+  token = _CAUSAL_OVERRIDE.set(causal)
+  try:
+    yield
+  finally:
+    _CAUSAL_OVERRIDE.reset(token)
+
+
 class CausalConv3d(nnx.Module):
   """A 3D convolution padded in time by repeating edge frames (causal: the first frame, `k - 1` times in
   front; else `(k - 1) / 2` first frames in front and last frames behind), padded in space with zeros or
@@ -174,7 +194,8 @@ class CausalConv3d(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:  # [B, F, H, W, C]
     k = self.kernel_t
-    if self.causal:
+    override = _CAUSAL_OVERRIDE.get()
+    if self.causal if override is None else override:
       x = jnp.concatenate([jnp.repeat(x[:, :1], k - 1, axis=1), x], axis=1)
     else:
       p = (k - 1) // 2
