@@ -1,0 +1,201 @@
+"""LTX-Video transformer benchmark: one denoising step (a transformer forward) in md against diffusers, same
+weights.
+
+uv run python bench/ltx.py                                  # 2B-wide blocks, 2 layers, 768 video tokens
+uv run python bench/ltx.py --layers=4 --frames=5 --height=16 --width=22 --dtype=bfloat16
+uv run python bench/ltx.py --heads=32 --head_dim=128        # 13B-wide blocks
+
+In one run: (1) diffusers builds a random `LTXVideoTransformer3DModel` (LTX-Video 2B block sizes, --layers
+blocks), saves it as a diffusers folder and times its forward on fixed inputs, in the PyTorch reference's
+virtualenv (`tools/.venv/bin/python`, created by `bash tools/make_fixtures.sh`), as a subprocess; (2) md loads
+that folder with `md_ltx.load_transformer`, checks its output against the reference's, and times the jitted
+forward; (3) a large jitted matmul measures the machine's peak FLOP/s. Reported: both times (best of
+--repeats after a warm-up), md/diffusers speed ratio, md's FLOPs per step (XLA's cost analysis) and its
+achieved FLOP/s as a share of the measured peak. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import md_ltx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TORCH_PYTHON = ROOT / "tools" / ".venv" / "bin" / "python"
+
+_TORCH_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+import torch
+from diffusers import LTXVideoTransformer3DModel
+
+args = json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = LTXVideoTransformer3DModel(**args["config"]).eval()
+with torch.no_grad():
+  for name, p in model.named_parameters():
+    if "scale_shift_table" in name:
+      p.copy_(0.1 * torch.randn_like(p))
+model.save_pretrained(args["folder"])
+dtype = getattr(torch, args["dtype"])
+model = model.to(dtype)
+inputs = np.load(args["inputs"])
+x = torch.from_numpy(inputs["latents"]).to(dtype)
+t = torch.from_numpy(inputs["timestep"])
+text = torch.from_numpy(inputs["text"]).to(dtype)
+mask = torch.from_numpy(inputs["mask"])
+grid = dict(args["grid"], rope_interpolation_scale=tuple(args["scale"]))
+call = lambda: model(x, text, t, mask, **grid, return_dict=False)[0]
+with torch.no_grad():
+  out = call()
+  best = float("inf")
+  for _ in range(args["repeats"]):
+    start = time.perf_counter()
+    call()
+    best = min(best, time.perf_counter() - start)
+np.save(args["output"], out.float().numpy())
+print(json.dumps({"seconds": best, "threads": torch.get_num_threads(), "torch": torch.__version__}))
+"""
+
+
+def _best(fn, repeats: int) -> float:
+  jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def measure_peak(n: int, dtype, repeats: int) -> float:
+  """FLOP/s of an `n x n @ n x n` jitted matmul (best of `repeats`)."""
+  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+  b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+  mm = jax.jit(lambda a, b: a @ b)
+  return 2 * n**3 / _best(lambda: mm(a, b), repeats)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--layers", type=int, default=2)
+  parser.add_argument("--heads", type=int, default=32)
+  parser.add_argument("--head_dim", type=int, default=64)
+  parser.add_argument("--frames", type=int, default=3, help="latent frames")
+  parser.add_argument("--height", type=int, default=16, help="latent rows")
+  parser.add_argument("--width", type=int, default=16, help="latent columns")
+  parser.add_argument("--text_tokens", type=int, default=128)
+  parser.add_argument("--frame_rate", type=float, default=25.0)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--peak_size", type=int, default=2048)
+  args = parser.parse_args()
+  if not TORCH_PYTHON.is_file():
+    raise SystemExit(f"{TORCH_PYTHON} not found: create it with `bash tools/make_fixtures.sh core`")
+
+  dim = args.heads * args.head_dim
+  config = dict(
+    in_channels=128,
+    out_channels=128,
+    num_attention_heads=args.heads,
+    attention_head_dim=args.head_dim,
+    cross_attention_dim=dim,
+    num_layers=args.layers,
+    caption_channels=4096,
+  )
+  rng = np.random.default_rng(0)
+  tokens = args.frames * args.height * args.width
+  latents = rng.standard_normal((1, tokens, 128), np.float32)
+  timestep = np.asarray([700.0], np.float32)
+  text = rng.standard_normal((1, args.text_tokens, 4096), np.float32)
+  mask = np.zeros((1, args.text_tokens), np.int64)
+  mask[:, : args.text_tokens // 4] = 1  # a prompt of a quarter of the tokens, the rest padding
+  grid = dict(num_frames=args.frames, height=args.height, width=args.width)
+  scale = (8 / args.frame_rate, 32.0, 32.0)
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = pathlib.Path(tmp)
+    np.savez(tmp / "inputs.npz", latents=latents, timestep=timestep, text=text, mask=mask)
+    job = dict(
+      config=config,
+      grid=grid,
+      scale=scale,
+      folder=str(tmp / "transformer"),
+      inputs=str(tmp / "inputs.npz"),
+      output=str(tmp / "out.npy"),
+      dtype=args.dtype,
+      repeats=args.repeats,
+    )
+    run = subprocess.run(
+      [str(TORCH_PYTHON), "-c", _TORCH_SCRIPT, json.dumps(job)],
+      capture_output=True,
+      text=True,
+      check=False,
+      env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+    if run.returncode:
+      raise SystemExit(f"the diffusers side failed:\n{run.stderr[-3000:]}")
+    reference = json.loads(run.stdout.strip().splitlines()[-1])
+    want = np.load(tmp / "out.npy")
+    dtype = jnp.dtype(args.dtype)
+    model = md_ltx.load_transformer(tmp / "transformer", subfolder=None, dtype=dtype)
+
+  from flax import nnx
+
+  graphdef, state = nnx.split(model)
+
+  def forward(state, x, t, text, mask):
+    return nnx.merge(graphdef, state)(x, text, t, mask, **grid, rope_interpolation_scale=scale)
+
+  fwd = jax.jit(forward)
+  inputs = (
+    jnp.asarray(latents, dtype),
+    jnp.asarray(timestep),
+    jnp.asarray(text, dtype),
+    jnp.asarray(mask, jnp.int32),
+  )
+  compiled = fwd.lower(state, *inputs).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list | tuple) else cost
+  flops = float(cost.get("flops", float("nan")))
+  got = np.asarray(fwd(state, *inputs).astype(jnp.float32))
+  err = float(np.abs(got - want).max())
+  md_seconds = _best(lambda: fwd(state, *inputs), args.repeats)
+  peak = measure_peak(args.peak_size, dtype, args.repeats)
+
+  device = jax.devices()[0]
+  print(
+    f"# LTX-Video transformer step, {datetime.date.today()}, {platform.processor() or platform.machine()}"
+  )
+  print(
+    f"jax {jax.__version__} on {device.platform} ({jax.device_count()} device(s), {os.cpu_count()} cores); "
+    f"torch {reference['torch']} ({reference['threads']} threads)"
+  )
+  print(
+    f"config: {args.layers} blocks, {args.heads} heads x {args.head_dim}, {tokens} video tokens, "
+    f"{args.text_tokens} text tokens, {args.dtype}"
+  )
+  print(f"max |md - diffusers| = {err:.2e}")
+  print(f"diffusers: {reference['seconds'] * 1e3:9.1f} ms")
+  print(
+    f"md:        {md_seconds * 1e3:9.1f} ms   (md is {reference['seconds'] / md_seconds:.2f}x diffusers)"
+  )
+  print(
+    f"md FLOPs/step {flops / 1e9:.2f} G -> {flops / md_seconds / 1e9:.1f} GFLOP/s; measured matmul peak "
+    f"({args.peak_size}^3) {peak / 1e9:.1f} GFLOP/s -> {100 * flops / md_seconds / peak:.0f}% of peak"
+  )
+
+
+if __name__ == "__main__":
+  main()
