@@ -219,3 +219,17 @@ def test_missing_key_is_named(tmp_path):
   save_file(tensors, str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors"))
   with pytest.raises(Exception, match=r"decoder/conv_out/conv/bias"):
     load_vae_ltx2(tmp_path)
+
+
+@pytest.mark.slow  # traces the full-size encoder and decoder for 8 tile shapes each; ~15 s
+def test_real_size_tiled_shapes():
+  # The released VAE, abstractly: 121 frames of 512 x 768 through the default tiling (2 x 2 tiles of 512
+  # every 448 pixels, 16-frame chunks every 8), both ways.
+  model = nnx.eval_shape(lambda: LTX2VideoVAE(LTX2_VAE_VARIANTS["2.0"], rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  z = jax.ShapeDtypeStruct((1, 16, 16, 24, 128), jnp.bfloat16)
+  out = jax.eval_shape(lambda s, z: nnx.merge(graphdef, s).decode(z, tiling=True), state, z)
+  assert (out.shape, out.dtype) == ((1, 121, 512, 768, 3), jnp.bfloat16)
+  video = jax.ShapeDtypeStruct((1, 121, 512, 768, 3), jnp.bfloat16)
+  dist = jax.eval_shape(lambda s, v: nnx.merge(graphdef, s).encode(v, tiling=True), state, video)
+  assert dist.mean.shape == dist.logvar.shape == (1, 16, 16, 24, 128)
