@@ -13,7 +13,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 import md_attention as mda
+import md_sharding as mds
 from md_core import nn
+
+# The token stream of the spatial transformers: batch over data × fsdp, features whole. Pinning it (under
+# `jax.set_mesh`; a no-op without a mesh) keeps XLA from carrying the 1×1 conv's `tensor`-split channels into
+# the residual adds. Left to itself, XLA's SPMD partitioner (jaxlib 0.10, CPU) miscompiles
+# `x + x @ W` when x is `[(data, fsdp), ·, tensor]` and W is `[tensor, fsdp]` (the attention output
+# projection): off by O(1) on short sequences (≤ 8 tokens), right at 16 (see tests/test_sd_pipeline_sharded.py).
+_TOKENS = ("activation_batch", "activation_length", "activation_embed")
+
+
+def _tokens(x: jax.Array) -> jax.Array:
+  return mds.with_logical_constraint(x, _TOKENS)
 
 
 def _conv(cin: int, cout: int, k: int, *, stride: int = 1, padding: int | None = None, **kw):
@@ -123,9 +135,9 @@ class BasicTransformerBlock(nnx.Module):
     self.ff = nn.FeedForward(dim, mult=4, activation="geglu", dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array, context: jax.Array, mask: jax.Array | None) -> jax.Array:
-    x = x + self.attn1(self.norm1(x))
-    x = x + self.attn2(self.norm2(x), context, mask)
-    return x + self.ff(self.norm3(x))
+    x = _tokens(x + self.attn1(self.norm1(x)))
+    x = _tokens(x + self.attn2(self.norm2(x), context, mask))
+    return _tokens(x + self.ff(self.norm3(x)))
 
 
 class Transformer2D(nnx.Module):
@@ -171,6 +183,7 @@ class Transformer2D(nnx.Module):
     else:
       y = self.proj_in(y)
       y = y.reshape(b, h * w, y.shape[-1])
+    y = _tokens(y)
     for block in self.transformer_blocks:
       y = block(y, context, mask)
     if self.linear_projection:
