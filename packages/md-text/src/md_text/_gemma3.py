@@ -53,12 +53,6 @@ _IGNORED_KEYS = {
   "final_logit_softcapping", "cache_implementation", "generation_config", "is_decoder",
   "tokenizer_class", "chunk_size_feed_forward", "torchscript", "problem_type",
 }  # fmt: skip
-# Keys of the multimodal wrapper (Gemma3ForConditionalGeneration's config.json) around `text_config`.
-_WRAPPER_KEYS = {
-  "boi_token_index", "eoi_token_index", "image_token_index", "mm_tokens_per_image", "vision_config",
-  "text_config", "architectures", "model_type", "initializer_range", "torch_dtype", "dtype",
-  "transformers_version", "tie_word_embeddings", "eos_token_id", "pad_token_id", "bos_token_id",
-}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,9 +136,8 @@ class Gemma3Config:
     `rope_scaling` / `sliding_window_pattern` keys or transformers 5's `rope_parameters` / `layer_types`."""
     d = dict(d)
     if d.get("model_type") == "gemma3" or "text_config" in d:
-      unknown = sorted(k for k in d if k not in _WRAPPER_KEYS and not k.startswith("_"))
-      if unknown:
-        raise ValueError(f"{where}: Gemma 3 config keys {unknown} are not supported")
+      # The multimodal wrapper: only its `text_config` concerns the encoder (the vision tower and
+      # image-token settings are left to the unused weights).
       d = dict(d.get("text_config") or {})
       where = f"{where} (text_config)"
     if d.get("model_type", "gemma3_text") != "gemma3_text":
