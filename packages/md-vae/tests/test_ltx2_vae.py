@@ -206,6 +206,10 @@ def test_input_errors(vaes):
     LTX2VideoVAEConfig.from_dict({"_class_name": "AutoencoderKLLTXVideo"})
   with pytest.raises(ValueError, match="decoder_spatial_padding_mode='circular' not supported"):
     LTX2VideoVAEConfig(decoder_spatial_padding_mode="circular")
+  with pytest.raises(ValueError, match=r"upsample_type \['conv'\] not supported"):
+    LTX2VideoVAEConfig(upsample_type=("conv", "spatial", "spatial"))
+  with pytest.raises(ValueError, match=r"block_out_channels=\(8,\) needs one entry per down block"):
+    LTX2VideoVAEConfig(block_out_channels=(8,))
 
 
 def test_missing_key_is_named(tmp_path):

@@ -116,12 +116,15 @@ class LTX2VideoVAEConfig:
     bad = [t for t in self.down_block_types if t != _DOWN_TYPE]
     if bad:
       raise ValueError(f"down_block_types {bad} are not supported; expected {_DOWN_TYPE!r}")
-    for name in ("downsample_type", "upsample_type"):
-      bad = [t for t in getattr(self, name) if t not in _DOWNSAMPLE_STRIDES and t != "conv"]
+    for name, extra in (("downsample_type", ("conv",)), ("upsample_type", ())):
+      kinds = (*extra, *_DOWNSAMPLE_STRIDES)
+      bad = [t for t in getattr(self, name) if t not in kinds]
       if bad:
-        raise ValueError(
-          f"{name} {bad} not supported; expected conv, {', '.join(_DOWNSAMPLE_STRIDES)}"
-        )
+        raise ValueError(f"{name} {bad} not supported; expected one of {kinds}")
+    if len(self.upsample_type) != n_dec - 1:
+      raise ValueError(
+        f"upsample_type={self.upsample_type} needs {n_dec - 1} entries (one per up block)"
+      )
     for name in ("encoder_spatial_padding_mode", "decoder_spatial_padding_mode"):
       if getattr(self, name) not in _PADDING_MODES:
         raise ValueError(
