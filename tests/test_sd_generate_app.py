@@ -78,3 +78,46 @@ def test_sd_generate_reports_bad_settings_clearly(tmp_path):
   assert (
     "stable-diffusion-v1-5/stable-diffusion-v1-5" in out.stderr and "HF_HUB_OFFLINE=1" in out.stderr
   )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "variant",
+  ["tiny-img2img", "tiny-controlnet-img2img", "tiny-multi-controlnet", "tiny-refiner"],
+)
+def test_sd_generate_tiny_feature_variants(tmp_path, variant):
+  out = run_app(f"--workdir={tmp_path}", variant=variant)
+  assert out.returncode == 0, out.stderr[-3000:]
+  settings = json.loads((tmp_path / "settings.json").read_text())
+  assert settings["variant"] == variant and settings["images"] == ["image_0000.png"]
+
+
+@pytest.mark.slow
+def test_sd_generate_base_then_refiner(tmp_path):
+  from md_core import media
+
+  out = run_app(
+    f"--workdir={tmp_path}", "--config.num_images_per_prompt=2", variant="tiny-sdxl-refiner"
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  settings = json.loads((tmp_path / "settings.json").read_text())
+  assert settings["refiner"] == "tests/fixtures/sd_features/refiner"
+  assert settings["refiner_start"] == 0.6
+  images = [media.load_image(tmp_path / f"image_{i:04d}.png") for i in range(2)]
+  assert all(im.shape == (32, 32, 3) for im in images)
+
+
+def test_sd_generate_reports_bad_feature_settings(tmp_path):
+  out = run_app(
+    f"--workdir={tmp_path}",
+    "--config.control_image=tests/fixtures/sd_pipeline/control.png",
+    variant="tiny-multi-controlnet",
+  )
+  assert out.returncode != 0 and "Traceback" not in out.stderr
+  assert "2 ControlNet(s) need as many control images (comma-separated), got 1" in out.stderr
+  out = run_app(
+    f"--workdir={tmp_path}",
+    "--config.image=tests/fixtures/sd_pipeline/control.png",
+    variant="tiny-sdxl-refiner",
+  )
+  assert out.returncode != 0 and "ensemble is text-to-image" in out.stderr

@@ -5,16 +5,25 @@ uv run apps/sd_generate --config=apps/configs/sd.py:sdxl --config.prompt="a cat 
 uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-lightning --config.prompt="a cat surfing"
 uv run apps/sd_generate --config=apps/configs/sd.py:controlnet-sd --config.control_image=edges.png
 uv run apps/sd_generate --config=apps/configs/sd.py:sd1.5 --config.image=photo.png --config.strength=0.6
+uv run apps/sd_generate --config=apps/configs/sd.py:controlnet-multi-sd \
+  --config.control_image=edges.png,depth.png      # one image per ControlNet, comma-separated
+uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-base-refiner --config.prompt="a lion"
+uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-refiner --config.image=photo.png
 uv run apps/sd_generate --config=apps/configs/sd.py:tiny --workdir=/tmp/sd   # the bundled tiny pipeline
 
-Variants: sd1.4, sd1.5, sd2-base, sd2.1, sdxl, sdxl-lightning, controlnet-sd, controlnet-sdxl, and tiny,
-tiny-sdxl, tiny-lightning, tiny-controlnet, tiny-controlnet-sdxl (tests/fixtures/sd_pipeline). Hub ids need
-the hub cache (or network); offline they fail with a message that says how to get them.
+Variants: sd1.4, sd1.5, sd2-base, sd2.1, sdxl, sdxl-lightning, sdxl-refiner (image-to-image),
+sdxl-base-refiner (base then refiner, the ensemble of experts), controlnet-sd, controlnet-sdxl,
+controlnet-multi-sd, and tiny, tiny-sdxl, tiny-lightning, tiny-controlnet, tiny-controlnet-sdxl,
+tiny-img2img, tiny-controlnet-img2img, tiny-multi-controlnet, tiny-refiner, tiny-sdxl-refiner
+(tests/fixtures/sd_pipeline, tests/fixtures/sd_features). Hub ids need the hub cache (or network); offline
+they fail with a message that says how to get them.
 """
 
 import ml_collections
 
 _FIXTURES = "tests/fixtures/sd_pipeline"
+_FEATURES = "tests/fixtures/sd_features"
+_TINY = dict(height=32, width=32, steps=3)
 
 # variant -> settings that differ from the defaults below
 VARIANTS = {
@@ -34,6 +43,26 @@ VARIANTS = {
     guidance_scale=0.0,
     scheduler="EulerDiscreteScheduler",
     timestep_spacing="trailing",
+  ),
+  "sdxl-refiner": dict(
+    model="stabilityai/stable-diffusion-xl-refiner-1.0",
+    height=1024,
+    width=1024,
+    guidance_scale=5.0,
+    strength=0.3,
+  ),
+  "sdxl-base-refiner": dict(
+    model="stabilityai/stable-diffusion-xl-base-1.0",
+    refiner="stabilityai/stable-diffusion-xl-refiner-1.0",
+    refiner_start=0.8,
+    height=1024,
+    width=1024,
+    steps=40,
+    guidance_scale=5.0,
+  ),
+  "controlnet-multi-sd": dict(
+    model="stable-diffusion-v1-5/stable-diffusion-v1-5",
+    controlnet="lllyasviel/sd-controlnet-canny,lllyasviel/sd-controlnet-depth",
   ),
   "controlnet-sd": dict(
     model="stable-diffusion-v1-5/stable-diffusion-v1-5", controlnet="lllyasviel/sd-controlnet-canny"
@@ -74,6 +103,42 @@ VARIANTS = {
     steps=3,
     guidance_scale=5.0,
   ),
+  "tiny-img2img": dict(
+    model=f"{_FIXTURES}/sd",
+    image=f"{_FIXTURES}/control.png",
+    strength=0.7,
+    scheduler="DPMSolverMultistepScheduler",
+    **_TINY,
+  ),
+  "tiny-controlnet-img2img": dict(
+    model=f"{_FIXTURES}/sd",
+    controlnet=f"{_FIXTURES}/controlnet_sd",
+    control_image=f"{_FIXTURES}/control.png",
+    image=f"{_FIXTURES}/control.png",
+    strength=0.7,
+    **_TINY,
+  ),
+  "tiny-multi-controlnet": dict(
+    model=f"{_FIXTURES}/sd",
+    controlnet=f"{_FIXTURES}/controlnet_sd,{_FEATURES}/controlnet_sd_b",
+    control_image=f"{_FIXTURES}/control.png,{_FIXTURES}/control.png",
+    control_guidance_end=0.7,
+    **_TINY,
+  ),
+  "tiny-refiner": dict(
+    model=f"{_FEATURES}/refiner",
+    image=f"{_FIXTURES}/control.png",
+    strength=0.5,
+    guidance_scale=5.0,
+    **_TINY,
+  ),
+  "tiny-sdxl-refiner": dict(
+    model=f"{_FIXTURES}/sdxl",
+    refiner=f"{_FEATURES}/refiner",
+    refiner_start=0.6,
+    guidance_scale=5.0,
+    **dict(_TINY, steps=4),
+  ),
 }
 
 
@@ -85,10 +150,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   c = ml_collections.ConfigDict()
   c.variant = name
-  # The pipeline: a diffusers folder or hub id; optional ControlNet and UNet-only file (local or org/name/file).
+  # The pipeline: a diffusers folder or hub id; optional ControlNet(s) (comma-separated folders / hub ids,
+  # used together) and UNet-only file (local or org/name/file).
   c.model = ""
   c.controlnet = ""
   c.unet_file = ""
+  # SDXL ensemble of experts: a refiner pipeline that takes over at `refiner_start` (the base stops there
+  # with denoising_end and hands its latents over; the refiner continues with denoising_start).
+  c.refiner = ""
+  c.refiner_start = 0.8
+  # SDXL refiner micro-conditioning (pipelines with requires_aesthetics_score).
+  c.aesthetic_score = 6.0
+  c.negative_aesthetic_score = 2.5
   c.dtype = "float32"
   # What to generate.
   c.prompt = "a photo of an astronaut riding a horse on the moon"
@@ -99,6 +172,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.steps = 30
   c.guidance_scale = 7.5
   c.guidance_rescale = 0.0
+  # Skip this many final text-encoder layers for the prompt (0: none), as diffusers' clip_skip.
+  c.clip_skip = 0
   c.seed = 0
   # A diffusers scheduler class name ("" keeps the checkpoint's) and its timestep spacing ("" keeps it).
   c.scheduler = ""
@@ -106,9 +181,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Image-to-image: an input image (resized to height x width) and the share of the schedule to run.
   c.image = ""
   c.strength = 0.8
-  # ControlNet: the conditioning image (resized to height x width) and the residuals' scale.
+  # ControlNet: the conditioning image(s) (resized to height x width; comma-separated, one per ControlNet),
+  # the residuals' scale and the share of the steps each ControlNet acts on (applied to every ControlNet).
   c.control_image = ""
   c.controlnet_conditioning_scale = 1.0
+  c.control_guidance_start = 0.0
+  c.control_guidance_end = 1.0
   c.mesh = ml_collections.ConfigDict(
     dict(
       ici_data_parallelism=1,

@@ -202,7 +202,16 @@ class StableDiffusionPipeline:
     fn = self._compiled.get(key)
     if fn is None:
       fn = self._compiled[key] = make()
-    return fn
+    if self.mesh is None:
+      return fn
+    mesh = self.mesh
+
+    def under_mesh(*args, **kwargs):
+      # The UNet pins its activations' shardings by logical names, which needs the mesh in context.
+      with jax.set_mesh(mesh):
+        return fn(*args, **kwargs)
+
+    return under_mesh
 
   def _encode_fn(self, clip_skip: int | None):
     te, te2, kind = self._te, self._te2, self.kind
@@ -727,18 +736,21 @@ class StableDiffusionPipeline:
 
   # --- helpers ---------------------------------------------------------------------------------------------
   def _place(self, x: jax.Array) -> jax.Array:
-    """Splits the batch over the mesh's `data` axis where it divides; replicated otherwise.
+    """Splits the batch over the mesh's `data` × `fsdp` axes (or `data` alone) where it divides.
 
-    Only `data`: with the batch split over `data` × `fsdp` while the UNet's parameters are split over
-    `fsdp` and `tensor`, XLA's CPU partitioner (jax 0.10) returned UNet outputs off by ~1e-2 on the
-    (2, 2, 1, 2) mesh, while `data` alone or `fsdp` alone matched the single-device run to 5e-7.
+    Replicated when neither divides it. Parameters are split over `fsdp` × `tensor`; the UNet pins its
+    token stream's sharding (see `_unet_blocks._TOKENS`), which keeps XLA's partitioner off a pattern it
+    miscompiled when the batch shared `fsdp` with the parameters.
     """
     if self.mesh is None:
       return x
-    size = self.mesh.shape.get("data", 1)
+    shape = self.mesh.shape
     spec = [None] * x.ndim
-    if size > 1 and x.shape[0] % size == 0:
-      spec[0] = "data"
+    for axes in (("data", "fsdp"), ("data",)):
+      size = int(np.prod([shape.get(a, 1) for a in axes]))
+      if size > 1 and x.shape[0] % size == 0:
+        spec[0] = axes if len(axes) > 1 else axes[0]
+        break
     return jax.device_put(
       x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
     )
