@@ -22,11 +22,21 @@ def test_sharded_pipeline_matches_single_device():
     if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
   ]
   assert any("tensor" in str(s) for s in specs) and any("fsdp" in str(s) for s in specs)
-  kw = dict(height=32, width=32, num_inference_steps=2, guidance_scale=5.0, seed=1, progress=False)
+  kw = dict(
+    height=32,
+    width=32,
+    num_inference_steps=2,
+    guidance_scale=5.0,
+    seed=1,
+    num_images_per_prompt=2,
+    progress=False,
+  )
   prompts = ["a photo of a cat", "an astronaut riding a horse"]
   want = np.asarray(single(prompts, **kw))
+  # 4 images: the batch splits over data × fsdp (2 × 2), the parameters over fsdp × tensor.
+  assert sharded._place(jax.numpy.zeros((4, 1))).sharding.spec[0] == ("data", "fsdp")
   got = sharded(prompts, **kw)
-  assert len(got.sharding.device_set) == 8
+  assert got.shape[0] == 4 and len(got.sharding.device_set) == 8
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
 
 
