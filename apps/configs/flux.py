@@ -8,7 +8,7 @@ uv run apps/flux_generate --config=apps/configs/flux.py:tiny --workdir=/tmp/flux
 
 Variants: flux1-dev, flux1-schnell, flux2-klein-4b, flux2-klein-9b (text), flux2-klein-4b-edit,
 flux2-klein-9b-edit (up to 4 reference images), flux2-klein-9b-kv-edit (reference K/V cached after the
-first step), and the bundled tiny pipelines: tiny, tiny-schnell (tests/fixtures/flux_pipeline), tiny-klein,
+first step), flux2-klein-base-4b, flux2-klein-base-9b (undistilled: guidance, 50 steps), and the bundled tiny pipelines: tiny, tiny-schnell (tests/fixtures/flux_pipeline), tiny-klein,
 tiny-klein-edit, tiny-klein-kv-edit (tests/fixtures/flux2_pipeline, with its two reference PNGs). Defaults
 follow the reference pipelines and model cards (steps, guidance, max_sequence_length). Edit variants take
 the output size from the first reference image when height and width are 0. Hub ids need the hub cache
@@ -38,6 +38,13 @@ VARIANTS = {
   ),
   "flux2-klein-9b-edit": dict(
     model="black-forest-labs/FLUX.2-klein-9B", steps=4, guidance_scale=1.0, **_EDIT
+  ),
+  # The undistilled base models: classifier-free guidance with the negative prompt, 50 steps.
+  "flux2-klein-base-4b": dict(
+    model="black-forest-labs/FLUX.2-klein-base-4B", steps=50, guidance_scale=4.0
+  ),
+  "flux2-klein-base-9b": dict(
+    model="black-forest-labs/FLUX.2-klein-base-9B", steps=50, guidance_scale=4.0
   ),
   # The KV pipeline has no guidance or negative prompt (diffusers' Flux2KleinKVPipeline).
   "flux2-klein-9b-kv-edit": dict(

@@ -38,12 +38,12 @@ def _check(config) -> None:
   import md_flux
 
   images = _images(config)
-  size_from_reference = config.edit and config.height == 0 and config.width == 0
-  if not size_from_reference:
-    try:
-      md_flux.check_size(config.height, config.width)
-    except ValueError as e:
-      raise app.UsageError(str(e)) from None
+  # Editing: a height or width of 0 is the first reference image's (prepared) size.
+  fill = 16 if config.edit else 0
+  try:
+    md_flux.check_size(config.height or fill, config.width or fill)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   if config.edit and not images:
     raise app.UsageError(
       f"variant {config.variant!r} edits reference images: set --config.images=<file>[,<file>…]"
