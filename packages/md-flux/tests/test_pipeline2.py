@@ -143,6 +143,15 @@ def test_reference_image_preparation():
     3,
   )  # 1300x1100 (w x h) → 1113x941 (area ≤ 1024²) → multiples of 16
   assert np.abs(pixels - (128 / 255 * 2 - 1)).max() < 2.5 / 255  # Lanczos keeps a flat image flat
+  from PIL import Image
+
+  with Image.open(REFS[0]) as pil:  # a path, a PIL image and an array give the same pixels
+    from_pil = md_flux.prepare_reference_image(pil)
+    from_array = md_flux.prepare_reference_image(np.asarray(pil))
+  from_path = md_flux.prepare_reference_image(REFS[0])
+  assert from_path.shape == (64, 96, 3)  # 100x72 centre-cropped
+  np.testing.assert_array_equal(from_path, from_pil)
+  np.testing.assert_array_equal(from_path, from_array)
   with pytest.raises(ValueError, match=r"too small.*at least 64"):
     md_flux.prepare_reference_image(np.zeros((48, 80, 3), np.uint8), what="reference image 1")
   with pytest.raises(ValueError, match=r"aspect ratio of 9.0:1"):
