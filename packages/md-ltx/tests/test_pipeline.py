@@ -182,3 +182,31 @@ def test_latent_output_and_refine_errors(t2v, cond, ref):
     cond(PROMPTS[0], denoise_strength=0.5, **KW)
   with pytest.raises(ValueError, match="output_type='pil' must be"):
     cond(PROMPTS[0], output_type="pil", **KW)
+
+
+@pytest.mark.slow
+def test_official_guidance_matches_reference(t2v, ref):
+  """CFG-star, spatio-temporal guidance (blocks' self-attention replaced by its values in the perturbed
+  pass), STG rescaling and per-step scales / block lists, against the fixture's loop around diffusers'
+  transformer with the official repository's formulas."""
+  out = t2v(
+    PROMPTS[0], NEGATIVE, latents=ref["t2v_stg/latents"], guidance_scale=[1.0, 4.0, 3.0],
+    stg_scale=[0.0, 2.0, 1.0], stg_rescale=[0.7, 0.7, 1.0], stg_blocks=[[], [1], [0, 1]],
+    stg_mode="attention_values", cfg_star=True, decode_noise_scale=0.0, **KW,
+  )  # fmt: skip
+  assert _max_diff(out, ref["t2v_stg/frames"]) < 1e-3
+  # STG changes the result (the hooks and the skip mask matter).
+  plain = t2v(PROMPTS[0], NEGATIVE, latents=ref["t2v_stg/latents"], guidance_scale=[1.0, 4.0, 3.0],
+              cfg_star=True, decode_noise_scale=0.0, **KW)  # fmt: skip
+  assert _max_diff(plain, np.asarray(out)) > 1e-3
+
+
+def test_guidance_errors(t2v):
+  with pytest.raises(
+    ValueError, match=r"guidance_scale has 2 values; give one, or one per step run \(3\)"
+  ):
+    t2v(PROMPTS[0], guidance_scale=[3.0, 2.0], **KW)
+  with pytest.raises(ValueError, match="stg_blocks: block 5 is not one of the 2 blocks"):
+    t2v(PROMPTS[0], stg_scale=1.0, stg_blocks=[5], **KW)
+  with pytest.raises(ValueError, match="stg_mode='residual' must be one of"):
+    t2v(PROMPTS[0], stg_scale=1.0, stg_mode="residual", **KW)

@@ -34,7 +34,12 @@ import md_schedulers as mdsch
 import md_text
 import md_vae
 from md_core import progress as md_progress
-from md_ltx._transformer import LTXTransformer, rope_tables, rope_tables_from_coords
+from md_ltx._transformer import (
+  SKIP_LAYER_STRATEGIES,
+  LTXTransformer,
+  rope_tables,
+  rope_tables_from_coords,
+)
 from md_ltx._weights import load_transformer
 
 _CLASSES = ("LTXPipeline", "LTXConditionPipeline", "LTXImageToVideoPipeline")
@@ -102,6 +107,48 @@ def _image_array(image: Any, what: str) -> np.ndarray:
 def _lerp(a, b, w: float):
   """torch.lerp's two formulas (from the start below 0.5, from the end above), for identical rounding."""
   return a + w * (b - a) if w < 0.5 else b - (b - a) * (1.0 - w)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Guidance:
+  """Which guidance terms a loop computes (static: part of the compiled program's key)."""
+
+  cfg: bool
+  rescale: bool
+  stg: bool
+  stg_mode: str
+  stg_rescale: bool
+  cfg_star: bool
+
+
+def _step_scales(total, layers, guidance, phi, stg, stg_rescale, blocks) -> dict[str, jax.Array]:
+  """Per-step guidance arrays `[total]` and the perturbed pass's block mask `[total, layers]` (1 keep)."""
+
+  def per_step(v, name):
+    a = np.asarray(v, np.float32).reshape(-1)
+    if a.size == 1:
+      return np.full((total,), a[0], np.float32)
+    if a.size != total:
+      raise ValueError(f"{name} has {a.size} values; give one, or one per step run ({total})")
+    return a
+
+  blocks = list(blocks)
+  lists = blocks if blocks and not np.isscalar(blocks[0]) else [blocks] * total
+  if len(lists) != total:
+    raise ValueError(f"stg_blocks has {len(lists)} lists; give one list, or one per step ({total})")
+  keep = np.ones((total, layers), np.float32)
+  for i, chosen in enumerate(lists):
+    for j in chosen:
+      if not 0 <= int(j) < layers:
+        raise ValueError(f"stg_blocks: block {j} is not one of the {layers} blocks")
+      keep[i, int(j)] = 0.0
+  return dict(
+    g=jnp.asarray(per_step(guidance, "guidance_scale")),
+    phi=jnp.asarray(per_step(phi, "guidance_rescale")),
+    stg=jnp.asarray(per_step(stg, "stg_scale")),
+    stg_rescale=jnp.asarray(per_step(stg_rescale, "stg_rescale")),
+    keep=jnp.asarray(keep),
+  )
 
 
 def _rescale(guided, cond, phi: float):
@@ -320,34 +367,66 @@ class LTXVideoPipeline:
       return fn(self._vae.state, latents, timestep, scale, noise, key_vae)
 
   # --- the loop ----------------------------------------------------------------------------------------------
-  def _loop_fn(self, *, total, cfg_on, rescale_on, mode, noise_on, show):
+  def _loop_fn(self, *, total, guide: _Guidance, mode, noise_on, show):
     tr = self._tr
     n_train = float(self.scheduler_config.get("num_train_timesteps", 1000))
+    layers = self.transformer.cfg.num_layers
 
     def loop(
-      state, latents, ts, sigmas, context, mask, rope, cond_mask, init, step_noise, key, g, phi, ns
+      state, latents, ts, sigmas, context, mask, rope, cond_mask, init, step_noise, key, scales, ns
     ):
       model = tr.merge(state)
       tick = md_progress.make_step_callback(total, desc="denoising") if show else None
       b = latents.shape[0]
+      n = 1 + guide.cfg + guide.stg  # batch slots: [negative], positive, [positive perturbed]
 
-      def predict(x, timestep):
-        xin, tin = x, timestep
-        if cfg_on:
-          xin = jnp.concatenate([x, x], axis=0)
-          tin = jnp.concatenate([timestep, timestep], axis=0)
-        out = model(xin, context, tin, mask, rope=rope).astype(_F32)
-        if cfg_on:
-          uncond, cond = jnp.split(out, 2, axis=0)
-          out = uncond + g * (cond - uncond)
-          if rescale_on:
-            out = _rescale(out, cond, phi)
-        return out
+      def flat(v, fn):
+        return fn(v.reshape(v.shape[0], -1))
+
+      def predict(i, x, timestep):
+        g, phi, s, r, keep = (scales[k][i] for k in ("g", "phi", "stg", "stg_rescale", "keep"))
+        xin = jnp.concatenate([x] * n, axis=0)
+        tin = jnp.concatenate([timestep] * n, axis=0)
+        skip = None
+        if guide.stg:
+          skip = jnp.concatenate(
+            [jnp.ones((layers, (n - 1) * b), _F32), jnp.broadcast_to(keep[:, None], (layers, b))],
+            axis=1,
+          )
+        out = model(
+          xin, context, tin, mask, rope=rope, skip_layer_mask=skip,
+          skip_layer_strategy=guide.stg_mode,
+        ).astype(_F32)  # fmt: skip
+        parts = jnp.split(out, n, axis=0)
+        text = parts[1] if guide.cfg else parts[0]
+        pred = text
+        if guide.cfg:
+          uncond = parts[0]
+          if guide.cfg_star:
+            # CFG-star (official repository): project the unconditional prediction onto the conditional.
+            dot = flat(text * uncond, lambda v: jnp.sum(v, axis=1))
+            norm = flat(uncond * uncond, lambda v: jnp.sum(v, axis=1)) + 1e-8
+            uncond = (dot / norm).reshape((b,) + (1,) * (x.ndim - 1)) * uncond
+          guided = uncond + g * (text - uncond)
+          if guide.rescale:
+            guided = _rescale(guided, text, phi)
+          pred = jnp.where(g > 1.0, guided, text)
+        if guide.stg:
+          perturbed = parts[-1]
+          stg = pred + s * (text - perturbed)
+          if guide.stg_rescale:
+            std_text = flat(text, lambda v: jnp.std(v, axis=1, ddof=1))
+            std_stg = flat(stg, lambda v: jnp.std(v, axis=1, ddof=1))
+            factor = r * (std_text / std_stg) + (1 - r)
+            rescaled = stg * factor.reshape((b,) + (1,) * (x.ndim - 1))
+            stg = jnp.where(r != 1.0, rescaled, stg)
+          pred = jnp.where(s > 0.0, stg, pred)
+        return pred
 
       def step(i, x):
         t = ts[i]
         if mode == "t2v":
-          out = predict(x, jnp.broadcast_to(t, (b,)))
+          out = predict(i, x, jnp.broadcast_to(t, (b,)))
           x = x + (sigmas[i + 1] - sigmas[i]) * out
         else:
           if noise_on:
@@ -360,7 +439,7 @@ class LTXVideoPipeline:
           timestep = jnp.broadcast_to(t, (b, 1))
           if cond_mask is not None:
             timestep = jnp.minimum(timestep, (1 - cond_mask) * 1000.0)
-          out = predict(x, timestep)
+          out = predict(i, x, timestep)
           # Per-token Euler step (the reference's `per_token_timesteps`): from each token's own noise level
           # to the next lower level of the schedule.
           current = timestep / n_train  # [B, 1 | S]
@@ -394,8 +473,13 @@ class LTXVideoPipeline:
     frame_rate: float = 25,
     num_inference_steps: int = 50,
     timesteps: Sequence[float] | None = None,
-    guidance_scale: float = 3.0,
+    guidance_scale: float | Sequence[float] = 3.0,
     guidance_rescale: float = 0.0,
+    stg_scale: float | Sequence[float] = 0.0,
+    stg_blocks: Sequence[int] | Sequence[Sequence[int]] = (),
+    stg_mode: str = "attention_values",
+    stg_rescale: float | Sequence[float] = 1.0,
+    cfg_star: bool = False,
     image_cond_noise_scale: float = 0.15,
     denoise_strength: float = 1.0,
     num_videos_per_prompt: int = 1,
@@ -428,7 +512,18 @@ class LTXVideoPipeline:
       timesteps: custom descending timesteps (conditioning mode, e.g. the distilled checkpoints'
         `[1000, 993, 987, 981, 975, 909, 725, 0.03]`), replacing the linear-quadratic schedule;
         `num_inference_steps` is then their count.
-      guidance_scale: classifier-free guidance (off at <= 1).
+      guidance_scale: classifier-free guidance (off at <= 1); one number, or one per step run (the
+        official repository's per-step schedules).
+      guidance_rescale: diffusers' std rescale of the CFG prediction towards the conditional one (0: off).
+      stg_scale: spatio-temporal guidance (official LTX-Video repository): a third pass of the positive
+        prompt with the self-attention of `stg_blocks` skipped (`stg_mode`), and
+        `pred + stg_scale * (cond - perturbed)`; one number or one per step (0: off).
+      stg_blocks: the blocks skipped in the perturbed pass: a list of block indices, or one list per step.
+      stg_mode: "attention_values" (the skipped attention returns its values) or "attention_skip".
+      stg_rescale: the official `rescaling_scale` r (one, or one per step): after STG,
+        `pred *= r * std(cond) / std(pred) + 1 - r` per video, at steps where r != 1 (1: off).
+      cfg_star: the official CFG-star rescale: the unconditional prediction is scaled by
+        `<cond, uncond> / |uncond|^2` before guidance.
       guidance_rescale: the std rescale of the guided prediction (0: off).
       image_cond_noise_scale: noise added at each step to hard-conditioned tokens (strength 1), scaled by
         `(t / 1000)^2` (conditioning mode).
@@ -502,7 +597,10 @@ class LTXVideoPipeline:
       if not 0.0 <= float(c.strength) <= 1.0:
         raise ValueError(f"conditions[{i}].strength={c.strength} must be in [0, 1]")
     pics = [_image_array(c.image, f"conditions[{i}].image") for i, c in enumerate(conditions)]
-    cfg_on = guidance_scale > 1.0
+    cfg_on = float(np.max(guidance_scale)) > 1.0
+    stg_on = float(np.max(stg_scale)) > 0.0
+    if stg_mode not in SKIP_LAYER_STRATEGIES:
+      raise ValueError(f"stg_mode={stg_mode!r} must be one of {SKIP_LAYER_STRATEGIES}")
     keys = jax.random.split(jax.random.key(int(seed)), 5)
 
     # Text.
@@ -542,6 +640,9 @@ class LTXVideoPipeline:
         )
       context = jnp.concatenate([jnp.repeat(neg, num_videos_per_prompt, axis=0), context], axis=0)
       cmask = jnp.concatenate([jnp.repeat(nmask, num_videos_per_prompt, axis=0), cmask], axis=0)
+    if stg_on:  # the perturbed pass reads the positive prompt
+      context = jnp.concatenate([context, context[context.shape[0] - b * num_videos_per_prompt :]])
+      cmask = jnp.concatenate([cmask, cmask[cmask.shape[0] - b * num_videos_per_prompt :]])
     batch = b * num_videos_per_prompt
 
     # Latent grid.
@@ -664,21 +765,32 @@ class LTXVideoPipeline:
           f"step_noise must be [steps, B, S, C] = {(total, *x.shape)}, got {step_noise.shape}"
         )
     show = bool(progress) and md_progress.progress_enabled()
-    rescale_on = cfg_on and guidance_rescale > 0
-    key = ("loop", mode, total, cfg_on, rescale_on, noise_on, step_noise is not None,
-           cond_mask is not None, show)  # fmt: skip
+    guide = _Guidance(
+      cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, stg=stg_on, stg_mode=stg_mode,
+      stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)), cfg_star=bool(cfg_star),
+    )  # fmt: skip
+    scales = _step_scales(
+      total, self.transformer.cfg.num_layers, guidance_scale, guidance_rescale, stg_scale,
+      stg_rescale, stg_blocks,
+    )  # fmt: skip
+    key = (
+      "loop",
+      mode,
+      total,
+      guide,
+      noise_on,
+      step_noise is not None,
+      cond_mask is not None,
+      show,
+    )
     loop = self._jit(
       key,
-      lambda: self._loop_fn(
-        total=total, cfg_on=cfg_on, rescale_on=rescale_on, mode=mode, noise_on=noise_on,
-        show=show,
-      ),
-    )  # fmt: skip
+      lambda: self._loop_fn(total=total, guide=guide, mode=mode, noise_on=noise_on, show=show),
+    )
     with self._context():
       x = loop(
         self._tr.state, x, ts, sigmas, context, cmask, rope, cond_mask, init,
-        step_noise if noise_on else None, keys[2], jnp.float32(guidance_scale),
-        jnp.float32(guidance_rescale), jnp.float32(image_cond_noise_scale),
+        step_noise if noise_on else None, keys[2], scales, jnp.float32(image_cond_noise_scale),
       )  # fmt: skip
     x = x[:, x.shape[1] - tokens :]
     x = self._unpack(x, f, h, w)

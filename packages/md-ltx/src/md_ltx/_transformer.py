@@ -26,6 +26,7 @@ from md_ltx._config import LTXConfig
 
 _F32 = jnp.float32
 _TOKENS = ("activation_batch", "activation_length", "activation_embed")
+SKIP_LAYER_STRATEGIES = ("attention_values", "attention_skip")
 
 
 def _axis_angles(
@@ -157,8 +158,13 @@ class LTXAttention(nnx.Module):
     self.norm_q = nn.RMSNorm(dim, eps=1e-5, rngs=rngs)
     self.norm_k = nn.RMSNorm(dim, eps=1e-5, rngs=rngs)
 
-  def __call__(self, x, context=None, mask=None, rope=None):
-    """`x [B, S, D]`; `context [B, S_text, D]` for cross-attention; `mask [B, S_text]` bool; `rope`."""
+  def __call__(self, x, context=None, mask=None, rope=None, skip=None, skip_strategy=None):
+    """`x [B, S, D]`; `context [B, S_text, D]` for cross-attention; `mask [B, S_text]` bool; `rope`.
+
+    `skip [B]` (1 keep, 0 skip) with `skip_strategy` replaces the attention result of the skipped batch
+    entries before the output projection, as the official LTX-Video repository's spatio-temporal
+    guidance: "attention_values" by the value projection, "attention_skip" by the input `x`.
+    """
     cfg = self.cfg
     source = x if context is None else context
     q, k, v = self.norm_q(self.to_q(x)), self.norm_k(self.to_k(source)), self.to_v(source)
@@ -174,8 +180,12 @@ class LTXAttention(nnx.Module):
       v.reshape(b, source.shape[1], heads, hd),
       mask=mask,
       config=cfg.attention_settings,
-    )
-    return self.to_out(out.reshape(b, s, cfg.dim))
+    ).reshape(b, s, cfg.dim)
+    if skip is not None:
+      keep = skip.astype(out.dtype)[:, None, None]
+      other = v if skip_strategy == "attention_values" else x
+      out = out * keep + other.astype(out.dtype) * (1 - keep)
+    return self.to_out(out)
 
 
 class LTXBlock(nnx.Module):
@@ -192,7 +202,7 @@ class LTXBlock(nnx.Module):
     table = jax.random.normal(rngs.params(), (6, dim), _F32) / math.sqrt(dim)
     self.scale_shift_table = nnx.Param(table, logical_axes=(None, "embed"))
 
-  def __call__(self, x, context, mask, temb, rope):
+  def __call__(self, x, context, mask, temb, rope, skip=None, skip_strategy=None):
     """`x [B, S, D]`; `temb [B, 1|S, 6, D]` float32 (the shared timestep projection)."""
     dtype = x.dtype
     ada = self.scale_shift_table[...].astype(_F32)[None, None] + temb  # [B, 1|S, 6, D]
@@ -200,7 +210,7 @@ class LTXBlock(nnx.Module):
       ada[:, :, i].astype(dtype) for i in range(6)
     )
     h = self.norm1(x) * (1 + scale_msa) + shift_msa
-    x = x + self.attn1(h, rope=rope) * gate_msa
+    x = x + self.attn1(h, rope=rope, skip=skip, skip_strategy=skip_strategy) * gate_msa
     x = x + self.attn2(x, context, mask)
     h = self.norm2(x) * (1 + scale_mlp) + shift_mlp
     return x + self.ff(h) * gate_mlp
@@ -282,6 +292,8 @@ class LTXTransformer(nnx.Module):
     rope_interpolation_scale: Sequence[float] | None = None,
     video_coords: jax.Array | np.ndarray | None = None,
     rope: tuple[jax.Array, jax.Array] | None = None,
+    skip_layer_mask: jax.Array | None = None,
+    skip_layer_strategy: str = "attention_values",
   ) -> jax.Array:
     """Predicts the velocity of packed latent tokens.
 
@@ -302,6 +314,10 @@ class LTXTransformer(nnx.Module):
         `rope_interpolation_scale`, and `num_frames`/`height`/`width` may then be omitted (the tokens need
         not form one grid, e.g. keyframe tokens appended). See `rope_tables_from_coords`.
       rope: precomputed `(cos, sin)` tables (`rope_tables` / `rope_tables_from_coords`), replacing both.
+      skip_layer_mask: `[num_layers, B]`, 0 where a block's self-attention is skipped for a batch entry
+        (spatio-temporal guidance's perturbed pass; None: no skipping).
+      skip_layer_strategy: "attention_values" (the skipped attention returns its value projection) or
+        "attention_skip" (it returns its input), as the official LTX-Video repository's `stg_mode`.
 
     Returns:
       `[B, S, out_channels]` in the activation dtype.
@@ -342,11 +358,23 @@ class LTXTransformer(nnx.Module):
 
     graphdef, params = nnx.split(self.blocks)
 
-    def body(h, layer):
-      h = nnx.merge(graphdef, layer)(h, context, mask, temb, rope)
+    if skip_layer_mask is not None:
+      if skip_layer_strategy not in SKIP_LAYER_STRATEGIES:
+        raise ValueError(
+          f"skip_layer_strategy={skip_layer_strategy!r} must be one of {SKIP_LAYER_STRATEGIES}"
+        )
+      if skip_layer_mask.shape != (cfg.num_layers, b):
+        raise ValueError(
+          f"skip_layer_mask must be [num_layers, B] = {(cfg.num_layers, b)}, got "
+          f"{skip_layer_mask.shape}"
+        )
+
+    def body(h, xs):
+      layer, skip = xs
+      h = nnx.merge(graphdef, layer)(h, context, mask, temb, rope, skip, skip_layer_strategy)
       return mds.with_logical_constraint(h, _TOKENS), None
 
-    h, _ = jax.lax.scan(_remat(body, cfg.remat), h, params)
+    h, _ = jax.lax.scan(_remat(body, cfg.remat), h, (params, skip_layer_mask))
 
     table = self.scale_shift_table[...].astype(_F32)  # [2, D]
     shift = (table[0][None, None] + emb.astype(_F32)).astype(dtype)  # [B, 1|S, D]
