@@ -1,0 +1,141 @@
+"""LTX-2 pipelines against diffusers' LTX2Pipeline / LTX2ImageToVideoPipeline on a tiny saved pipeline
+(tests/fixtures/ltx2_pipeline, built by tools/fixtures/ltx2_pipeline.py): same prompts, latents and recorded
+noise, 3 steps, frames and waveforms within 1e-3."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import md_core
+import md_sharding as mds
+from md_core import testing
+from md_ltx._ltx2_pipeline import LTX2Output, load_ltx2_pipeline, save_ltx2_video
+
+PROMPTS = ["a cat playing a piano", "waves on a beach at sunset, seagulls calling"]
+NEGATIVE = "blurry, distorted"
+ROOT = testing.fixture_path("ltx2_pipeline")
+KW = dict(
+  height=32, width=64, num_frames=9, frame_rate=24.0, num_inference_steps=3, max_sequence_length=16,
+  progress=False,
+)  # fmt: skip
+T2V = dict(spatio_temporal_guidance_blocks=[1], decode_timestep=0.05, decode_noise_scale=0.025)
+# The fixture's prompts are longer than its 16 Gemma tokens (as the reference, they are cut).
+pytestmark = pytest.mark.filterwarnings("ignore:prompt .* tokens long")
+I2V = dict(
+  guidance_scale=4.0, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=2.0, audio_modality_scale=2.0,
+  guidance_rescale=0.0, audio_guidance_rescale=0.0, decode_timestep=0.05,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ref():
+  return testing.load_arrays(ROOT / "io.npz")
+
+
+@pytest.fixture(scope="module")
+def pipe():
+  return load_ltx2_pipeline(ROOT / "pipe")
+
+
+def _max_diff(out, want):
+  return float(np.abs(np.asarray(out) - want).max())
+
+
+@pytest.fixture(scope="module")
+def t2v_out(pipe, ref):
+  return pipe(
+    PROMPTS, NEGATIVE, latents=ref["t2v_latents"], audio_latents=ref["t2v_audio_latents"],
+    decode_noise=ref["t2v_decode_noise"], **T2V, **KW,
+  )  # fmt: skip
+
+
+def test_t2v_matches_reference(t2v_out, ref):
+  """CFG (3 / audio 7), STG, modality guidance, rescale 0.7, decode timestep + noise: frames and audio."""
+  assert isinstance(t2v_out, LTX2Output)
+  assert t2v_out.frames.shape == ref["t2v_frames"].shape
+  assert t2v_out.audio.shape == ref["t2v_audio"].shape
+  assert t2v_out.sample_rate == 24000
+  assert _max_diff(t2v_out.frames, ref["t2v_frames"]) < 1e-3
+  assert _max_diff(t2v_out.audio, ref["t2v_audio"]) < 1e-3
+
+
+def test_i2v_matches_reference(pipe, ref):
+  """Image-to-video with given latents: the first latent frame is kept (per-token timesteps 0)."""
+  out = pipe(
+    PROMPTS[0], image=np.zeros((32, 64, 3), np.uint8), latents=ref["i2v_latents"],
+    audio_latents=ref["i2v_audio_latents"], decode_noise=ref["i2v_decode_noise"], **I2V, **KW,
+  )  # fmt: skip
+  assert out.frames.shape == ref["i2v_frames"].shape
+  assert _max_diff(out.frames, ref["i2v_frames"]) < 1e-3
+  assert _max_diff(out.audio, ref["i2v_audio"]) < 1e-3
+
+
+def test_image_latents_match_reference(pipe, ref):
+  """The image path: resize / normalise, VAE encode (mode), statistics, first-frame blend and mask."""
+  packed, mask = pipe.prepare_image_latents(
+    ref["image"], height=32, width=64, num_frames=9, noise=ref["image_noise"]
+  )
+  assert _max_diff(packed, ref["image_latents"]) < 1e-4
+  np.testing.assert_array_equal(np.asarray(mask), ref["image_mask"])
+
+
+def test_size_errors_name_nearest_valid(pipe):
+  with pytest.raises(ValueError, match=r"num_frames=10 → 9 or 17"):
+    pipe(PROMPTS[0], **dict(KW, num_frames=10))
+  with pytest.raises(ValueError, match=r"height=40 → 32 or 64"):
+    pipe(PROMPTS[0], **dict(KW, height=40))
+
+
+def test_unreadable_image(pipe, tmp_path):
+  bad = tmp_path / "broken.png"
+  bad.write_bytes(b"not a png")
+  with pytest.raises(ValueError, match="cannot read the image file"):
+    pipe(PROMPTS[0], image=bad, **KW)
+
+
+def test_i2v_folder_class_and_errors(tmp_path):
+  """model_index.json's LTX2ImageToVideoPipeline makes an image-to-video pipeline (image required)."""
+  folder = tmp_path / "i2v"
+  shutil.copytree(ROOT / "pipe", folder)
+  index = json.loads((folder / "model_index.json").read_text())
+  (folder / "model_index.json").write_text(
+    json.dumps(dict(index, _class_name="LTX2ImageToVideoPipeline"))
+  )
+  pipe = load_ltx2_pipeline(folder)
+  assert pipe.image_to_video
+  with pytest.raises(ValueError, match="needs an image"):
+    pipe(PROMPTS[0], **KW)
+  (folder / "model_index.json").write_text(json.dumps(dict(index, _class_name="LTXPipeline")))
+  with pytest.raises(ValueError, match="LTXPipeline"):
+    load_ltx2_pipeline(folder)
+
+
+def test_save_mp4_with_audio(t2v_out, tmp_path):
+  """The MP4 holds a video stream of F / fps seconds and an audio stream of samples / rate seconds."""
+  path = save_ltx2_video(tmp_path / "out.mp4", t2v_out, index=1)
+  info = md_core.media.video_info(path)
+  frames = t2v_out.frames.shape[1]
+  samples = t2v_out.audio.shape[-1]
+  assert info["num_frames"] == frames
+  assert abs(info["duration"] - frames / 24.0) < 0.05
+  assert info["audio"] is not None
+  assert abs(info["audio"]["duration"] - samples / 24000) < 0.05
+
+
+@pytest.mark.slow
+def test_sharded_equals_single_device(pipe, ref):
+  """fsdp 2 x context 2 x tensor 2: the same frames and waveform as one device (t2v, all guidance terms)."""
+  mesh = mds.make_mesh(
+    mds.MeshConfig(ici_fsdp_parallelism=2, ici_context_parallelism=2, ici_tensor_parallelism=2)
+  )
+  sharded = load_ltx2_pipeline(ROOT / "pipe", mesh=mesh)
+  kw = dict(latents=ref["t2v_latents"], audio_latents=ref["t2v_audio_latents"],
+            decode_noise=ref["t2v_decode_noise"], **T2V, **KW)  # fmt: skip
+  one = pipe(PROMPTS, NEGATIVE, **kw)
+  out = sharded(PROMPTS, NEGATIVE, **kw)
+  assert jax.device_count() >= 8
+  assert _max_diff(out.frames, np.asarray(one.frames)) < 1e-5
+  assert _max_diff(out.audio, np.asarray(one.audio)) < 1e-5
