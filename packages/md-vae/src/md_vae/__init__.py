@@ -21,6 +21,16 @@ from md_vae._kl import (
 )
 from md_vae._kl_weights import load_vae_kl, vae_kl_convert_key
 
+# LTX-2 audio VAE (causal mel-spectrogram latents) and vocoders (mel -> waveform, 2.3 with bandwidth extension).
+from md_vae._ltx2_audio import (
+  LTX2_AUDIO_VAE_VARIANTS,
+  LTX2AudioVAE,
+  LTX2AudioVAEConfig,
+  pack_audio_latents,
+  unpack_audio_latents,
+)
+from md_vae._ltx2_audio_weights import load_vae_ltx2_audio, vae_ltx2_audio_convert_key
+
 # LTX-2 video VAE (the LTX-Video blocks, reflect padding, runtime causality, tiled encode / decode).
 from md_vae._ltx2_vae import LTX2_VAE_VARIANTS, LTX2Tiling, LTX2VideoVAE, LTX2VideoVAEConfig
 from md_vae._ltx2_vae_weights import (
@@ -31,6 +41,15 @@ from md_vae._ltx2_vae_weights import (
   vae_ltx2_original_keymap,
   vae_ltx2_original_to_diffusers,
 )
+from md_vae._ltx2_vocoder import (
+  LTX2_VOCODER_VARIANTS,
+  LTX2Vocoder,
+  LTX2VocoderBWEConfig,
+  LTX2VocoderConfig,
+  LTX2VocoderWithBWE,
+  vocoder_config_from_json,
+)
+from md_vae._ltx2_vocoder_weights import load_vocoder_ltx2, vocoder_ltx2_convert_key
 
 # LTX-Video causal video VAE (0.9.0, 0.9.1 timestep-conditioned decoder, 0.9.5+ encoder).
 from md_vae._ltx_vae import LTX_VAE_VARIANTS, LTXLatentDist, LTXVideoVAE, LTXVideoVAEConfig
@@ -56,6 +75,22 @@ from md_vae._wan_weights import (
 )
 
 __all__ = [
+  # LTX-2 audio VAE and vocoders
+  "LTX2_AUDIO_VAE_VARIANTS",
+  "LTX2_VOCODER_VARIANTS",
+  "LTX2AudioVAE",
+  "LTX2AudioVAEConfig",
+  "LTX2Vocoder",
+  "LTX2VocoderBWEConfig",
+  "LTX2VocoderConfig",
+  "LTX2VocoderWithBWE",
+  "load_vae_ltx2_audio",
+  "load_vocoder_ltx2",
+  "pack_audio_latents",
+  "unpack_audio_latents",
+  "vae_ltx2_audio_convert_key",
+  "vocoder_config_from_json",
+  "vocoder_ltx2_convert_key",
   # AutoencoderKL
   "KL_VARIANTS",
   "AutoencoderKL",
