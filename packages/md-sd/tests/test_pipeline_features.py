@@ -21,6 +21,7 @@ SCHEDULERS = {
   "heun": ("HeunDiscreteScheduler", {}),
   "lms": ("LMSDiscreteScheduler", {}),
   "dpm_single": ("DPMSolverSinglestepScheduler", {}),
+  "pndm_prk": ("PNDMScheduler", {"skip_prk_steps": False}),
 }
 I2I = dict(num_inference_steps=4, strength=0.75, guidance_scale=5.0, progress=False)
 COMMON = dict(height=32, width=32, num_inference_steps=3, guidance_scale=5.0, progress=False)
@@ -64,6 +65,7 @@ def check(images, want):
   images = np.asarray(images)
   assert images.shape == want.shape and images.dtype == np.float32
   err = float(np.abs(images - want).max())
+  print(f"max abs error {err:.2e}")  # shown with pytest -rP
   assert err < ATOL, f"max abs error {err:.2e}"
 
 
@@ -89,6 +91,21 @@ def noises(case):
 def test_image_to_image_every_scheduler(sd, outputs, sched):
   case = outputs[f"img2img_{sched}"]
   check(sd(PROMPTS, **noises(case), **I2I, **sched_kw(sched)), case["images"])
+
+
+@pytest.mark.slow
+def test_image_to_image_pndm_runge_kutta_warm_up(sd, outputs):
+  case = outputs["img2img_pndm_prk"]
+  images = sd(
+    PROMPTS,
+    **noises(case),
+    num_inference_steps=6,
+    strength=0.5,
+    guidance_scale=5.0,
+    progress=False,
+    **sched_kw("pndm_prk"),
+  )
+  check(images, case["images"])
 
 
 @pytest.mark.slow

@@ -83,7 +83,7 @@ def restart(
   `begin` on rebuilt for a run that starts there: DPM-Solver and UniPC warm up again (their orders and
   UniPC's corrector count from the first kept step; the `< 15 steps` rule still sees the whole schedule),
   DPM-Solver single-step lowers the order of a block cut by the start, and PNDM replays its counter-based
-  PLMS start (the repeated first step) on the kept timesteps. LMS and Heun need nothing: an LMS history of
+  start (the repeated first PLMS step, or the Runge–Kutta warm-up) on the kept timesteps. LMS and Heun need nothing: an LMS history of
   zeros drops the terms the reference has no derivative for, and Heun's kept calls start on a first stage.
   """
   state = state._replace(step=jnp.asarray(begin, jnp.int32))
@@ -120,32 +120,39 @@ def restart(
 
 
 def _pndm_tables(sched: mdsch.Scheduler, ts: np.ndarray, begin: int, tables: dict) -> dict:
-  """PNDM's plan and coefficients for calls `begin …`: the reference's PLMS counts its calls from the first
-  kept one (the second call redoes the first step), whatever the timesteps."""
+  """PNDM's plan and coefficients for calls `begin …`. The reference counts its calls from the first kept
+  one: PLMS-only runs redo their first kept step on the second call; with the Runge–Kutta warm-up, the first
+  twelve calls follow the full schedule's warm-up plan (its stage timesteps, by call count) while stepping
+  down from the timesteps actually kept."""
   cfg = sched.config
-  if not cfg["skip_prk_steps"]:
-    raise ValueError(
-      "image-to-image with PNDMScheduler needs skip_prk_steps=True (as the Stable Diffusion configs set); "
-      "its Runge-Kutta warm-up is tied to the first steps of the full schedule"
-    )
   n_train = int(cfg["num_train_timesteps"])
-  steps = len(ts) - 1  # PLMS-only: n steps make n + 1 calls
-  ratio = n_train // steps
   kept = ts[begin:].astype(np.int64)
   calls = len(kept)
-  t_used, t_prev = kept.copy(), kept - ratio
-  if calls > 1:
-    t_used[1], t_prev[1] = kept[1] + ratio, kept[1]
-  plan = _pndm._empty_plan(calls)
-  plan["weights"][0] = _pndm._AB[1]
-  if calls > 1:
-    plan["weights"][1], plan["output_weight"][1] = (0, 0, 0, 0.5), 0.5
-  for c in range(2, calls):
-    plan["weights"][c] = _pndm._AB[min(c, 4)]
-  plan["append"][:] = np.arange(calls) != 1
-  plan["set_first"][0] = 1
-  if calls > 1:
-    plan["use_first"][1] = 1
+  c = np.arange(calls)
+  if cfg["skip_prk_steps"]:
+    ratio = n_train // (len(ts) - 1)  # n steps make n + 1 calls
+    t_used, t_prev = kept.copy(), kept - ratio
+    if calls > 1:
+      t_used[1], t_prev[1] = kept[1] + ratio, kept[1]
+    plan = _pndm._empty_plan(calls)
+    plan["weights"][0] = _pndm._AB[1]
+    if calls > 1:
+      plan["weights"][1], plan["output_weight"][1] = (0, 0, 0, 0.5), 0.5
+    for i in range(2, calls):
+      plan["weights"][i] = _pndm._AB[min(i, 4)]
+    plan["append"][:] = c != 1
+    plan["set_first"][0] = 1
+    if calls > 1:
+      plan["use_first"][1] = 1
+  else:
+    n = len(ts) - 9  # n steps make n + 9 calls with the warm-up
+    ratio, half = n_train // n, n_train // n // 2
+    asc = _pndm._ascending_timesteps(dict(cfg), n)
+    _, full_used, _, full_plan = _pndm._with_prk(asc, n_train, n)
+    warm = 12  # three Runge–Kutta steps of four calls
+    t_used = np.where(c < warm, full_used[:calls], kept)
+    t_prev = np.where(c < warm, kept - np.where(c % 2 == 1, 0, half), kept - ratio)
+    plan = {k: v[:calls] for k, v in full_plan.items()}
   acp = sched.alphas_cumprod
   final = np.float32(1.0) if cfg["set_alpha_to_one"] else acp[0]
   one = np.float32(1)
