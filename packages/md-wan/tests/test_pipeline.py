@@ -1,11 +1,12 @@
 """Wan pipelines against diffusers' WanPipeline / WanImageToVideoPipeline on tiny saved pipelines
 (tests/fixtures/wan_pipeline, built by tools/fixtures/wan_pipeline.py): same latents and prompts, 3 UniPC
-steps, frames within 1e-3 (measured: below 1e-6)."""
+steps, frames within 1e-3 (measured: below 1e-6). The flf2v/ case is Wan 2.1 FLF2V (first and last frame)."""
 
 import contextlib
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -27,6 +28,7 @@ CASES = {
   "i2v_a14b": ("i2v_a14b", dict(num_frames=9, guidance_scale=3.5, guidance_scale_2=2.0)),
   "ti2v": ("ti2v", dict(num_frames=5, width=64)),
   "ti2v_image": ("ti2v", dict(num_frames=5, width=64)),
+  "flf2v": ("flf2v", dict(num_frames=9)),
 }
 
 
@@ -46,9 +48,9 @@ def _run(pipe, ref, case, **extra):
   for name in ("image", "last_image"):
     if f"{case}/{name}" in ref:
       kw[name] = ref[f"{case}/{name}"]
-  kw |= extra
+  kw = dict(latents=ref[f"{case}/latents"]) | kw | extra
   with pytest.warns(UserWarning, match="rounded|4k") if case == "t2v" else contextlib.nullcontext():
-    return pipe(PROMPT, NEGATIVE, latents=ref[f"{case}/latents"], **kw)
+    return pipe(PROMPT, NEGATIVE, **kw)
 
 
 def test_t2v_matches_reference(t2v, ref):
@@ -86,6 +88,64 @@ def test_matches_reference(ref, case):
     image = np.asarray(ref["i2v/image"], np.float32)[None] / 255.0
     tokens = pipe.encode_image(image)
     np.testing.assert_allclose(np.asarray(tokens), ref["i2v/image_embeds"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_flf2v_two_videos_per_prompt(flf2v, ref):
+  """Two videos of one prompt from the reference's noise: each is the reference's video (the image tokens
+  stay paired first/last per video)."""
+  latents = np.concatenate([ref["flf2v/latents"]] * 2)
+  out = _run(flf2v, ref, "flf2v", latents=latents, num_videos_per_prompt=2)
+  for video in np.asarray(out):
+    np.testing.assert_allclose(video, ref["flf2v/frames"][0], atol=1e-3, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def flf2v():
+  return md_wan.load_pipeline(ROOT / "flf2v")
+
+
+def test_flf2v_matches_reference(flf2v, ref):
+  """Wan 2.1 FLF2V: first and last frame, both images' CLIP tokens through the learned position table."""
+  assert flf2v.transformer.cfg.pos_embed_seq_len == 34
+  out = _run(flf2v, ref, "flf2v")
+  assert out.shape == (1, 9, 32, 32, 3)
+  np.testing.assert_allclose(np.asarray(out), ref["flf2v/frames"], atol=1e-3, rtol=0)
+  images = np.stack([ref["flf2v/image"], ref["flf2v/last_image"]]).astype(np.float32) / 255.0
+  tokens = flf2v.encode_image(images)
+  np.testing.assert_allclose(np.asarray(tokens), ref["flf2v/image_embeds"], atol=1e-4, rtol=0)
+
+
+def test_flf2v_transformer_pairs_images_per_video(flf2v, ref):
+  """Two videos' image tokens [first 1, last 1, first 2, last 2] → one 34-token sequence per video."""
+  r = {k.split("/", 1)[1]: v for k, v in ref.items() if k.startswith("flf2v_transformer/")}
+  graphdef, state = nnx.split(flf2v.transformer)
+  out = jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a))(
+    state,
+    r["hidden_states"],
+    r["timestep"],
+    r["encoder_hidden_states"],
+    r["encoder_hidden_states_image"],
+  )
+  np.testing.assert_allclose(np.asarray(out), r["sample"], atol=1e-4, rtol=0)
+
+
+def test_flf2v_errors(flf2v, ref):
+  image = ref["flf2v/image"]
+  with pytest.raises(ValueError, match="first/last-frame checkpoint .* pass last_image="):
+    flf2v(PROMPT, image=image, height=32, width=32, num_frames=9)
+  with pytest.raises(
+    ValueError, match=r"image_embeds has shape \(1, 17, 20\); .* \[2, tokens, 20\]"
+  ):
+    flf2v(
+      PROMPT,
+      image=image,
+      last_image=image,
+      image_embeds=ref["flf2v/image_embeds"][:1],
+      height=32,
+      width=32,
+      num_frames=9,
+    )
 
 
 def test_two_expert_switch_is_static():

@@ -407,7 +407,8 @@ class WanVideoPipeline:
       seed: draws the initial noise when `latents` is None.
       latents: initial noise `[B, C, F, H, W]` (the reference's layout; latent frames and pixels / factor).
       prompt_embeds, negative_prompt_embeds: precomputed UMT5 states `[B, S, D]`.
-      image_embeds: precomputed CLIP image tokens `[1 or 2, tokens, D]` (Wan 2.1 I2V).
+      image_embeds: precomputed CLIP image tokens (Wan 2.1 I2V `[1, tokens, D]`; FLF2V `[2, tokens, D]`,
+        the first then the last frame's), the same for every video.
       max_sequence_length: text tokens (512 in the reference).
       scheduler_options: overrides of the scheduler config (e.g. `{"flow_shift": 5.0}`).
       progress: show a progress bar over the steps.
@@ -438,6 +439,12 @@ class WanVideoPipeline:
       raise ValueError(
         "last_image with a Wan 2.1 I2V transformer: its image branch takes one image's CLIP tokens; use a "
         "first/last-frame checkpoint (Wan2.1-FLF2V-14B, pos_embed_seq_len set) or Wan2.2-I2V-A14B"
+      )
+    if image is not None and last_image is None and cfg.pos_embed_seq_len is not None:
+      raise ValueError(
+        f"{self.source or 'this pipeline'} is a first/last-frame checkpoint (Wan2.1-FLF2V, "
+        f"pos_embed_seq_len={cfg.pos_embed_seq_len}): its image branch takes the CLIP tokens of two "
+        "images; pass last_image= (the last frame) as well as image="
       )
     if last_image is not None and self.expand_timesteps:
       raise ValueError(
@@ -519,8 +526,7 @@ class WanVideoPipeline:
         if image_embeds is None:
           pics = first if last is None else jnp.concatenate([first, last], axis=0)
           image_embeds = self.encode_image(pics)
-        image_tokens = jnp.tile(jnp.asarray(image_embeds, jnp.float32), (b, 1, 1))
-        image_tokens = jnp.repeat(image_tokens, num_videos_per_prompt, axis=0)
+        image_tokens = self._video_image_tokens(image_embeds, batch)
     channels = x.shape[-1] + (0 if mode != "concat" else condition.shape[-1])
     if channels != self.transformer.cfg.in_channels:
       raise ValueError(
@@ -565,6 +571,19 @@ class WanVideoPipeline:
         jnp.float32(guidance_scale_2),
       )
     return self.decode(x)
+
+  def _video_image_tokens(self, image_embeds: Any, batch: int) -> jax.Array:
+    """CLIP tokens of one video (`[1, T, D]`; FLF2V: first and last frame, `[2, T, D]`) repeated for
+    `batch` videos, keeping each video's images together (`[first, last, first, last, ...]`)."""
+    tokens = jnp.asarray(image_embeds, jnp.float32)
+    per_video = 1 if self.transformer.cfg.pos_embed_seq_len is None else 2
+    if tokens.ndim != 3 or tokens.shape[0] != per_video:
+      what = "first and last frame" if per_video == 2 else "image"
+      raise ValueError(
+        f"image_embeds has shape {tuple(tokens.shape)}; this transformer takes the CLIP tokens of "
+        f"{per_video} image(s) per video ({what}): [{per_video}, tokens, {self.transformer.cfg.image_dim}]"
+      )
+    return jnp.tile(tokens, (batch, 1, 1))
 
   def _fit_image(self, image: Any, height: int, width: int, what: str) -> jax.Array:
     x = _image_array(image, what)
