@@ -54,6 +54,9 @@ def test_ltx_generate_writes_video_and_settings(tmp_path):
     "--config.steps=2",
     "--config.seed=5",
     "--config.fps=8",
+    "--config.stg_scale=1.0",
+    "--config.stg_blocks=1",
+    "--config.cfg_star=True",
   )
   assert out.returncode == 0, out.stderr[-3000:]
   assert f"wrote 1 video(s) and settings.json to {tmp_path}" in out.stdout
@@ -63,6 +66,7 @@ def test_ltx_generate_writes_video_and_settings(tmp_path):
   settings = json.loads((tmp_path / "settings.json").read_text())
   assert settings["prompt"] == "a cat surfing a wave" and settings["mode"] == "t2v"
   assert settings["seed"] == 5 and settings["steps"] == 2
+  assert settings["stg_scale"] == 1.0 and settings["stg_blocks"] == "1" and settings["cfg_star"]
   assert settings["model"] == "tests/fixtures/ltx_pipeline/t2v"
   assert settings["videos"] == ["video_0000.mp4"] and settings["num_frames_generated"] == 9
 
@@ -89,11 +93,9 @@ def test_ltx_generate_keyframes_and_multiscale(tmp_path):
 
 
 def test_ltx_generate_reports_bad_settings_clearly(tmp_path):
-  out = run_app(f"--workdir={tmp_path}", "--config.height=36")
+  out = run_app(f"--workdir={tmp_path}", "--config.height=36", "--config.num_frames=12")
   assert out.returncode != 0 and "Traceback" not in out.stderr
-  assert "height=36 → 32 or 40" in out.stderr
-  out = run_app(f"--workdir={tmp_path}", "--config.num_frames=12")
-  assert out.returncode != 0 and "num_frames=12 → 9 or 13" in out.stderr
+  assert "height=36 → 32 or 40" in out.stderr and "num_frames=12 → 9 or 13" in out.stderr
   out = run_app(f"--workdir={tmp_path}", variant="tiny-i2v")
   assert out.returncode != 0 and "--config.image=" in out.stderr and "Traceback" not in out.stderr
   bad = tmp_path / "notes.png"

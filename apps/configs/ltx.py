@@ -105,6 +105,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.timesteps = ""
   c.guidance_scale = 3.0
   c.guidance_rescale = 0.0
+  # The official repository's guidance extras: spatio-temporal guidance (a pass with the self-attention
+  # of `stg_blocks` "b1,b2" skipped, `stg_mode` attention_values / attention_skip), its std rescaling
+  # (1: off) and CFG-star. Scales are one number here; the Python API takes per-step lists too.
+  c.stg_scale = 0.0
+  c.stg_blocks = ""
+  c.stg_mode = "attention_values"
+  c.stg_rescale = 1.0
+  c.cfg_star = False
   c.decode_timestep = 0.03
   # -1: the reference's default (decode_timestep).
   c.decode_noise_scale = 0.025

@@ -41,6 +41,15 @@ def _timesteps(spec: str) -> list[float] | None:
     ) from None
 
 
+def _blocks(spec: str) -> list[int]:
+  try:
+    return [int(b) for b in spec.split(",") if b.strip()]
+  except ValueError:
+    raise app.UsageError(
+      f"--config.stg_blocks={spec!r} must be comma-separated block indices, e.g. 11,25"
+    ) from None
+
+
 def _check(config) -> None:
   if not config.model:
     raise app.UsageError("--config.model is empty: give a diffusers pipeline folder or hub id")
@@ -130,6 +139,11 @@ def main(argv):
     frame_rate=config.fps,
     guidance_scale=config.guidance_scale,
     guidance_rescale=config.guidance_rescale,
+    stg_scale=config.stg_scale,
+    stg_blocks=_blocks(config.stg_blocks),
+    stg_mode=config.stg_mode,
+    stg_rescale=config.stg_rescale,
+    cfg_star=config.cfg_star,
     num_videos_per_prompt=config.num_videos_per_prompt,
     seed=config.seed,
     conditions=conditions or None,
