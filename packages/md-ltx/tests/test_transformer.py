@@ -168,3 +168,34 @@ def test_ring_attention_matches_single_device(model):
   with jax.set_mesh(mesh):
     got = run(ring, ref)
   chex.assert_trees_all_close(got, ref["sample"], atol=TOL, rtol=0)
+
+
+def test_video_coords_reproduce_the_scaled_grid(model):
+  """Explicit coordinates `grid * scale` (as LTXConditionPipeline builds them) give the scaled grid's
+  rotary tables and outputs (the diffusers-checked path); host (NumPy) and device tables agree."""
+  ref = load_arrays(fixture_path("ltx_transformer") / "t2v.npz")
+  f, h, w = (int(n) for n in ref["grid"])
+  scale = tuple(float(s) for s in ref["rope_interpolation_scale"])
+  grid = np.stack(np.meshgrid(np.arange(f), np.arange(h), np.arange(w), indexing="ij"))
+  coords = (grid.reshape(3, -1).astype(np.float32) * np.float32(scale).reshape(3, 1))[None]
+  cos, sin = md_ltx.rope_tables(model.cfg, f, h, w, scale)
+  cos_c, sin_c = md_ltx.rope_tables_from_coords(model.cfg, coords)
+  np.testing.assert_array_equal(np.asarray(cos_c[0]), np.asarray(cos))
+  np.testing.assert_array_equal(np.asarray(sin_c[0]), np.asarray(sin))
+  cos_d, _ = md_ltx.rope_tables_from_coords(model.cfg, jnp.asarray(coords))
+  np.testing.assert_allclose(np.asarray(cos_d), np.asarray(cos_c), atol=1e-5, rtol=0)
+  args = [jnp.asarray(ref[k]) for k in ("hidden_states", "encoder_hidden_states", "timestep")]
+  out = model(*args, jnp.asarray(ref["encoder_attention_mask"]), video_coords=coords)
+  chex.assert_trees_all_close(out, ref["sample"], atol=TOL, rtol=0)
+  # A skip mask of ones (no block skipped) changes nothing; a skipped block does.
+  b = args[0].shape[0]
+  keep = model(*args, jnp.asarray(ref["encoder_attention_mask"]), video_coords=coords,
+               skip_layer_mask=jnp.ones((2, b)))  # fmt: skip
+  chex.assert_trees_all_close(keep, out, atol=1e-6, rtol=0)
+  skipped = model(*args, jnp.asarray(ref["encoder_attention_mask"]), video_coords=coords,
+                  skip_layer_mask=jnp.zeros((2, b)))  # fmt: skip
+  assert float(jnp.abs(skipped - out).max()) > 1e-3
+  with pytest.raises(ValueError, match=r"video_coords must be \[B=2 or 1, 3, S=\d+\]"):
+    model(*args, video_coords=coords[:, :, :-1])
+  with pytest.raises(ValueError, match=r"skip_layer_mask must be \[num_layers, B\]"):
+    model(*args, video_coords=coords, skip_layer_mask=jnp.ones((3, b)))

@@ -71,7 +71,9 @@ def rope_tables_from_coords(cfg: LTXConfig, video_coords) -> tuple[jax.Array, ja
   freqs = _frequencies(k)
   bases = (_config.ROPE_BASE_NUM_FRAMES, _config.ROPE_BASE_HEIGHT, _config.ROPE_BASE_WIDTH)
   grid = xp.stack([coords[:, a] / np.float32(base) for a, base in enumerate(bases)], axis=-1)
-  angles = freqs * (grid[..., None] * np.float32(2) - np.float32(1))  # [B, S, 3, K]
+  angles = freqs.reshape(1, 1, 1, k) * (
+    grid[..., None] * np.float32(2) - np.float32(1)
+  )  # [B, S, 3, K]
   b, s = angles.shape[:2]
   angles = xp.swapaxes(angles, -1, -2).reshape(b, s, 3 * k)  # feature 3k + a
   pad = cfg.dim % 6
