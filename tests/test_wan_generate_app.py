@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -66,3 +68,29 @@ def test_wan_generate_reports_bad_settings_clearly(tmp_path):
   assert out.returncode != 0 and 'Did you mean "flow_shift"' in out.stderr
   out = run_app(f"--workdir={tmp_path}", variant="2.1-i2v-14b-480p")
   assert out.returncode != 0 and "--config.image=" in out.stderr and "Traceback" not in out.stderr
+  for variant in ("2.1-flf2v-14b-720p", "tiny-flf2v"):  # FLF2V needs both frames
+    out = run_app(f"--workdir={tmp_path}", "--config.image=a.png", variant=variant)
+    assert out.returncode != 0 and "--config.last_image=" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_wan_generate_first_last_frame(tmp_path):
+  """Wan 2.1 FLF2V on the tiny flf2v/ pipeline: the first and the last frame come from image files."""
+  from md_core import media, testing
+
+  ref = testing.load_arrays(ROOT / "tests/fixtures/wan_pipeline/outputs.npz")
+  first = media.save_image(tmp_path / "first.png", ref["flf2v/image"])
+  last = media.save_image(tmp_path / "last.png", ref["flf2v/last_image"])
+  out = run_app(
+    f"--workdir={tmp_path}",
+    f"--config.image={first}",
+    f"--config.last_image={last}",
+    variant="tiny-flf2v",
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  info = media.video_info(tmp_path / "video_0000.mp4")
+  assert info["num_frames"] == 9 and (info["width"], info["height"]) == (32, 32)
+  settings = json.loads((tmp_path / "settings.json").read_text())
+  assert settings["model"] == "tests/fixtures/wan_pipeline/flf2v"
+  assert (settings["image"], settings["last_image"]) == (str(first), str(last))

@@ -3,14 +3,16 @@
 uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-1.3b --config.prompt="a cat surfing"
 uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-14b --config.prompt="a cat surfing"
 uv run apps/wan_generate --config=apps/configs/wan.py:2.1-i2v-14b-480p --config.image=cat.png
+uv run apps/wan_generate --config=apps/configs/wan.py:2.1-flf2v-14b-720p --config.image=first.png \
+  --config.last_image=last.png
 uv run apps/wan_generate --config=apps/configs/wan.py:2.2-t2v-a14b --config.mesh.ici_context_parallelism=4
 uv run apps/wan_generate --config=apps/configs/wan.py:2.2-ti2v-5b --config.image=cat.png   # or no image
 uv run apps/wan_generate --config=apps/configs/wan.py:tiny --workdir=/tmp/wan   # the bundled tiny pipeline
 
-Variants: 2.1-t2v-1.3b, 2.1-t2v-14b, 2.1-i2v-14b-480p, 2.1-i2v-14b-720p, 2.2-t2v-a14b, 2.2-i2v-a14b,
-2.2-ti2v-5b, and tiny, tiny-a14b, tiny-ti2v (tests/fixtures/wan_pipeline). Defaults follow the Wan
-authors' settings as diffusers' docs use them (steps, guidance, flow_shift: 3.0 at 480p, 5.0 at 720p; 16 fps,
-24 for TI2V-5B). Hub ids need the hub cache (or network). `attention` picks md-attention's implementation;
+Variants: 2.1-t2v-1.3b, 2.1-t2v-14b, 2.1-i2v-14b-480p, 2.1-i2v-14b-720p, 2.1-flf2v-14b-720p,
+2.2-t2v-a14b, 2.2-i2v-a14b, 2.2-ti2v-5b, and tiny, tiny-a14b, tiny-ti2v, tiny-flf2v
+(tests/fixtures/wan_pipeline). Defaults follow the Wan authors' settings as diffusers' docs use them (steps,
+guidance, flow_shift: 3.0 at 480p, 5.0 at 720p, 16 for FLF2V; 16 fps, 24 for TI2V-5B). Hub ids need the hub cache (or network). `attention` picks md-attention's implementation;
 "ring", "ulysses" or "ulysses_ring" split the video tokens over the mesh's `context` axis.
 """
 
@@ -33,6 +35,15 @@ VARIANTS = {
     width=1280,
     flow_shift=5.0,
     needs_image=True,
+  ),
+  # First/last-frame to video; the Wan authors sample it with shift 16 (their generate.py) at 720p.
+  "2.1-flf2v-14b-720p": dict(
+    model="Wan-AI/Wan2.1-FLF2V-14B-720P-Diffusers",
+    height=720,
+    width=1280,
+    flow_shift=16.0,
+    needs_image=True,
+    needs_last_image=True,
   ),
   "2.2-t2v-a14b": dict(
     model="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
@@ -70,6 +81,15 @@ VARIANTS = {
     steps=3,
     guidance_scale=4.0,
     guidance_scale_2=3.0,
+  ),
+  "tiny-flf2v": dict(
+    model=f"{_FIXTURES}/flf2v",
+    height=32,
+    width=32,
+    num_frames=9,
+    steps=3,
+    needs_image=True,
+    needs_last_image=True,
   ),
   "tiny-ti2v": dict(model=f"{_FIXTURES}/ti2v", height=32, width=64, num_frames=5, steps=3, fps=24),
 }
@@ -118,6 +138,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.image = ""
   c.last_image = ""
   c.needs_image = False
+  c.needs_last_image = False
   c.mesh = ml_collections.ConfigDict(
     dict(
       ici_data_parallelism=1,

@@ -25,6 +25,11 @@ def _check(config) -> None:
     raise app.UsageError(
       f"variant {config.variant!r} is image-to-video: set --config.image=<first frame image file>"
     )
+  if config.needs_last_image and not config.last_image:
+    raise app.UsageError(
+      f"variant {config.variant!r} is first/last-frame-to-video: set --config.last_image=<last frame "
+      "image file> (and --config.image=<first frame>)"
+    )
   if config.last_image and not config.image:
     raise app.UsageError("--config.last_image needs --config.image (the first frame) too")
   if config.fps <= 0:
