@@ -92,10 +92,15 @@ def test_ltx_generate_keyframes_and_multiscale(tmp_path):
   assert settings["passes"] == [dict(height=40, width=40), dict(height=80, width=80)]
 
 
-def test_ltx_generate_reports_bad_settings_clearly(tmp_path):
+@pytest.mark.slow
+def test_ltx_generate_reports_bad_sizes_clearly(tmp_path):
   out = run_app(f"--workdir={tmp_path}", "--config.height=36", "--config.num_frames=12")
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert "height=36 → 32 or 40" in out.stderr and "num_frames=12 → 9 or 13" in out.stderr
+
+
+def test_ltx_generate_reports_bad_settings_clearly(tmp_path):
+  """Errors found before any model is loaded."""
   out = run_app(f"--workdir={tmp_path}", variant="tiny-i2v")
   assert out.returncode != 0 and "--config.image=" in out.stderr and "Traceback" not in out.stderr
   bad = tmp_path / "notes.png"

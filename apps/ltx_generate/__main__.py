@@ -68,8 +68,9 @@ def _check(config) -> None:
     raise app.UsageError(f"--config.downscale_factor={config.downscale_factor} must be in (0, 1]")
 
 
-def _conditions(config, md_ltx, media, num_frames: int):
-  """The conditioning items, images read now (a clear error for a file that is not an image)."""
+def _read_conditions(config, media, num_frames: int) -> list[tuple]:
+  """(pixels, frame index, strength) of the conditioning images, read before any model is loaded (a
+  clear error for a frame outside the video or a file that is not an image)."""
   items = []
   specs = ([(config.image, 0, config.image_strength)] if config.image else []) + [
     (path, index, 1.0) for path, index in _keyframes(config.keyframes)
@@ -84,7 +85,7 @@ def _conditions(config, md_ltx, media, num_frames: int):
       pixels = media.load_image(path)
     except (FileNotFoundError, OSError, ValueError) as e:
       raise app.UsageError(f"cannot read the conditioning image {path!r}: {e}") from None
-    items.append(md_ltx.LTXCondition(pixels, frame_index=index, strength=strength))
+    items.append((pixels, index, strength))
   return items
 
 
@@ -100,6 +101,8 @@ def main(argv):
   timesteps = _timesteps(config.timesteps)
   from md_core import apps, media
 
+  images = _read_conditions(config, media, config.num_frames)
+
   try:
     mesh = apps.start(config)
   except ValueError as e:  # a mesh that does not fit the devices
@@ -112,7 +115,7 @@ def main(argv):
 
   import md_ltx
 
-  conditions = _conditions(config, md_ltx, media, config.num_frames)
+  conditions = [md_ltx.LTXCondition(p, frame_index=i, strength=s) for p, i, s in images]
   start = time.perf_counter()
   try:
     pipe = md_ltx.load_pipeline(
