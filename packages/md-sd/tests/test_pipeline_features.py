@@ -246,6 +246,8 @@ def test_refiner_and_feature_errors(refiner, sd):
       latents=np.zeros((2, 4, 4, 4), np.float32),
       progress=False,
     )
+  with pytest.raises(ValueError, match=r"image must be \[B, H, W, 3\].*got shape \(2, 4, 4, 4\)"):
+    sd(PROMPTS, image=np.zeros((2, 4, 4, 4), np.float32), progress=False)
   with pytest.raises(ValueError, match="clip_skip=5 is out of range"):
     sd(PROMPTS, height=32, width=32, clip_skip=5, progress=False)
   with pytest.raises(ValueError, match="strength=0.1 with 4 steps leaves no step"):

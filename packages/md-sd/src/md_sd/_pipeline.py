@@ -550,7 +550,12 @@ class StableDiffusionPipeline:
     elif image is not None:
       image = jnp.asarray(image, jnp.float32)
       image = image[None] if image.ndim == 3 else image
-      size = tuple(image.shape[1:3]) if image.ndim == 4 else (None, None)
+      if image.ndim != 4 or image.shape[-1] != 3:
+        raise ValueError(
+          f"image must be [B, H, W, 3] (or [H, W, 3]) in [0, 1], channels-last; got shape {image.shape}; "
+          "latents go in image_latents"
+        )
+      size = tuple(image.shape[1:3])
     else:
       size = (self.default_size, self.default_size)
     height = size[0] if height is None else int(height)
@@ -948,6 +953,8 @@ def load_pipeline(
       resolved through md-core (the hub cache; downloads when online).
     controlnet: a ControlNet folder or hub id (e.g. `"lllyasviel/sd-controlnet-canny"`), or a list of them
       (used together, as the reference's `MultiControlNetModel`); the pipeline then needs `control_image`.
+      The SDXL refiner (`"stabilityai/stable-diffusion-xl-refiner-1.0"`, no `text_encoder`) loads as any
+      other source and then needs `image` or `image_latents`.
     unet_file: a UNet-only safetensors file (diffusers tensor names) loaded over the base UNet's config,
       e.g. SDXL-Lightning's `sdxl_lightning_4step_unet.safetensors`.
     mesh: place every parameter on this mesh by its logical axes (and split the batch over data × fsdp).
