@@ -210,3 +210,29 @@ def test_guidance_errors(t2v):
     t2v(PROMPTS[0], stg_scale=1.0, stg_blocks=[5], **KW)
   with pytest.raises(ValueError, match="stg_mode='residual' must be one of"):
     t2v(PROMPTS[0], stg_scale=1.0, stg_mode="residual", **KW)
+
+
+@pytest.mark.slow
+def test_video_conditions_match_reference(cond, ref):
+  """A 5-frame clip at frame 0 and a 9-frame clip at frame 4 of 13 (two prefix latent frames appended as
+  extra tokens, the third replacing the video's latent frame 3)."""
+  clip = ref["cond_video/clip"]
+  out = cond(
+    PROMPTS[0], NEGATIVE,
+    conditions=[md_ltx.LTXCondition(video=clip[:5]), md_ltx.LTXCondition(video=clip[::-1], frame_index=4)],
+    guidance_scale=3.0, image_cond_noise_scale=0.0, decode_noise_scale=0.025,
+    decode_noise=ref["cond_video/decode_noise"], latents=ref["cond_video/latents"],
+    **dict(KW, num_frames=13),
+  )  # fmt: skip
+  assert out.shape == (1, 13, 32, 32, 3)
+  assert _max_diff(out, ref["cond_video/frames"]) < 1e-3
+
+
+def test_condition_item_errors(t2v):
+  image = np.zeros((32, 32, 3), np.uint8)
+  with pytest.raises(ValueError, match=r"conditions\[0\] needs exactly one of image= and video="):
+    t2v(PROMPTS[0], conditions=[md_ltx.LTXCondition(image, video=[image] * 5)], **KW)
+  with pytest.raises(ValueError, match=r"conditions\[0\] needs exactly one of image= and video="):
+    t2v(PROMPTS[0], conditions=[md_ltx.LTXCondition()], **KW)
+  with pytest.raises(ValueError, match=r"video: frames of different sizes"):
+    t2v(PROMPTS[0], conditions=[md_ltx.LTXCondition(video=[image, image[:16]])], **KW)

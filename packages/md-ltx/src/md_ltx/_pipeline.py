@@ -49,15 +49,17 @@ _F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class LTXCondition:
-  """One conditioning item: an image placed at `frame_index` with `strength` (1: kept as given).
+  """One conditioning item: an image or a clip placed at `frame_index` with `strength` (1: kept as given).
 
-  `image` is `[H, W, 3]` (uint8, or floats in [0, 1]) or a PIL image; it is resized to the video size when
-  its size differs.
+  `image` is `[H, W, 3]` (uint8, or floats in [0, 1]), a PIL image or an image file; `video` (instead of
+  `image`) is `[N, H, W, 3]` or a list of images, cut to `1 + 8k` frames that fit in the video after
+  `frame_index`. Frames are resized to the video size when their size differs.
   """
 
-  image: Any
+  image: Any = None
   frame_index: int = 0
   strength: float = 1.0
+  video: Any = None
 
 
 @dataclasses.dataclass
@@ -286,12 +288,12 @@ class LTXVideoPipeline:
 
   # --- VAE ---------------------------------------------------------------------------------------------------
   def _encode_image(self, image: np.ndarray, key) -> jax.Array:
-    """One image `[H, W, 3]` in [0, 1] → normalized latents `[1, 1, h, w, C]` (a posterior sample)."""
+    """Frames `[N, H, W, 3]` in [0, 1] → normalized latents `[1, n, h, w, C]` (a posterior sample)."""
     vae = self._vae
 
     def encode(state, x, key):
       model = vae.merge(state)
-      z = model.encode(x[None, None] * 2 - 1).sample(key)
+      z = model.encode(x[None] * 2 - 1).sample(key)
       mean = model.latents_mean[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       std = model.latents_std[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       return (z - mean) * 1.0 / std  # the pipelines normalise with scaling factor 1 here
@@ -596,7 +598,20 @@ class LTXVideoPipeline:
         )
       if not 0.0 <= float(c.strength) <= 1.0:
         raise ValueError(f"conditions[{i}].strength={c.strength} must be in [0, 1]")
-    pics = [_image_array(c.image, f"conditions[{i}].image") for i, c in enumerate(conditions)]
+    pics = []
+    st = self.vae_temporal_compression_ratio
+    for i, c in enumerate(conditions):
+      if (c.image is None) == (c.video is None):
+        raise ValueError(f"conditions[{i}] needs exactly one of image= and video=")
+      if c.image is not None:
+        pics.append(_image_array(c.image, f"conditions[{i}].image")[None])
+        continue
+      frames = [_image_array(im, f"conditions[{i}].video[{j}]") for j, im in enumerate(c.video)]
+      if len({fr.shape for fr in frames}) != 1:
+        raise ValueError(f"conditions[{i}].video: frames of different sizes")
+      n = min(len(frames), num_frames - int(c.frame_index))
+      n = (n - 1) // st * st + 1  # the reference's trim_conditioning_sequence
+      pics.append(np.stack(frames[:n]))
     cfg_on = float(np.max(guidance_scale)) > 1.0
     stg_on = float(np.max(stg_scale)) > 0.0
     if stg_mode not in SKIP_LAYER_STRATEGIES:
@@ -729,23 +744,44 @@ class LTXVideoPipeline:
       frames_mask = np.zeros((f,), np.float32)
       extra_x, extra_coords, extra_mask = [], [], []
       kcond = jax.random.split(keys[1], 2 * max(len(conditions), 1))
+      prefix = 2  # the reference's num_prefix_latent_frames
       for i, c in enumerate(conditions):
         pic = pics[i]
-        if pic.shape[:2] != (height, width):
+        if pic.shape[1:3] != (height, width):
           pic = np.asarray(
-            jnp.clip(jax.image.resize(pic, (height, width, 3), method="lanczos3"), 0.0, 1.0)
+            jnp.clip(
+              jax.image.resize(pic, (pic.shape[0], height, width, 3), method="lanczos3"), 0.0, 1.0
+            )
           )
-        zc = self._encode_image(pic, kcond[2 * i])  # [1, 1, h, w, C]
-        s = float(c.strength)
-        if int(c.frame_index) == 0:
-          x = x.at[:, :1].set(_lerp(x[:, :1], zc, s))
-          frames_mask[:1] = s
+        zc = self._encode_image(pic, kcond[2 * i])  # [1, n, h, w, C]
+        n, s, index = zc.shape[1], float(c.strength), int(c.frame_index)
+        if index == 0:
+          x = x.at[:, :n].set(_lerp(x[:, :n], zc, s))
+          frames_mask[:n] = s
         else:
+          if pic.shape[0] > 1 and n < prefix:
+            raise ValueError(
+              f"conditions[{i}].video at frame {index} needs at least {prefix} latent frames "
+              f"({(prefix - 1) * st + 1} frames), got {pic.shape[0]} frames"
+            )
+          if pic.shape[0] > 1 and n > prefix:
+            # Latent frames after the prefix replace the video's own at their place; the prefix is
+            # appended as extra tokens below.
+            start = index // st + prefix
+            end = start + n - prefix
+            if end > f:
+              raise ValueError(
+                f"conditions[{i}].video at frame {index} reaches latent frame {end}, past the video's "
+                f"{f}"
+              )
+            x = x.at[:, start:end].set(_lerp(x[:, start:end], zc[:, prefix:], s))
+            frames_mask[start:end] = s
+            zc = zc[:, :prefix]
           noise = jax.random.normal(kcond[2 * i + 1], zc.shape, _F32)
           zc = _lerp(noise, zc, s)
           packed = self._pack(zc)
           extra_x.append(jnp.broadcast_to(packed, (batch, *packed.shape[1:])))
-          extra_coords.append(self._coords(1, h, w, int(c.frame_index)))
+          extra_coords.append(self._coords(zc.shape[1], h, w, index))
           extra_mask.append(np.full((packed.shape[1],), s, np.float32))
       main_coords = self._coords(f, h, w, 0)
       coords = np.concatenate([*extra_coords, main_coords], axis=2).astype(np.float32)
