@@ -21,12 +21,13 @@ KW = dict(
   height=32, width=64, num_frames=9, frame_rate=24.0, num_inference_steps=3, max_sequence_length=16,
   progress=False,
 )  # fmt: skip
+ERR = dict(KW, spatio_temporal_guidance_blocks=[1])  # the tiny transformer has 2 blocks
 T2V = dict(spatio_temporal_guidance_blocks=[1], decode_timestep=0.05, decode_noise_scale=0.025)
 # The fixture's prompts are longer than its 16 Gemma tokens (as the reference, they are cut).
 pytestmark = pytest.mark.filterwarnings("ignore:prompt .* tokens long")
 I2V = dict(
-  guidance_scale=4.0, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=2.0, audio_modality_scale=2.0,
-  guidance_rescale=0.0, audio_guidance_rescale=0.0, decode_timestep=0.05,
+  guidance_scale=4.0, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+  guidance_rescale=0.0, audio_guidance_rescale=0.0, decode_timestep=0.05, decode_noise_scale=0.025,
 )  # fmt: skip
 
 
@@ -63,14 +64,32 @@ def test_t2v_matches_reference(t2v_out, ref):
 
 
 def test_i2v_matches_reference(pipe, ref):
-  """Image-to-video with given latents: the first latent frame is kept (per-token timesteps 0)."""
+  """Image-to-video with given latents and CFG: the first latent frame is the condition (kept, its
+  tokens at timestep 0); frames and audio as the reference."""
   out = pipe(
-    PROMPTS[0], image=np.zeros((32, 64, 3), np.uint8), latents=ref["i2v_latents"],
+    PROMPTS, NEGATIVE, image=np.zeros((32, 64, 3), np.uint8), latents=ref["i2v_latents"],
     audio_latents=ref["i2v_audio_latents"], decode_noise=ref["i2v_decode_noise"], **I2V, **KW,
   )  # fmt: skip
   assert out.frames.shape == ref["i2v_frames"].shape
   assert _max_diff(out.frames, ref["i2v_frames"]) < 1e-3
   assert _max_diff(out.audio, ref["i2v_audio"]) < 1e-3
+
+
+@pytest.mark.slow
+def test_seed_and_latent_output(pipe, ref, t2v_out):
+  """Without latents a seed draws them (repeatably); output_type="latent" gives the reference layouts
+  (slow: ~10 s of eager random-number compiles)."""
+  a = pipe(PROMPTS, NEGATIVE, seed=3, **T2V, **KW)
+  b = pipe(PROMPTS, NEGATIVE, seed=3, **T2V, **KW)
+  np.testing.assert_array_equal(np.asarray(a.frames), np.asarray(b.frames))
+  np.testing.assert_array_equal(np.asarray(a.audio), np.asarray(b.audio))
+  assert _max_diff(a.frames, np.asarray(t2v_out.frames)) > 1e-2
+  lat = pipe(
+    PROMPTS, NEGATIVE, latents=ref["t2v_latents"], audio_latents=ref["t2v_audio_latents"],
+    output_type="latent", **T2V, **KW,
+  )  # fmt: skip
+  assert lat.frames.shape == ref["t2v_latents"].shape
+  assert lat.audio.shape == ref["t2v_audio_latents"].shape
 
 
 def test_image_latents_match_reference(pipe, ref):
@@ -84,16 +103,18 @@ def test_image_latents_match_reference(pipe, ref):
 
 def test_size_errors_name_nearest_valid(pipe):
   with pytest.raises(ValueError, match=r"num_frames=10 → 9 or 17"):
-    pipe(PROMPTS[0], **dict(KW, num_frames=10))
+    pipe(PROMPTS[0], **dict(ERR, num_frames=10))
   with pytest.raises(ValueError, match=r"height=40 → 32 or 64"):
-    pipe(PROMPTS[0], **dict(KW, height=40))
+    pipe(PROMPTS[0], **dict(ERR, height=40))
+  with pytest.raises(ValueError, match="has block 28; the transformer has 2 blocks"):
+    pipe(PROMPTS[0], **KW)
 
 
 def test_unreadable_image(pipe, tmp_path):
   bad = tmp_path / "broken.png"
   bad.write_bytes(b"not a png")
   with pytest.raises(ValueError, match="cannot read the image file"):
-    pipe(PROMPTS[0], image=bad, **KW)
+    pipe(PROMPTS[0], image=bad, **ERR)
 
 
 def test_i2v_folder_class_and_errors(tmp_path):
@@ -107,7 +128,7 @@ def test_i2v_folder_class_and_errors(tmp_path):
   pipe = load_ltx2_pipeline(folder)
   assert pipe.image_to_video
   with pytest.raises(ValueError, match="needs an image"):
-    pipe(PROMPTS[0], **KW)
+    pipe(PROMPTS[0], **ERR)
   (folder / "model_index.json").write_text(json.dumps(dict(index, _class_name="LTXPipeline")))
   with pytest.raises(ValueError, match="LTXPipeline"):
     load_ltx2_pipeline(folder)
@@ -119,10 +140,12 @@ def test_save_mp4_with_audio(t2v_out, tmp_path):
   info = md_core.media.video_info(path)
   frames = t2v_out.frames.shape[1]
   samples = t2v_out.audio.shape[-1]
-  assert info["num_frames"] == frames
-  assert abs(info["duration"] - frames / 24.0) < 0.05
-  assert info["audio"] is not None
-  assert abs(info["audio"]["duration"] - samples / 24000) < 0.05
+  assert info["num_frames"] == frames and info["fps"] == 24.0
+  assert (info["height"], info["width"]) == t2v_out.frames.shape[2:4]
+  assert info["has_audio"] and info["audio_sample_rate"] == 24000
+  assert abs(info["audio_duration"] - samples / 24000) < 0.05
+  # Each stream keeps its own length: 5 frames (0.21 s) of video, 7920 samples (0.33 s) of audio.
+  assert abs(info["duration"] - max(frames / 24.0, samples / 24000)) < 0.05
 
 
 @pytest.mark.slow

@@ -290,8 +290,8 @@ class LTX2VideoPipeline:
     def encode(state, x):
       model = vae.merge(state)
       z = model.encode(x[:, None]).mode()
-      mean = model.latents_mean[...].astype(z.dtype)
-      std = model.latents_std[...].astype(z.dtype)
+      mean = model.latents_mean[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
+      std = model.latents_std[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       return (z - mean) * 1.0 / std  # the i2v pipeline normalises the image with scaling factor 1
 
     fn = self._jit(("encode_image", pixels.shape), lambda: jax.jit(encode))
@@ -310,18 +310,22 @@ class LTX2VideoPipeline:
       noise: `[B, C, f, h, w]` in the reference's layout.
     """
     images = image if isinstance(image, list | tuple) else [image]
+    return self._image_latents([_image_array(im, height, width) for im in images], noise)
+
+  def _image_latents(self, pixels: list[np.ndarray], noise: Any) -> tuple[jax.Array, jax.Array]:
+    """`prepare_image_latents` on images already read (`_image_array`)."""
     noise = jnp.transpose(jnp.asarray(noise, _F32), (0, 2, 3, 4, 1))
     b = noise.shape[0]
-    if len(images) == 1 and b > 1:
-      images = images * b
-    if len(images) != b:
-      raise ValueError(f"{len(images)} images for {b} videos")
-    pixels = jnp.asarray(np.stack([_image_array(im, height, width) for im in images]))
+    if len(pixels) == 1 and b > 1:
+      pixels = pixels * b
+    if len(pixels) != b:
+      raise ValueError(f"{len(pixels)} images for {b} videos")
+    pixels = jnp.asarray(np.stack(pixels))
     init = self._encode_image(pixels)  # [B, 1, h, w, C]
     if init.shape[2:] != noise.shape[2:] or noise.shape[1] < 1:
       raise ValueError(
-        f"noise [B, C, f, h, w] {tuple(np.transpose(np.zeros(noise.shape), (0, 4, 1, 2, 3)).shape)}"
-        f" does not fit the image latents {init.shape[2:4]}"
+        f"noise [B, C, f, h, w] has latent size {noise.shape[2:4]} and {noise.shape[-1]} channels; "
+        f"the image encodes to {init.shape[2:4]} with {init.shape[-1]}"
       )
     mask = jnp.zeros(noise.shape[:4] + (1,), _F32).at[:, 0].set(1.0)
     latents = init * mask + noise * (1 - mask)
@@ -562,12 +566,20 @@ class LTX2VideoPipeline:
     audio_guidance_rescale = audio_guidance_rescale or guidance_rescale
     tc, vc = self.transformer.cfg, self.vae.config
     i2v = self.image_to_video or image is not None
+    if i2v and latents is None:
+      if image is None:
+        raise ValueError(
+          "image-to-video needs an image (or latents whose first frame is the condition)"
+        )
+      self.check_size(height, width, num_frames)
+      images = image if isinstance(image, list | tuple) else [image]
+      image = [_image_array(im, height, width) for im in images]  # read and check before any work
     do_cfg = guidance_scale > 1.0 or audio_guidance_scale > 1.0
     blocks = tuple(int(i) for i in (spatio_temporal_guidance_blocks or ()))
     want_stg = stg_scale > 0.0 or audio_stg_scale > 0.0
     if want_stg and not blocks:
       raise ValueError("stg_scale > 0 needs spatio_temporal_guidance_blocks")
-    for i in blocks:
+    for i in blocks if want_stg else ():
       if not 0 <= i < tc.num_layers:
         raise ValueError(
           f"spatio_temporal_guidance_blocks has block {i}; the transformer has {tc.num_layers} blocks"
@@ -664,14 +676,8 @@ class LTX2VideoPipeline:
           eps = jax.random.normal(keys[0], x.shape, _F32)
           x = noise_scale * eps + (1 - noise_scale) * x
     elif i2v:
-      if image is None:
-        raise ValueError(
-          "image-to-video needs an image (or latents whose first frame is the condition)"
-        )
       noise = jax.random.normal(keys[0], (b, c, f, h, w), _F32)
-      x, cond = self.prepare_image_latents(
-        image, height=height, width=width, num_frames=num_frames, noise=noise
-      )
+      x, cond = self._image_latents(image, noise)
     else:
       x = self._pack(jax.random.normal(keys[0], (b, c, f, h, w), _F32).transpose(0, 2, 3, 4, 1))
 
