@@ -236,3 +236,23 @@ def test_condition_item_errors(t2v):
     t2v(PROMPTS[0], conditions=[md_ltx.LTXCondition()], **KW)
   with pytest.raises(ValueError, match=r"video: frames of different sizes"):
     t2v(PROMPTS[0], conditions=[md_ltx.LTXCondition(video=[image, image[:16]])], **KW)
+
+
+@pytest.mark.slow
+def test_guidance_windows_match_reference(t2v, ref):
+  """The official `guidance_timesteps` windows: four windows of which the 3 steps use 0, 2 and 3 give the
+  per-step reference run (window 1's values are never used)."""
+  sched = mdsch.from_config(t2v.scheduler_config)
+  c = sched.config
+  keys = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+  mu = mdsch.calculate_shift(48, *(c[k] for k in keys))
+  ts = np.asarray(sched.init(sigmas=mdsch.ltx_uniform_sigmas(3), mu=mu).timesteps) / 1000
+  windows = [1.0, (1.0 + ts[1]) / 2, ts[1], ts[2]]
+  assert md_ltx.guidance_windows(windows, ts) == [0, 2, 3]
+  out = t2v(
+    PROMPTS[0], NEGATIVE, latents=ref["t2v_stg/latents"], guidance_timesteps=windows,
+    guidance_scale=[1.0, 9.0, 4.0, 3.0], stg_scale=[0.0, 9.0, 2.0, 1.0],
+    stg_rescale=[0.7, 0.1, 0.7, 1.0], stg_blocks=[[], [0], [1], [0, 1]], cfg_star=True,
+    decode_noise_scale=0.0, **KW,
+  )  # fmt: skip
+  assert _max_diff(out, ref["t2v_stg/frames"]) < 1e-3

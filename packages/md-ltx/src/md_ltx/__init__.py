@@ -1,7 +1,7 @@
 """md-ltx: LTX-Video for md (transformer, weights, pipelines)."""
 
 from md_ltx._config import REMAT_POLICIES, VARIANTS, LTXConfig
-from md_ltx._pipeline import LTXCondition, LTXVideoPipeline, load_pipeline
+from md_ltx._pipeline import LTXCondition, LTXVideoPipeline, guidance_windows, load_pipeline
 from md_ltx._transformer import (
   LTXAttention,
   LTXBlock,
@@ -32,6 +32,7 @@ __all__ = [
   "LTXVideoPipeline",
   "convert_key",
   "convert_original_key",
+  "guidance_windows",
   "load_pipeline",
   "load_transformer",
   "original_config",

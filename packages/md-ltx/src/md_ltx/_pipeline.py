@@ -123,19 +123,43 @@ class _Guidance:
   cfg_star: bool
 
 
-def _step_scales(total, layers, guidance, phi, stg, stg_rescale, blocks) -> dict[str, jax.Array]:
-  """Per-step guidance arrays `[total]` and the perturbed pass's block mask `[total, layers]` (1 keep)."""
+def guidance_windows(guidance_timesteps: Sequence[float], timesteps: Sequence[float]) -> list[int]:
+  """The official repository's `guidance_timesteps` mapping: for each step's timestep (in [0, 1]), the
+  first window whose start `guidance_timesteps[j] <= t` (the last window when none is)."""
+  out = []
+  for t in timesteps:
+    hits = [j for j, g in enumerate(guidance_timesteps) if g <= t]
+    out.append(hits[0] if hits else len(guidance_timesteps) - 1)
+  return out
+
+
+def _step_scales(
+  total, layers, guidance, phi, stg, stg_rescale, blocks, windows=None
+) -> dict[str, jax.Array]:
+  """Per-step guidance arrays `[total]` and the perturbed pass's block mask `[total, layers]` (1 keep).
+
+  With `windows` (one window index per step), list-valued settings hold one value per window."""
 
   def per_step(v, name):
     a = np.asarray(v, np.float32).reshape(-1)
     if a.size == 1:
       return np.full((total,), a[0], np.float32)
+    if windows is not None:
+      if max(windows) >= a.size:
+        raise ValueError(f"{name} has {a.size} values for {max(windows) + 1} guidance windows")
+      return a[np.asarray(windows)]
     if a.size != total:
       raise ValueError(f"{name} has {a.size} values; give one, or one per step run ({total})")
     return a
 
   blocks = list(blocks)
   lists = blocks if blocks and not np.isscalar(blocks[0]) else [blocks] * total
+  if windows is not None and lists is blocks:
+    if max(windows) >= len(blocks):
+      raise ValueError(
+        f"stg_blocks has {len(blocks)} lists for {max(windows) + 1} guidance windows"
+      )
+    lists = [blocks[j] for j in windows]
   if len(lists) != total:
     raise ValueError(f"stg_blocks has {len(lists)} lists; give one list, or one per step ({total})")
   keep = np.ones((total, layers), np.float32)
@@ -482,6 +506,7 @@ class LTXVideoPipeline:
     stg_mode: str = "attention_values",
     stg_rescale: float | Sequence[float] = 1.0,
     cfg_star: bool = False,
+    guidance_timesteps: Sequence[float] | None = None,
     image_cond_noise_scale: float = 0.15,
     denoise_strength: float = 1.0,
     num_videos_per_prompt: int = 1,
@@ -526,6 +551,9 @@ class LTXVideoPipeline:
         `pred *= r * std(cond) / std(pred) + 1 - r` per video, at steps where r != 1 (1: off).
       cfg_star: the official CFG-star rescale: the unconditional prediction is scaled by
         `<cond, uncond> / |uncond|^2` before guidance.
+      guidance_timesteps: the official YAML's window starts (descending, in [0, 1]); list-valued
+        `guidance_scale`, `stg_scale`, `stg_rescale` and `stg_blocks` then hold one entry per window, each
+        step taking the first window whose start is <= its timestep / 1000 (see `guidance_windows`).
       guidance_rescale: the std rescale of the guided prediction (0: off).
       image_cond_noise_scale: noise added at each step to hard-conditioned tokens (strength 1), scaled by
         `(t / 1000)^2` (conditioning mode).
@@ -805,9 +833,12 @@ class LTXVideoPipeline:
       cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, stg=stg_on, stg_mode=stg_mode,
       stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)), cfg_star=bool(cfg_star),
     )  # fmt: skip
+    windows = None
+    if guidance_timesteps is not None:
+      windows = guidance_windows(list(guidance_timesteps), (ts_host / np.float32(1000)).tolist())
     scales = _step_scales(
       total, self.transformer.cfg.num_layers, guidance_scale, guidance_rescale, stg_scale,
-      stg_rescale, stg_blocks,
+      stg_rescale, stg_blocks, windows,
     )  # fmt: skip
     key = (
       "loop",
