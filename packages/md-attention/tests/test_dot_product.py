@@ -63,7 +63,11 @@ def test_bad_inputs_raise():
   with pytest.raises(ValueError, match="k and v must have the same shape"):
     mda.attention(q, k, v[:, :4])
   with pytest.raises(ValueError, match="must agree in batch, heads and head dim"):
-    mda.attention(q, k[:, :, :1], v[:, :, :1])
+    mda.attention(q, k[..., :4], v[..., :4])
+  with pytest.raises(
+    ValueError, match="fewer heads than q if they divide"
+  ):  # 3 K/V heads, 2 q heads
+    mda.attention(q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2))
   with pytest.raises(ValueError, match=r"mask must be \[B, S_kv\] = \(2, 8\), got \(2, 7\)"):
     mda.attention(q, k, v, mask=jnp.ones((2, 7), bool))
   with pytest.raises(TypeError, match="one floating dtype"):

@@ -19,7 +19,7 @@ from md_attention._config import (
 )
 from md_attention._context_parallel import context_parallel_attention
 from md_attention._cudnn import cudnn_attention
-from md_attention._dot_product import dot_product_attention
+from md_attention._dot_product import dot_product_attention, normalize_window
 from md_attention._select import select_implementation
 from md_attention._splash import splash_attention
 
@@ -31,9 +31,10 @@ def _check_inputs(q, k, v, mask):
   if k.shape != v.shape:
     raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
   b, _, h, d = q.shape
-  if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
+  if (k.shape[0], k.shape[3]) != (b, d) or k.shape[2] < 1 or h % k.shape[2]:
     raise ValueError(
-      f"q {q.shape} and k/v {k.shape} must agree in batch, heads and head dim ([B, S, H, D])"
+      f"q {q.shape} and k/v {k.shape} must agree in batch, heads and head dim ([B, S, H, D]); k/v "
+      "may have fewer heads than q if they divide q's (grouped-query attention)"
     )
   if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
     raise TypeError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -41,26 +42,28 @@ def _check_inputs(q, k, v, mask):
     raise ValueError(f"mask must be [B, S_kv] = {(b, k.shape[1])}, got {mask.shape}")
 
 
-def _local(implementation, *, causal, scale, config, block_q, block_kv, s_kv, has_mask=True):
+def _local(
+  implementation, *, causal, scale, config, block_q, block_kv, s_kv, has_mask=True, window=None
+):
   """Local attention as `(q, k, v, kv_valid, q_pos, k_pos) -> out`."""
   if implementation == "auto":
     implementation = "blockwise" if s_kv >= config.min_seq_length else "dot_product"
   if implementation == "dot_product":
-    return functools.partial(dot_product_attention, causal=causal, scale=scale)
+    return functools.partial(dot_product_attention, causal=causal, scale=scale, window=window)
   if implementation == "blockwise":
     return lambda q, k, v, valid, q_pos, k_pos: blockwise_attention(
-      q, k, v, valid, q_pos, k_pos, causal, scale, block_q, block_kv
+      q, k, v, valid, q_pos, k_pos, causal, scale, block_q, block_kv, window
     )
   # cuDNN and splash mask causally by index from 0, which is what the local (unsharded) call needs;
   # without a mask they skip the key-padding machinery.
   if implementation == "cudnn":
     return lambda q, k, v, valid, q_pos, k_pos: cudnn_attention(
-      q, k, v, valid if has_mask else None, causal=causal, scale=scale
+      q, k, v, valid if has_mask else None, causal=causal, scale=scale, window=window
     )
   if implementation == "splash":
     return lambda q, k, v, valid, q_pos, k_pos: splash_attention(
-      q, k, v, valid if has_mask else None, causal=causal, scale=scale, block_q=block_q,
-      block_kv=block_kv,
+      q, k, v, valid if has_mask else None, causal=causal, scale=scale, window=window,
+      block_q=block_q, block_kv=block_kv,
     )  # fmt: skip
   raise AssertionError(implementation)
 
@@ -76,6 +79,7 @@ def attention(
   implementation: str | None = None,
   mesh: Mesh | None = None,
   config: AttentionConfig | None = None,
+  window: int | tuple[int | None, int | None] | None = None,
 ):
   """Multi-head attention over `[B, S, H, D]` tensors, by the implementation the config names.
 
@@ -84,10 +88,16 @@ def attention(
   heads as md-sharding's rules (`config.rules`) place the logical names `ACTIVATION_AXES`, the
   sequence over `config.context_axis` (when the context axis divides it).
 
+  Grouped-query / multi-query attention: k and v may have `H_kv` heads with `H % H_kv == 0`; query
+  head `h` then uses key/value head `h // (H // H_kv)` (transformers' `repeat_kv` order). `dot_product`,
+  `blockwise`, `cudnn`, `ulysses` and cross-attention under context parallelism use the smaller K/V
+  as they are; `splash` and `ring`/`ulysses_ring` (self-attention) repeat them to `H` heads, and
+  under a mesh K/V are repeated just enough for the devices their heads are split over.
+
   Args:
     q: `[B, S_q, H, D]` queries.
-    k: `[B, S_kv, H, D]` keys (`S_kv != S_q` for cross-attention).
-    v: `[B, S_kv, H, D]` values.
+    k: `[B, S_kv, H_kv, D]` keys (`S_kv != S_q` for cross-attention; `H % H_kv == 0`).
+    v: `[B, S_kv, H_kv, D]` values.
     mask: optional `[B, S_kv]` key padding mask, True (or nonzero) for keys to attend to.
     causal: query `i` sees keys `0..i` only (text encoders).
     scale: score multiplier (a Python number); `1/sqrt(D)` by default.
@@ -95,13 +105,18 @@ def attention(
     mesh: the device mesh for sharded implementations; defaults to the context mesh
       (`jax.set_mesh` / `with mesh:`), if any.
     config: an `AttentionConfig`; defaults to `AttentionConfig()`.
+    window: local (sliding-window) attention by position. An int `w` is Gemma 3's causal window:
+      query `i` sees keys `j` with `i - w < j <= i`. A pair `(left, right)` lets query `i` see keys
+      `i - left <= j <= i + right` (None: no limit on that side). Combines with `mask` and `causal`
+      (causal caps `right` at 0). Not supported by `ring` / `ulysses_ring` self-attention.
 
   Returns:
     `[B, S_q, H, D]` in q's dtype.
 
   Raises:
     ValueError: for mismatched shapes, an unknown implementation, a context-parallel implementation
-      without a mesh, or heads that the Ulysses degree does not divide.
+      without a mesh, heads that the Ulysses degree does not divide, or a window with an
+      implementation that passes key blocks around a ring.
     TypeError: for non-float or mixed dtypes, or dtypes the chosen kernel does not take.
     RuntimeError: for `cudnn` off NVIDIA GPUs and `splash` off TPU.
   """
@@ -118,6 +133,7 @@ def attention(
   s_kv = k.shape[1]
   # A static Python float: kernels take it as a compile-time constant.
   scale = float(d) ** -0.5 if scale is None else float(scale)
+  window = normalize_window(window, causal)
   mesh = shd.context_mesh() if mesh is None else mesh
   if implementation == "auto":
     implementation = select_implementation(q.shape, k.shape, q.dtype, mesh, config)
@@ -157,11 +173,12 @@ def attention(
       block_q=block_q,
       block_kv=block_kv,
       s_kv=max(s_q, s_kv),
+      window=window,
     )
     config = dataclasses.replace(config, block_q=block_q, block_kv=block_kv)
     return context_parallel_attention(
       q, k, v, kv_valid, causal=causal, scale=scale, mesh=mesh, config=config,
-      implementation=implementation, attend=inner,
+      implementation=implementation, attend=inner, window=window,
     )  # fmt: skip
 
   local = _local(
@@ -173,6 +190,7 @@ def attention(
     block_kv=block_kv,
     s_kv=s_kv,
     has_mask=mask is not None,
+    window=window,
   )
   q_pos, k_pos = jnp.arange(s_q, dtype=jnp.int32), jnp.arange(s_kv, dtype=jnp.int32)
   if mesh is None or mesh.size == 1:
@@ -180,6 +198,7 @@ def attention(
 
   # Under a mesh each device attends over its batch and head shards with the whole sequence.
   b_spec, h_spec = shd.activation_specs(mesh, config.rules, (b, s_q, h, d))
+  k, v = shd.fit_kv_heads(k, v, h, shd.spec_size(mesh, h_spec))
   act, valid = P(b_spec, None, h_spec, None), P(b_spec, None)
   out = shd.shard_map(
     lambda q, k, v, kv_valid: local(q, k, v, kv_valid, q_pos, k_pos),

@@ -53,11 +53,18 @@ def _from_blocks(x, axis: int):
   return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
 
 
-def _visible(q_pos, k_pos, causal: bool):
-  """False when causal masking hides the whole tile, so its work can be skipped."""
-  if not causal:
-    return jnp.bool_(True)
-  return jnp.min(k_pos) <= jnp.max(q_pos)
+def _visible(q_pos, k_pos, causal: bool, window=None):
+  """False when causal or window masking hides the whole tile, so its work can be skipped."""
+  visible = jnp.bool_(True)
+  if causal:
+    visible = visible & (jnp.min(k_pos) <= jnp.max(q_pos))
+  if window is not None:
+    left, right = window
+    if left is not None:
+      visible = visible & (jnp.max(k_pos) >= jnp.min(q_pos) - left)
+    if right is not None:
+      visible = visible & (jnp.min(k_pos) <= jnp.max(q_pos) + right)
+  return visible
 
 
 def block_sizes(s_q: int, s_kv: int, block_q: int, block_kv: int) -> tuple[int, int]:
@@ -65,7 +72,9 @@ def block_sizes(s_q: int, s_kv: int, block_q: int, block_kv: int) -> tuple[int, 
   return min(block_q, s_q), min(block_kv, s_kv)
 
 
-def flash_forward(q, k, v, kv_valid, q_pos, k_pos, *, causal, scale, block_q, block_kv):
+def flash_forward(
+  q, k, v, kv_valid, q_pos, k_pos, *, causal, scale, block_q, block_kv, window=None
+):
   """Attention of q over one set of keys, with the statistics needed to merge or differentiate it.
 
   Args:
@@ -79,6 +88,7 @@ def flash_forward(q, k, v, kv_valid, q_pos, k_pos, *, causal, scale, block_q, bl
     scale: score multiplier.
     block_q: query block.
     block_kv: key block.
+    window: optional `(left, right)` local window by position; tiles wholly outside it are skipped.
 
   Returns:
     out: `[B, S_q, H, D]` float32, normalised (zeros where no key is visible).
@@ -104,7 +114,7 @@ def flash_forward(q, k, v, kv_valid, q_pos, k_pos, *, causal, scale, block_q, bl
 
       def compute():
         s = jnp.einsum("bqhd,bkhd->bhqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
-        keep = keep_mask(valid_j, qpos_i, kpos_j, causal)
+        keep = keep_mask(valid_j, qpos_i, kpos_j, causal, window)
         m_new = jnp.maximum(m, jnp.max(jnp.where(keep, s, -jnp.inf), axis=-1))
         # Rows that have seen no key yet keep m = -inf; shift them by 0 instead so nothing is NaN.
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -115,7 +125,7 @@ def flash_forward(q, k, v, kv_valid, q_pos, k_pos, *, causal, scale, block_q, bl
         )
         return acc * alpha[..., None] + pv, m_new, l * alpha + jnp.sum(p, axis=-1)
 
-      carry = lax.cond(_visible(qpos_i, kpos_j, causal), compute, lambda: carry)
+      carry = lax.cond(_visible(qpos_i, kpos_j, causal, window), compute, lambda: carry)
       return carry, None
 
     init = (
@@ -136,7 +146,7 @@ def flash_forward(q, k, v, kv_valid, q_pos, k_pos, *, causal, scale, block_q, bl
 
 
 def flash_backward(q, k, v, kv_valid, q_pos, k_pos, d_out, lse, delta, *, causal, scale, block_q,
-                   block_kv):  # fmt: skip
+                   block_kv, window=None):  # fmt: skip
   """Gradients of `flash_forward`'s output given the row statistics of the full softmax.
 
   Args:
@@ -144,7 +154,7 @@ def flash_backward(q, k, v, kv_valid, q_pos, k_pos, d_out, lse, delta, *, causal
     d_out: `[B, S_q, H, D]` cotangent of the (global) output.
     lse: `[B, H, S_q]` log-sum-exp of the full softmax the output was normalised by.
     delta: `[B, H, S_q]` float32 `sum(d_out * out, -1)` of the full output.
-    causal, scale, block_q, block_kv: as in `flash_forward`.
+    causal, scale, block_q, block_kv, window: as in `flash_forward`.
 
   Returns:
     dq `[B, S_q, H, D]`, dk and dv `[B, S_kv, H, D]`, all float32: this key set's share of the gradients.
@@ -173,7 +183,7 @@ def flash_backward(q, k, v, kv_valid, q_pos, k_pos, d_out, lse, delta, *, causal
 
       def compute():
         s = jnp.einsum("bqhd,bkhd->bhqk", q_i, k_j, preferred_element_type=jnp.float32) * scale
-        keep = keep_mask(valid_j, qpos_i, kpos_j, causal)
+        keep = keep_mask(valid_j, qpos_i, kpos_j, causal, window)
         p = jnp.where(keep, jnp.exp(s - lse_i[..., None]), 0.0)
         dv_new = dv + jnp.einsum(
           "bhqk,bqhd->bkhd", p.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
@@ -188,7 +198,7 @@ def flash_backward(q, k, v, kv_valid, q_pos, k_pos, d_out, lse, delta, *, causal
         )
         return (dk_new, dv_new), dq_new
 
-      return lax.cond(_visible(qpos_i, kpos_j, causal), compute, lambda: ((dk, dv), dq_i))
+      return lax.cond(_visible(qpos_i, kpos_j, causal, window), compute, lambda: ((dk, dv), dq_i))
 
     zeros = jnp.zeros((b, bk, h, d), jnp.float32)
     (dk, dv), dq_blocks = lax.scan(
@@ -212,34 +222,70 @@ def output_delta(d_out, out):
   return jnp.transpose(delta, (0, 2, 1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def blockwise_attention(q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv):
+def fold_groups(q, q_pos, h_kv: int):
+  """Grouped-query attention as plain attention over `H_kv` heads: `[B, S, H, D]` queries become
+  `[B, S * G, H_kv, D]` (the `G = H / H_kv` query heads of one key/value head as extra rows, each with
+  its query's position), so K/V are used as they are, never repeated."""
+  b, s, h, d = q.shape
+  g = h // h_kv
+  q = jnp.transpose(q.reshape(b, s, h_kv, g, d), (0, 1, 3, 2, 4)).reshape(b, s * g, h_kv, d)
+  return q, jnp.repeat(q_pos, g)
+
+
+def unfold_groups(out, h: int):
+  """Inverse of `fold_groups` for the output: `[B, S * G, H_kv, D]` -> `[B, S, H, D]`."""
+  b, sg, h_kv, d = out.shape
+  g = h // h_kv
+  return jnp.transpose(out.reshape(b, sg // g, g, h_kv, d), (0, 1, 3, 2, 4)).reshape(b, -1, h, d)
+
+
+def blockwise_attention(
+  q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv, window=None
+):
   """Flash attention with O(S) memory in both passes; arguments as in `flash_forward`.
+
+  k and v may have fewer heads than q (grouped-query attention, `H % H_kv == 0`): the query heads of
+  each key/value head are folded into the query rows (`fold_groups`), so K/V are not repeated.
 
   Returns:
     `[B, S_q, H, D]` in q's dtype.
   """
-  out, _ = flash_forward(
-    q, k, v, kv_valid, q_pos, k_pos, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
+  h, h_kv = q.shape[2], k.shape[2]
+  if h == h_kv:
+    return _blockwise(q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv, window)
+  g = h // h_kv
+  q_folded, pos_folded = fold_groups(q, q_pos, h_kv)
+  out = _blockwise(
+    q_folded, k, v, kv_valid, pos_folded, k_pos, causal, scale, block_q * g, block_kv, window
   )
+  return unfold_groups(out, h)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _blockwise(q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv, window):
+  out, _ = flash_forward(
+    q, k, v, kv_valid, q_pos, k_pos, causal=causal, scale=scale, block_q=block_q,
+    block_kv=block_kv, window=window,
+  )  # fmt: skip
   return out.astype(q.dtype)
 
 
-def _blockwise_fwd(q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv):
+def _blockwise_fwd(q, k, v, kv_valid, q_pos, k_pos, causal, scale, block_q, block_kv, window):
   out, lse = flash_forward(
-    q, k, v, kv_valid, q_pos, k_pos, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
-  )
+    q, k, v, kv_valid, q_pos, k_pos, causal=causal, scale=scale, block_q=block_q,
+    block_kv=block_kv, window=window,
+  )  # fmt: skip
   out = out.astype(q.dtype)
   return out, (q, k, v, kv_valid, q_pos, k_pos, out, lse)
 
 
-def _blockwise_bwd(causal, scale, block_q, block_kv, residuals, d_out):
+def _blockwise_bwd(causal, scale, block_q, block_kv, window, residuals, d_out):
   q, k, v, kv_valid, q_pos, k_pos, out, lse = residuals
   dq, dk, dv = flash_backward(
     q, k, v, kv_valid, q_pos, k_pos, d_out, lse, output_delta(d_out, out),
-    causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
+    causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, window=window,
   )  # fmt: skip
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
-blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

@@ -60,15 +60,28 @@ def ulysses_degree(
 
 
 def context_parallel_attention(
-  q, k, v, kv_valid, *, causal, scale, mesh: Mesh, config: AttentionConfig, implementation, attend
+  q,
+  k,
+  v,
+  kv_valid,
+  *,
+  causal,
+  scale,
+  mesh: Mesh,
+  config: AttentionConfig,
+  implementation,
+  attend,
+  window=None,
 ):
   """Ring / Ulysses / Ulysses x ring attention under `shard_map` over `mesh`.
 
   Args:
     q: `[B, S_q, H, D]`.
-    k, v: `[B, S_kv, H, D]`.
+    k, v: `[B, S_kv, H_kv, D]` (`H % H_kv == 0`: grouped-query).
     kv_valid: `[B, S_kv]` bool.
     causal, scale: as in `attention`.
+    window: normalized `(left, right)` local window or None; `attend` applies it. Ring steps do not
+      take one, so a window with `R > 1` raises.
     mesh: a mesh with `config.context_axis`.
     config: block sizes, axes, Ulysses degree and chunks.
     implementation: "ring", "ulysses" or "ulysses_ring".
@@ -92,6 +105,20 @@ def context_parallel_attention(
   cross = s_q != s_kv
   degree = 1 if cross else ulysses_degree(implementation, context, local_heads, h, config)
   ring = context // degree
+  if window is not None and ring > 1 and not cross:
+    raise ValueError(
+      f"{implementation}: a local window is not supported when key blocks travel around a ring "
+      f"(ring size {ring}); use implementation='ulysses' (heads per device {local_heads} must divide "
+      f"by the {ctx!r} axis {context}), a context axis of 1, or no window"
+    )
+  tensor_split = h // local_heads
+  if cross:
+    k, v = shd.fit_kv_heads(k, v, h, tensor_split)
+  elif ring > 1:
+    # Ring steps take equal head counts: grouped K/V are repeated to H heads.
+    k, v = shd.fit_kv_heads(k, v, h, h)
+  else:
+    k, v = shd.fit_kv_heads(k, v, h, tensor_split * degree * config.ulysses_chunks)
   # Device c of the context axis is Ulysses position c % degree of ring position c // degree.
   groups = (
     None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,3 +80,14 @@ def constrain(x, mesh: Mesh, spec: P):
 
 def divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def fit_kv_heads(k, v, heads: int, divisor: int):
+  """Repeats grouped K/V heads the least that makes their count divisible by `divisor` (the devices
+  the heads are split over); each key/value head keeps serving the same query heads."""
+  h_kv = k.shape[2]
+  if h_kv % divisor == 0:
+    return k, v
+  groups = heads // h_kv
+  r = next(r for r in range(1, groups + 1) if groups % r == 0 and (h_kv * r) % divisor == 0)
+  return tuple(jnp.repeat(x, r, axis=2) for x in (k, v))

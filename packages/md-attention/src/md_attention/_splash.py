@@ -46,6 +46,7 @@ def splash_attention(
   *,
   causal: bool = False,
   scale: float | None = None,
+  window=None,
   block_q: int = 512,
   block_kv: int = 512,
   interpret: bool = False,
@@ -54,10 +55,13 @@ def splash_attention(
 
   Args:
     q: `[B, S_q, H, D]`.
-    k, v: `[B, S_kv, H, D]`.
+    k, v: `[B, S_kv, H_kv, D]` with `H % H_kv == 0`; grouped K/V are repeated to H heads here
+      (`make_splash_mha` takes equal head counts).
     kv_valid: optional `[B, S_kv]` bool, False for padded keys.
     causal: causal masking (query i sees keys 0..i).
     scale: score multiplier; defaults to `1/sqrt(D)` of the unpadded head dim.
+    window: optional local window, an int or `(left, right)` as in `md_attention.attention`
+      (the kernel's `LocalMask`, which skips blocks outside it).
     block_q: query block (rounded to a multiple of 128, at most the padded length).
     block_kv: key block (likewise).
     interpret: run the kernel in the Pallas interpreter (any backend).
@@ -65,8 +69,13 @@ def splash_attention(
   Returns:
     `[B, S_q, H, D]` in q's dtype; queries that see no key get zeros.
   """
+  from md_attention._dot_product import normalize_window
+
   sa = _splash_module()
   b, s_q, h, d = q.shape
+  window = normalize_window(window, causal)
+  if k.shape[2] != h:
+    k, v = (jnp.repeat(x, h // k.shape[2], axis=2) for x in (k, v))
   s_kv = k.shape[1]
   scale = d**-0.5 if scale is None else scale
   bq = min(_round_up(block_q, _LANES), _round_up(s_q, _LANES))
@@ -85,7 +94,10 @@ def splash_attention(
   q_segments = jnp.ones((b, sq_pad), jnp.int32)
   kv_segments = _pad(kv_valid.astype(jnp.int32), 1, skv_pad)
   shape = (sq_pad, skv_pad)
-  mask = sa.CausalMask(shape) if causal else sa.FullMask(shape)
+  if window is not None:
+    mask = sa.LocalMask(shape, window, offset=0)
+  else:
+    mask = sa.CausalMask(shape) if causal else sa.FullMask(shape)
   kernel = sa.make_splash_mha(
     sa.MultiHeadMask([mask] * h),
     block_sizes=sa.BlockSizes(

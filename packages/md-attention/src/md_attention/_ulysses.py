@@ -39,7 +39,8 @@ def ulysses_attention(
   """Runs `attend` on whole sequences and a slice of the heads (call inside shard_map).
 
   Args:
-    q, k, v: `[B, S/U, H, D]` local sequence blocks (block `i` on Ulysses position `i`).
+    q: `[B, S/U, H, D]` local sequence blocks (block `i` on Ulysses position `i`).
+    k, v: `[B, S/U, H_kv, D]`, `H_kv` dividing H (grouped-query) and divisible by `degree * chunks`.
     kv_valid: `[B, S/U]` bool local key mask.
     attend: `(q, k, v, kv_valid) -> out` over `[B, S, H/(U*chunks), D]` inputs and `[B, S]` mask.
     axis_name: the Ulysses mesh axis.
@@ -54,10 +55,11 @@ def ulysses_attention(
   if degree == 1:
     return attend(q, k, v, kv_valid)
   kv_valid = _gather_mask(kv_valid, axis_name, degree, groups)
-  group = q.shape[2] // chunks
+  group, kv_group = q.shape[2] // chunks, k.shape[2] // chunks
   outs = []
   for g in range(chunks):
-    heads = slice(g * group, (g + 1) * group)
-    q_g, k_g, v_g = (_to_heads(x[:, :, heads], axis_name, groups) for x in (q, k, v))
+    heads, kv_heads = slice(g * group, (g + 1) * group), slice(g * kv_group, (g + 1) * kv_group)
+    q_g = _to_heads(q[:, :, heads], axis_name, groups)
+    k_g, v_g = (_to_heads(x[:, :, kv_heads], axis_name, groups) for x in (k, v))
     outs.append(_to_sequence(attend(q_g, k_g, v_g, kv_valid), axis_name, groups))
   return outs[0] if chunks == 1 else jnp.concatenate(outs, axis=2)

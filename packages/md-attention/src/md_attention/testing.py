@@ -56,18 +56,22 @@ def forward_and_grads(q, k, v, d_out, **kwargs):
   return out, grads
 
 
-def max_errors(q, k, v, d_out, *, mask=None, causal=False, scale=None, **kwargs) -> dict:
+def max_errors(
+  q, k, v, d_out, *, mask=None, causal=False, scale=None, window=None, **kwargs
+) -> dict:
   """Largest absolute differences to `dot_product` in the output and in dq, dk, dv.
 
   Args:
     q, k, v, d_out: inputs and the output cotangent.
-    mask, causal, scale: passed to both.
+    mask, causal, scale, window: passed to both.
     **kwargs: `implementation`, `mesh`, `config` of the implementation under test.
 
   Returns:
     `{"out": e, "dq": e, "dk": e, "dv": e}` and, under `"result"`, the tested output.
   """
   common = dict(mask=mask, causal=causal, scale=scale)
+  if window is not None:
+    common["window"] = window
   want, want_grads = forward_and_grads(
     q, k, v, d_out, implementation="dot_product", config=AttentionConfig(), **common
   )

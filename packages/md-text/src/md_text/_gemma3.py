@@ -12,8 +12,10 @@ Gemma 3 12B); the 12B model has five local layers per global one.
 
 The layers are scanned: one block is compiled, its parameters stacked on a leading `layers` axis, and each
 layer's kind picked per step (window and rotary table), so a 48-layer model compiles as fast as a 4-layer one.
-Attention is computed densely with the window as a mask (md-attention takes key padding masks only);
-LTX-2's prompts are 1024 tokens, where the dense `[S, S]` scores are small.
+Attention goes through md-attention (`Gemma3Config.attention` picks the implementation) with grouped
+K/V as they are and the local layers' window as md-attention's `window`; a layer kind that differs
+only in the window is picked per step with `lax.cond` (no cond when the window covers the prompt, as
+in LTX-2: 1024 tokens, window 1024).
 
 As an encoder it returns the hidden states of every layer, indexed as transformers' `output_hidden_states`
 indexes them: 0 the (scaled) embeddings, `i` the output of layer `i`, `num_hidden_layers` the final normed
@@ -34,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import md_attention as mda
 import md_core
 from md_core import nn
 from md_text._tokenizer import Tokens
@@ -78,6 +81,8 @@ class Gemma3Config:
     attn_logit_softcapping: `cap * tanh(scores / cap)` before the softmax when set (None in Gemma 3).
     max_position_embeddings: the longest sequence the model was trained for (informational).
     remat: rematerialisation of each scanned layer: "none", "full", "dots", "dots_no_batch".
+    attention: the md-attention implementation and its settings (not used with
+      `attn_logit_softcapping`, which is computed densely).
   """
 
   vocab_size: int
@@ -97,6 +102,7 @@ class Gemma3Config:
   attn_logit_softcapping: float | None = None
   max_position_embeddings: int = 131_072
   remat: str = "none"
+  attention: mda.AttentionConfig = dataclasses.field(default_factory=mda.AttentionConfig)
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -168,6 +174,7 @@ class Gemma3Config:
     local_theta = d.pop("rope_local_base_freq", None)
     layer_types = d.pop("layer_types", None)
     fields = {f.name for f in dataclasses.fields(cls)} - {
+      "attention",
       "remat",
       "layer_types",
       "rope_linear_factor",
@@ -300,8 +307,10 @@ class _Layer(nnx.Module):
     self.down_proj = nn.Dense(cfg.intermediate_size, d, axes=("mlp", "embed"), **kw)
     self.cfg = cfg
 
-  def attention(self, x, cos, sin, allowed):
-    """`x [B, S, D]` normed; `cos, sin [S, head_dim]`; `allowed [B, S, S]` bool (query, key)."""
+  def attention(self, x, cos, sin, mask, empty, local):
+    """`x [B, S, D]` normed; `cos, sin [S, head_dim]`; `mask [B, S]` bool key mask or None; `empty`
+    `[B, S]` bool, queries that see no real key, or None; `local` whether this layer is a sliding one
+    (a traced bool under the layer scan, or a Python bool when every layer has the same window)."""
     cfg = self.cfg
     b, s, _ = x.shape
     h, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -310,24 +319,52 @@ class _Layer(nnx.Module):
     v = self.v_proj(x).reshape(b, s, kvh, hd)
     q = nn.apply_rope(q, cos, sin, interleaved=False)
     k = nn.apply_rope(k, cos, sin, interleaved=False)
-    # Each key/value head serves `groups` consecutive query heads (transformers' repeat_kv).
-    groups = h // kvh
-    q = q.reshape(b, s, kvh, groups, hd)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q.astype(_F32), k.astype(_F32)) * (
-      float(cfg.query_pre_attn_scalar) ** -0.5
-    )
+    scale = float(cfg.query_pre_attn_scalar) ** -0.5
     if cfg.attn_logit_softcapping is not None:
-      cap = float(cfg.attn_logit_softcapping)
-      scores = cap * jnp.tanh(scores / cap)
+      out = self._softcapped(q, k, v, mask, local, scale)
+    else:
+      # Each key/value head serves `groups` consecutive query heads (transformers' repeat_kv order,
+      # md-attention's grouped-query convention), so K/V go in with their own head count.
+      def run(window):
+        return mda.attention(
+          q, k, v, mask=mask, causal=True, scale=scale, window=window, config=cfg.attention
+        )
+
+      if isinstance(local, bool):
+        out = run(cfg.sliding_window if local else None)
+      else:
+        out = jax.lax.cond(local, lambda: run(cfg.sliding_window), lambda: run(None))
+      if empty is not None:
+        # The reference adds float32's lowest value to masked scores, so a query that sees no key at
+        # all (a left-padded position) averages every value; md-attention gives zeros there.
+        mean = jnp.mean(v.astype(_F32), axis=1).astype(out.dtype)  # [B, kvh, hd]
+        out = out.reshape(b, s, kvh, h // kvh, hd)
+        out = jnp.where(empty[:, :, None, None, None], mean[:, None, :, None, :], out)
+    return self.o_proj(out.reshape(b, s, h * hd))
+
+  def _softcapped(self, q, k, v, mask, local, scale):
+    """Dense attention with `cap * tanh(scores / cap)` (md-attention has no soft-capping)."""
+    cfg = self.cfg
+    b, s, h, hd = q.shape
+    kvh = k.shape[2]
+    i, j = jnp.arange(s)[:, None], jnp.arange(s)[None, :]
+    allowed = (j <= i) & ((j > i - cfg.sliding_window) | jnp.logical_not(local))
+    if mask is not None:
+      allowed = allowed[None] & mask[:, None, :]
+    else:
+      allowed = jnp.broadcast_to(allowed[None], (b, s, s))
+    qg = q.reshape(b, s, kvh, h // kvh, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg.astype(_F32), k.astype(_F32)) * scale
+    cap = float(cfg.attn_logit_softcapping)
+    scores = cap * jnp.tanh(scores / cap)
     # Masked scores take float32's lowest value, as the reference adds it: a query that sees no key at
     # all (a left-padded position) then averages every value, as the reference does.
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(_F32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-    return self.o_proj(out.reshape(b, s, h * hd))
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, hd)
 
-  def __call__(self, h, cos, sin, allowed):
-    a = self.attention(self.input_layernorm(h), cos, sin, allowed)
+  def __call__(self, h, cos, sin, mask, empty, local):
+    a = self.attention(self.input_layernorm(h), cos, sin, mask, empty, local)
     h = h + self.post_attention_layernorm(a)
     x = self.pre_feedforward_layernorm(h)
     m = self.down_proj(nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
@@ -408,21 +445,28 @@ class Gemma3Encoder(nnx.Module):
     embeddings = h
 
     cos, sin = gemma3_rope_tables(cfg, s)  # [2, S, hd]
-    q_idx = jnp.arange(s)[:, None]
-    k_idx = jnp.arange(s)[None, :]
-    causal = k_idx <= q_idx
-    local = causal & (k_idx > q_idx - cfg.sliding_window)
-    key_ok = (jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool))[
-      :, None, :
-    ]
-    allowed = jnp.stack([local[None] & key_ok, causal[None] & key_ok])  # [2, B, S, S]
+    mask = None if attention_mask is None else attention_mask.astype(bool)
+    # Queries that see no real key, per layer kind: none without a mask; with one, those whose window
+    # (local) or causal past (global) holds no real token.
+    empty = None
+    if mask is not None:
+      seen = jnp.cumsum(mask, axis=1, dtype=jnp.int32)  # real keys among 0..i
+      w = cfg.sliding_window
+      before = jnp.pad(seen, ((0, 0), (w, 0)))[:, :s]  # real keys among 0..i-w
+      empty = jnp.stack([seen - before == 0, seen == 0])  # [2, B, S]
     kinds = jnp.asarray([LAYER_TYPES.index(t) for t in cfg.layer_types], jnp.int32)
+    # The window only matters for prompts longer than it; then the layer kind picks it per step.
+    windowed = cfg.sliding_window < s and "sliding_attention" in cfg.layer_types
+    mixed = windowed and "full_attention" in cfg.layer_types
+    fixed_local = windowed and not mixed
 
     graphdef, params = nnx.split(self.layers)
 
     def body(h, xs):
       layer, kind = xs
-      h = nnx.merge(graphdef, layer)(h, cos[kind], sin[kind], allowed[kind])
+      local = (kind == 0) if mixed else fixed_local
+      layer_empty = None if empty is None else empty[kind]
+      h = nnx.merge(graphdef, layer)(h, cos[kind], sin[kind], mask, layer_empty, local)
       return h, h
 
     h, per_layer = jax.lax.scan(md_core.remat(body, cfg.remat), h, (params, kinds))
@@ -562,6 +606,7 @@ def load_gemma3_encoder(
   rules: Any = None,
   remat: str | None = None,
   progress: bool = False,
+  attention: mda.AttentionConfig | None = None,
 ) -> Gemma3Encoder:
   """Loads a Gemma 3 text encoder from a transformers checkpoint folder or hub id.
 
@@ -574,6 +619,7 @@ def load_gemma3_encoder(
     rules: md-sharding logical axis rules.
     remat: override `Gemma3Config.remat`.
     progress: show a progress bar.
+    attention: override `Gemma3Config.attention`.
 
   Returns:
     The `Gemma3Encoder` with the checkpoint's weights.
@@ -585,6 +631,8 @@ def load_gemma3_encoder(
   """
   folder = md_core.resolve_source(source, subfolder=subfolder)
   overrides = {} if remat is None else {"remat": remat}
+  if attention is not None:
+    overrides["attention"] = attention
   cfg = Gemma3Config.from_json(folder / "config.json", **overrides)
   return md_core.load_weights(
     lambda: Gemma3Encoder(cfg, rngs=nnx.Rngs(0)),

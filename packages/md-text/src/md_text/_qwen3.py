@@ -243,11 +243,8 @@ class _Layer(nnx.Module):
     v = self.v_proj(x).reshape(b, s, cfg.num_key_value_heads, cfg.head_dim)
     q = nn.apply_rope(q, cos, sin, interleaved=False)
     k = nn.apply_rope(k, cos, sin, interleaved=False)
-    # md-attention takes equal head counts: each key/value head serves `groups` consecutive query heads
-    # (transformers' repeat_kv).
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    if groups > 1:
-      k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    # Grouped-query attention: each key/value head serves `groups` consecutive query heads
+    # (transformers' repeat_kv order), which md-attention does without repeating K/V.
     out = mda.attention(
       q, k, v, mask=mask, causal=True, scale=cfg.head_dim**-0.5, config=cfg.attention
     )  # [B, S, H, head_dim]
