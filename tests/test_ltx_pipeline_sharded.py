@@ -3,7 +3,8 @@ weights FSDP-sharded, the video tokens over `context` (ring attention) and the C
 
 Default: (data, fsdp, context, tensor) = (1, 2, 4, 1), text-to-video. Under `-m slow`: (1, 1, 8, 1), the
 data axis with two prompts (a CFG batch of 4) on (2, 1, 4, 1), and the conditioning mode (frame-0 image +
-keyframe: 64 tokens with explicit coordinates) on (1, 1, 8, 1).
+keyframe: 64 tokens with explicit coordinates) on (1, 1, 8, 1), and the official guidance (STG with a
+skipped block, CFG-star: a batch of 3) on (1, 2, 4, 1).
 """
 
 import jax
@@ -37,9 +38,11 @@ def _mesh(shape):
   )
 
 
-def _inputs(n: int, conditions: bool):
+def _inputs(n: int, conditions: bool, stg: bool = False):
   key = jax.random.key(0)
   kw = dict(prompt=PROMPTS[:n], latents=jax.random.normal(key, (n, 8, 3, 4, 4)))
+  if stg:  # the official guidance: a third batch slot with block 1's self-attention skipped
+    kw.update(stg_scale=1.5, stg_blocks=[1], stg_rescale=0.7, cfg_star=True)
   if conditions:
     rng = np.random.default_rng(0)
     pics = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(2)]
@@ -56,22 +59,22 @@ def single():
   pipe = md_ltx.load_pipeline(ROOT / "t2v")
   cache = {}
 
-  def run(n: int, conditions: bool):
-    if (n, conditions) not in cache:
-      cache[n, conditions] = np.asarray(pipe(**_inputs(n, conditions), **KW))
-    return cache[n, conditions]
+  def run(n: int, conditions: bool, stg: bool):
+    if (n, conditions, stg) not in cache:
+      cache[n, conditions, stg] = np.asarray(pipe(**_inputs(n, conditions, stg), **KW))
+    return cache[n, conditions, stg]
 
   return run
 
 
-def _check(single, shape, n=1, conditions=False):
+def _check(single, shape, n=1, conditions=False, stg=False):
   mesh = _mesh(shape)
   pipe = md_ltx.load_pipeline(ROOT / "t2v", mesh=mesh, attention="ring")
   kernel = pipe.transformer.blocks.attn1.to_q.kernel[...]
   if mesh.shape["fsdp"] > 1:
     assert len(kernel.sharding.device_set) == 8 and kernel.sharding.spec != (None, None, None)
-  got = pipe(**_inputs(n, conditions), **KW)
-  np.testing.assert_allclose(np.asarray(got), single(n, conditions), atol=1e-5, rtol=0)
+  got = pipe(**_inputs(n, conditions, stg), **KW)
+  np.testing.assert_allclose(np.asarray(got), single(n, conditions, stg), atol=1e-5, rtol=0)
 
 
 def test_sharded_fsdp_context_matches_single_device(single):
@@ -80,9 +83,14 @@ def test_sharded_fsdp_context_matches_single_device(single):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-  ("shape", "n", "conditions"),
-  [((1, 1, 8, 1), 1, False), ((2, 1, 4, 1), 2, False), ((1, 1, 8, 1), 1, True)],
-  ids=["c8", "d2c4-two-prompts", "c8-conditions"],
+  ("shape", "n", "conditions", "stg"),
+  [
+    ((1, 1, 8, 1), 1, False, False),
+    ((2, 1, 4, 1), 2, False, False),
+    ((1, 1, 8, 1), 1, True, False),
+    ((1, 2, 4, 1), 1, False, True),
+  ],
+  ids=["c8", "d2c4-two-prompts", "c8-conditions", "f2c4-stg"],
 )
-def test_sharded_grid_matches_single_device(single, shape, n, conditions):
-  _check(single, shape, n, conditions)
+def test_sharded_grid_matches_single_device(single, shape, n, conditions, stg):
+  _check(single, shape, n, conditions, stg)
