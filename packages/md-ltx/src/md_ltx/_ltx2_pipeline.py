@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -109,9 +110,27 @@ def _nearest(value: int, step: int, offset: int) -> str:
   return str(below) if below == value else f"{below} or {below + step}"
 
 
-def _image_array(image: Any, height: int, width: int) -> np.ndarray:
+# H.264 quality the LTX-2 / 2.3 (Gemma 3) checkpoints were trained with for conditioning images.
+LTX2_IMAGE_CRF = 33
+
+
+def _recompress(image: np.ndarray, crf: int) -> np.ndarray:
+  """One uint8 `[H, W, 3]` image through H.264 at `crf` (one frame, yuv420p) and back, cropped to even
+  sizes, as the reference re-compresses conditioning images (it encodes with PyAV's libx264 "veryfast";
+  md with the bundled ffmpeg's libx264, so the result is close to, not bit-identical with, the reference's)."""
+  h, w = image.shape[0] // 2 * 2, image.shape[1] // 2 * 2
+  with tempfile.TemporaryDirectory(prefix="md_ltx2_crf_") as tmp:
+    path = md_core.media.save_video(
+      pathlib.Path(tmp) / "image.mp4", image[None, :h, :w], 1.0, crf=crf
+    )
+    frame = md_core.media.load_video(path, max_frames=1)[0]
+  return np.round(frame * 255.0).astype(np.uint8)
+
+
+def _image_array(image: Any, height: int, width: int, crf: int = 0) -> np.ndarray:
   """An image (file path, PIL image, `[H, W, 3]` uint8 or float in [0, 1]) → float32 `[height, width, 3]`
-  in [-1, 1], resized bilinearly (PIL) when its size differs, as the reference's video processor does."""
+  in [-1, 1]: re-compressed with H.264 at `crf` (0: not), resized bilinearly (PIL) when its size differs,
+  as the reference's pipeline and video processor do."""
   import PIL.Image  # noqa: PLC0415 - only for image conditioning
 
   if isinstance(image, str | os.PathLike):
@@ -122,6 +141,8 @@ def _image_array(image: Any, height: int, width: int) -> np.ndarray:
       raise ValueError(f"image: cannot read the image file {os.fspath(image)!r}: {e}") from e
   if isinstance(image, PIL.Image.Image):
     image = image.convert("RGB")
+    if crf:
+      image = PIL.Image.fromarray(_recompress(np.asarray(image), crf))
   else:
     x = np.asarray(image)
     if x.ndim != 3 or x.shape[-1] != 3:
@@ -129,6 +150,10 @@ def _image_array(image: Any, height: int, width: int) -> np.ndarray:
         f"image must be one RGB image [H, W, 3] (uint8, or float in [0, 1]), a PIL image or a file; "
         f"got shape {x.shape}"
       )
+    if crf:
+      if x.dtype != np.uint8:
+        x = np.round(np.clip(x, 0.0, 1.0) * 255.0).astype(np.uint8)
+      x = _recompress(x, crf)
     if x.shape[:2] == (height, width):
       x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
       return x * 2.0 - 1.0
@@ -299,7 +324,7 @@ class LTX2VideoPipeline:
       return fn(self._vae.state, pixels)
 
   def prepare_image_latents(
-    self, image: Any, *, height: int, width: int, num_frames: int, noise: Any
+    self, image: Any, *, height: int, width: int, noise: Any, image_crf: int = 0
   ) -> tuple[jax.Array, jax.Array]:
     """The image-to-video start: packed latents `[B, S, C]` (the encoded image at the first latent frame,
     `noise` elsewhere) and the conditioning mask `[B, S]` (1 on the image's tokens), as the reference's
@@ -308,9 +333,11 @@ class LTX2VideoPipeline:
     Args:
       image: one image (path, PIL, `[H, W, 3]`) or a list of one per video.
       noise: `[B, C, f, h, w]` in the reference's layout.
+      image_crf: H.264 re-compression of the image first (0: none; the pipeline call's default is 33).
     """
     images = image if isinstance(image, list | tuple) else [image]
-    return self._image_latents([_image_array(im, height, width) for im in images], noise)
+    pixels = [_image_array(im, height, width, image_crf) for im in images]
+    return self._image_latents(pixels, noise)
 
   def _image_latents(self, pixels: list[np.ndarray], noise: Any) -> tuple[jax.Array, jax.Array]:
     """`prepare_image_latents` on images already read (`_image_array`)."""
@@ -484,6 +511,7 @@ class LTX2VideoPipeline:
     negative_prompt: str | Sequence[str] | None = None,
     *,
     image: Any = None,
+    image_crf: int | None = None,
     height: int = 512,
     width: int = 768,
     num_frames: int = 121,
@@ -526,6 +554,9 @@ class LTX2VideoPipeline:
       image: image-to-video: the first frame (path, PIL, `[H, W, 3]` uint8 / float in [0, 1], or a list of
         one per video); resized to `height x width` if needed. Required for an image-to-video folder; with
         given `latents` it is unused (as in the reference: the latents' first frame is the condition).
+      image_crf: H.264 re-compression of the image before encoding, as the model was trained (None: 33,
+        the LTX-2 / 2.3 value; 0: none). md's encoder settings differ slightly from the reference's, so
+        the compressed image is close to, not bit-identical with, the reference's.
       height, width: multiples of 32. num_frames: `1 + 8k`.
       frame_rate: the video's frame rate (positions and audio length follow it); `motion_speed` divides it
         for the positions only.
@@ -573,7 +604,8 @@ class LTX2VideoPipeline:
         )
       self.check_size(height, width, num_frames)
       images = image if isinstance(image, list | tuple) else [image]
-      image = [_image_array(im, height, width) for im in images]  # read and check before any work
+      crf = LTX2_IMAGE_CRF if image_crf is None else int(image_crf)
+      image = [_image_array(im, height, width, crf) for im in images]  # read, check before any work
     do_cfg = guidance_scale > 1.0 or audio_guidance_scale > 1.0
     blocks = tuple(int(i) for i in (spatio_temporal_guidance_blocks or ()))
     want_stg = stg_scale > 0.0 or audio_stg_scale > 0.0
