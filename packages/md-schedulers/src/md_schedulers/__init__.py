@@ -30,6 +30,14 @@ from md_schedulers._ltx import (
   ltx_uniform_sigmas,
 )
 from md_schedulers._pndm import pndm
+from md_schedulers._start import (
+  add_noise_at,
+  denoising_end_stop,
+  denoising_start_index,
+  scheduler_order,
+  start_at,
+  strength_start,
+)
 from md_schedulers._training import (
   add_noise,
   discrete_timesteps,
@@ -50,10 +58,13 @@ __all__ = [
   "Scheduler",
   "SchedulerState",
   "add_noise",
+  "add_noise_at",
   "calculate_shift",
   "current_timestep",
   "ddim",
   "ddpm",
+  "denoising_end_stop",
+  "denoising_start_index",
   "discrete_timesteps",
   "dpm_solver_multistep",
   "dpm_solver_singlestep",
@@ -78,8 +89,11 @@ __all__ = [
   "pndm",
   "read_config",
   "sample_timesteps",
+  "scheduler_order",
   "shift_sigmas",
   "snr",
+  "start_at",
+  "strength_start",
   "tcd",
   "unipc_multistep",
   "velocity",

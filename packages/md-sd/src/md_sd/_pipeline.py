@@ -10,8 +10,8 @@ Behaviour follows diffusers' `StableDiffusionPipeline`, `StableDiffusionImg2ImgP
 ControlNet variants (one or several ControlNets, text- or image-to-image): the batch order of classifier-free
 guidance (`[negative, positive]`), `guidance_rescale`, `clip_skip`, SDXL's pooled embeddings and `time_ids`
 (with the refiner's aesthetic scores), the scheduler's initial noise scale, img2img's strength → first step
-with any scheduler (see `_schedule`), SDXL's `denoising_start` / `denoising_end`, ControlNet guidance
-windows, and the VAE's scaling.
+with any scheduler (`md_schedulers.strength_start` / `start_at`), SDXL's `denoising_start` /
+`denoising_end`, ControlNet guidance windows, and the VAE's scaling.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import md_schedulers as mdsch
 import md_text
 import md_vae
 from md_core import progress as md_progress
-from md_sd import _schedule
 from md_sd._config import UNetConfig
 from md_sd._controlnet import ControlNetModel
 from md_sd._unet import UNet2DConditionModel
@@ -655,9 +654,9 @@ class StableDiffusionPipeline:
       x = x * state.init_noise_sigma
     else:
       if denoising_start is not None:
-        start = _schedule.denoising_start_index(sched, state, denoising_start)
+        start = mdsch.denoising_start_index(sched, state, denoising_start)
       else:
-        start = _schedule.strength_start(n, strength, _schedule.scheduler_order(sched))
+        start = mdsch.strength_start(n, strength, mdsch.scheduler_order(sched))
       if start >= total:
         what = (
           f"denoising_start={denoising_start}"
@@ -674,15 +673,15 @@ class StableDiffusionPipeline:
           if noise is None
           else self._check_latents(_nchw_to_nhwc(noise), shape, "noise")
         )
-        x = _schedule.noise_at(sched, state, start, z, eps)
+        x = mdsch.add_noise_at(sched, state, start, z, eps)
       else:
         x = z  # the base's latents are already at this noise level
     stop = total
     if denoising_end is not None:
-      stop = _schedule.denoising_end_stop(sched, state, start, denoising_end)
+      stop = mdsch.denoising_end_stop(sched, state, start, denoising_end)
       if stop <= start:
         raise ValueError(f"denoising_end={denoising_end} leaves no step to run")
-    state = _schedule.restart(sched, state, start)
+    state = mdsch.start_at(sched, state, start)
 
     conds = cscales = keep = None
     if nets:

@@ -1,13 +1,18 @@
-"""Where a run starts and stops on a scheduler's schedule, as diffusers' SD pipelines decide it.
+"""Starting and stopping part-way through a schedule, as diffusers' pipelines do.
 
-Image-to-image keeps the last `strength` share of the steps (`get_timesteps`: whole steps, times the
-scheduler's `order`, so Heun's doubled calls stay paired); SDXL's ensemble of experts cuts the schedule at a
-fraction of the training timesteps (`denoising_end` on the base, `denoising_start` on the refiner). A run that
-starts part-way is a fresh run of the scheduler from that call (the reference's `set_begin_index`): the
-multistep solvers begin with an empty history, so their warm-up (first-order steps, no corrector) happens at
-the first kept step, not at step 0 of the full schedule. `restart` rebuilds an md `SchedulerState`'s
-per-call tables that way; `noise_at` adds noise to the image's latents as that scheduler's `add_noise` does at
-the first kept call.
+Image-to-image keeps the last `strength` share of the steps (the reference's `get_timesteps`: whole steps,
+times the scheduler's `order`, so Heun's two calls per step stay paired); SDXL's ensemble of experts cuts the
+schedule at a fraction of the training timesteps (`denoising_end` on the base, `denoising_start` on the
+refiner). A run that starts part-way is a fresh run of the scheduler from that call (the reference's
+`set_begin_index`): the multistep solvers begin with an empty history, so their warm-up (first-order steps,
+no corrector) happens at the first kept step, not at step 0 of the full schedule. `start_at` rebuilds a
+`SchedulerState`'s per-call tables that way; `add_noise_at` noises clean latents as the scheduler's
+`add_noise` does at the first kept call.
+
+  state = sched.init(n, shape=x0.shape)
+  begin = mdsch.strength_start(n, strength, mdsch.scheduler_order(sched))
+  x = mdsch.add_noise_at(sched, state, begin, x0, noise)
+  state = mdsch.start_at(sched, state, begin)  # then loop calls begin … num_calls(state) - 1
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import md_schedulers as mdsch
 from md_schedulers import _dpm, _dpm_single, _pndm, _unipc
+from md_schedulers._base import Scheduler, SchedulerState
+from md_schedulers._training import add_noise
 
 # diffusers' `scheduler.order`: 2 for the schedulers whose timesteps repeat (one model call per stage).
 _ORDER_TWO = frozenset({"HeunDiscreteScheduler", "FlowMatchHeunDiscreteScheduler"})
@@ -36,13 +42,22 @@ _VP_SIGMA_NOISE = frozenset(
 )
 
 
-def scheduler_order(sched: mdsch.Scheduler) -> int:
+def scheduler_order(sched: Scheduler) -> int:
   """The reference's `scheduler.order`: model calls per step (2 for Heun)."""
   return 2 if sched.name in _ORDER_TWO else 1
 
 
-def strength_start(num_inference_steps: int, strength: float, order: int) -> int:
-  """The first kept call of an image-to-image run (the reference's `get_timesteps`)."""
+def strength_start(num_inference_steps: int, strength: float, order: int = 1) -> int:
+  """The first kept call of an image-to-image run (the reference's `get_timesteps`).
+
+  Args:
+    num_inference_steps: the steps of the full schedule (`init`'s argument).
+    strength: share of the steps kept, in [0, 1] (1 runs them all, from pure noise).
+    order: `scheduler_order(sched)`; the start counts model calls, `order` per step.
+
+  Returns:
+    The call index to pass to `add_noise_at` and `start_at` (== `num_calls` when nothing is left).
+  """
   if not 0.0 <= strength <= 1.0:
     raise ValueError(f"strength must be in [0, 1], got {strength}")
   n = int(num_inference_steps)
@@ -50,15 +65,23 @@ def strength_start(num_inference_steps: int, strength: float, order: int) -> int
   return max(n - init, 0) * order
 
 
-def _cutoff(sched: mdsch.Scheduler, frac: float, what: str) -> int:
+def _check_begin(state: SchedulerState, begin: int) -> int:
+  calls = int(state.timesteps.shape[0])
+  if not 0 <= int(begin) < calls:
+    raise ValueError(f"start call {begin} is outside the schedule's {calls} calls [0, {calls})")
+  return int(begin)
+
+
+def _cutoff(sched: Scheduler, frac: float, what: str) -> int:
   if not 0.0 < frac < 1.0:
     raise ValueError(f"{what} must be a float in (0, 1), got {frac}")
   n_train = int(sched.config.get("num_train_timesteps", 1000))
   return int(round(n_train - frac * n_train))
 
 
-def denoising_start_index(sched: mdsch.Scheduler, state: mdsch.SchedulerState, frac: float) -> int:
-  """The first call of a run that continues a base model stopped at `denoising_end=frac`."""
+def denoising_start_index(sched: Scheduler, state: SchedulerState, frac: float) -> int:
+  """The first call of a run that continues a base model stopped at `denoising_end=frac` (the timesteps
+  below `(1 - frac) · num_train_timesteps`; a second-order scheduler starts on a step's first call)."""
   ts = np.asarray(state.timesteps)
   kept = int((ts < _cutoff(sched, frac, "denoising_start")).sum())
   if scheduler_order(sched) == 2 and kept % 2 == 0:
@@ -66,26 +89,32 @@ def denoising_start_index(sched: mdsch.Scheduler, state: mdsch.SchedulerState, f
   return len(ts) - kept
 
 
-def denoising_end_stop(
-  sched: mdsch.Scheduler, state: mdsch.SchedulerState, start: int, frac: float
-) -> int:
+def denoising_end_stop(sched: Scheduler, state: SchedulerState, start: int, frac: float) -> int:
   """One past the last call of a run cut at `denoising_end=frac` (the timesteps at or above the cutoff)."""
   ts = np.asarray(state.timesteps)[start:]
   return start + int((ts >= _cutoff(sched, frac, "denoising_end")).sum())
 
 
-def restart(
-  sched: mdsch.Scheduler, state: mdsch.SchedulerState, begin: int
-) -> mdsch.SchedulerState:
+def start_at(sched: Scheduler, state: SchedulerState, begin: int) -> SchedulerState:
   """`state` positioned at call `begin` as a fresh run from there (empty solver history).
 
   Single-step schedulers only move the call index. The multistep ones get their per-call tables from
   `begin` on rebuilt for a run that starts there: DPM-Solver and UniPC warm up again (their orders and
   UniPC's corrector count from the first kept step; the `< 15 steps` rule still sees the whole schedule),
   DPM-Solver single-step lowers the order of a block cut by the start, and PNDM replays its counter-based
-  start (the repeated first PLMS step, or the Runge–Kutta warm-up) on the kept timesteps. LMS and Heun need nothing: an LMS history of
-  zeros drops the terms the reference has no derivative for, and Heun's kept calls start on a first stage.
+  start (the repeated first PLMS step, or the Runge–Kutta warm-up) on the kept timesteps. LMS and Heun
+  need nothing: an LMS history of zeros drops the terms the reference has no derivative for, and Heun's
+  kept calls start on a first stage. Host-side; `state` must be fresh from `init`.
+
+  Args:
+    sched: the scheduler that built `state`.
+    state: a state from `sched.init` (step 0, empty memory).
+    begin: the first call to run, 0 <= begin < num_calls(state).
+
+  Returns:
+    A state whose `step` is `begin`; loop the calls `begin … num_calls(state) - 1` on it.
   """
+  begin = _check_begin(state, begin)
   state = state._replace(step=jnp.asarray(begin, jnp.int32))
   if begin == 0:
     return state
@@ -119,7 +148,7 @@ def restart(
   )
 
 
-def _pndm_tables(sched: mdsch.Scheduler, ts: np.ndarray, begin: int, tables: dict) -> dict:
+def _pndm_tables(sched: Scheduler, ts: np.ndarray, begin: int, tables: dict) -> dict:
   """PNDM's plan and coefficients for calls `begin …`. The reference counts its calls from the first kept
   one: PLMS-only runs redo their first kept step on the second call; with the Runge–Kutta warm-up, the first
   twelve calls follow the full schedule's warm-up plan (its stage timesteps, by call count) while stepping
@@ -175,14 +204,19 @@ def _pndm_tables(sched: mdsch.Scheduler, ts: np.ndarray, begin: int, tables: dic
   return out
 
 
-def noise_at(
-  sched: mdsch.Scheduler,
-  state: mdsch.SchedulerState,
+def add_noise_at(
+  sched: Scheduler,
+  state: SchedulerState,
   begin: int,
   latents: jax.Array,
   noise: jax.Array,
 ) -> jax.Array:
-  """The image's latents noised to call `begin`, as the scheduler's `add_noise` does there."""
+  """Clean `latents` noised to the level of call `begin`, as the scheduler's `add_noise` (or flow
+  matching's `scale_noise`) does there: x0 + sigma · noise for the k-diffusion schedulers, alpha_t · x0 +
+  sigma_t · noise from the call's sigma for DPM-Solver / UniPC, (1 - sigma) · x0 + sigma · noise for
+  flow matching, sqrt(alphā_t) · x0 + sqrt(1 - alphā_t) · noise at the call's timestep otherwise.
+  """
+  begin = _check_begin(state, begin)
   if sched.alphas_cumprod is None:  # flow matching
     sigma = state.sigmas[begin]
     return (1 - sigma) * latents + sigma * noise
@@ -197,4 +231,4 @@ def noise_at(
       sigma_t = sigma * alpha_t
     return alpha_t * latents + sigma_t * noise
   t = jnp.full((latents.shape[0],), state.timesteps[begin]).astype(jnp.int32)
-  return mdsch.add_noise(sched.alphas_cumprod, latents, noise, t)
+  return add_noise(sched.alphas_cumprod, latents, noise, t)
