@@ -130,10 +130,7 @@ def main(argv):
     )
     upsampler = None
     if config.upsampler:
-      # The upsampler's module (md-ltx, not yet exported from md_ltx's namespace).
-      from md_ltx._upsampler_weights import load_latent_upsampler
-
-      upsampler = load_latent_upsampler(config.upsampler, mesh=mesh, progress=True)
+      upsampler = md_ltx.load_latent_upsampler(config.upsampler, mesh=mesh, progress=True)
   except FileNotFoundError as e:
     raise app.UsageError(str(e)) from None
   loaded = time.perf_counter() - start
@@ -172,9 +169,7 @@ def main(argv):
         image_cond_noise_scale=config.image_cond_noise_scale, **steps, **kwargs,
       )  # fmt: skip
       vae = pipe.vae
-      from md_ltx._upsampler import upsample_latents
-
-      up = upsample_latents(
+      up = md_ltx.upsample_latents(
         upsampler, latents, vae.latents_mean[...], vae.latents_std[...],
         scaling_factor=vae.config.scaling_factor, adain_factor=config.adain_factor, layout="BCFHW",
       )  # fmt: skip

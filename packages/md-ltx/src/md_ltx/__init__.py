@@ -1,6 +1,27 @@
-"""md-ltx: LTX-Video for md (transformer, weights, pipelines)."""
+"""md-ltx: LTX-Video and LTX-2 for md (transformers, latent upsamplers, weights, pipelines)."""
 
 from md_ltx._config import REMAT_POLICIES, VARIANTS, LTXConfig
+
+# LTX-2 (audio + video) transformer.
+from md_ltx._ltx2_config import LTX2_VARIANTS, LTX2Config
+from md_ltx._ltx2_transformer import (
+  LTX2Attention,
+  LTX2Block,
+  LTX2Rope,
+  LTX2Transformer,
+  ltx2_audio_coords,
+  ltx2_rope_tables,
+  ltx2_video_coords,
+)
+from md_ltx._ltx2_weights import (
+  LTX2_KEEP_F32,
+  LTX2_ORIGINAL_ALLOW_UNUSED,
+  load_ltx2_transformer,
+  ltx2_convert_key,
+  ltx2_convert_original_key,
+  ltx2_original_config,
+  ltx2_original_to_diffusers,
+)
 from md_ltx._pipeline import LTXCondition, LTXVideoPipeline, guidance_windows, load_pipeline
 from md_ltx._transformer import (
   LTXAttention,
@@ -9,6 +30,22 @@ from md_ltx._transformer import (
   rope_tables,
   rope_tables_from_coords,
 )
+
+# Latent upsamplers (LTX-Video 0.9.7/0.9.8 spatial upscalers, LTX-2) and the multi-scale upsample step.
+from md_ltx._upsampler import VARIANTS as UPSAMPLER_VARIANTS
+from md_ltx._upsampler import (
+  LatentUpsampler,
+  LatentUpsamplerConfig,
+  adain_filter_latent,
+  denormalize_latents,
+  normalize_latents,
+  tone_map_latents,
+  unpack_latents,
+  upsample_latents,
+  upsample_latents_ltx2,
+)
+from md_ltx._upsampler_weights import config_from_checkpoint as upsampler_config_from_checkpoint
+from md_ltx._upsampler_weights import load_latent_upsampler, upsampler_keymap
 from md_ltx._weights import (
   KEEP_F32,
   ORIGINAL_ALLOW_UNUSED,
@@ -21,22 +58,51 @@ from md_ltx._weights import (
 
 __all__ = [
   "KEEP_F32",
+  "LTX2_KEEP_F32",
+  "LTX2_ORIGINAL_ALLOW_UNUSED",
+  "LTX2_VARIANTS",
   "ORIGINAL_ALLOW_UNUSED",
   "REMAT_POLICIES",
+  "UPSAMPLER_VARIANTS",
   "VARIANTS",
+  "LTX2Attention",
+  "LTX2Block",
+  "LTX2Config",
+  "LTX2Rope",
+  "LTX2Transformer",
   "LTXAttention",
   "LTXBlock",
   "LTXCondition",
   "LTXConfig",
   "LTXTransformer",
   "LTXVideoPipeline",
+  "LatentUpsampler",
+  "LatentUpsamplerConfig",
+  "adain_filter_latent",
   "convert_key",
   "convert_original_key",
+  "denormalize_latents",
   "guidance_windows",
+  "load_latent_upsampler",
+  "load_ltx2_transformer",
   "load_pipeline",
   "load_transformer",
+  "ltx2_audio_coords",
+  "ltx2_convert_key",
+  "ltx2_convert_original_key",
+  "ltx2_original_config",
+  "ltx2_original_to_diffusers",
+  "ltx2_rope_tables",
+  "ltx2_video_coords",
+  "normalize_latents",
   "original_config",
   "original_to_diffusers",
   "rope_tables",
   "rope_tables_from_coords",
+  "tone_map_latents",
+  "unpack_latents",
+  "upsample_latents",
+  "upsample_latents_ltx2",
+  "upsampler_config_from_checkpoint",
+  "upsampler_keymap",
 ]
