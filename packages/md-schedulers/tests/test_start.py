@@ -1,11 +1,18 @@
 """Host-side facts of starting part-way through a schedule: where image-to-image and the SDXL ensemble
-start and stop, how a multistep scheduler's tables restart, and the noise level at the first kept call (the
-end-to-end parity against diffusers' img2img pipelines is in packages/md-sd/tests/test_pipeline_features.py)."""
+start and stop, how a multistep scheduler's tables restart, and the noise level at the first kept call;
+then every scheduler run from its first kept call against the diffusers reference
+(tools/fixtures/scheduler_start.py). The end-to-end parity of diffusers' img2img pipelines is in
+packages/md-sd/tests/test_pipeline_features.py."""
 
+import json
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import md_schedulers as mdsch
+from md_core import testing
 
 CONFIG = dict(
   num_train_timesteps=1000,
@@ -110,3 +117,59 @@ def test_start_call_outside_the_schedule_is_an_error():
     mdsch.start_at(euler, state, 4)
   with pytest.raises(ValueError, match=r"start call -1 is outside"):
     mdsch.add_noise_at(euler, state, -1, np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32))
+
+
+FIXTURES = testing.fixture_path("scheduler_start")
+CASES = json.loads((FIXTURES / "cases.json").read_text())
+BANK = testing.load_arrays(FIXTURES / "bank.npz")
+
+
+def _run_from(sched, state, begin, stop, x):
+  """Calls begin … stop - 1 with the reference's fake model; the k-th kept call uses bank row k."""
+  kept = stop - begin
+  outputs = jnp.asarray(BANK["outputs"][:kept])
+  noises = jnp.asarray(BANK["noises"][:kept])
+  noise = jnp.asarray(BANK["noise"])
+
+  @jax.jit
+  def run(state, x, outputs, noises):
+    def body(carry, xs):
+      x, st = carry
+      out, step_noise = xs
+      model_output = 0.4 * noise + 0.2 * out + 0.5 * sched.scale_model_input(st, x)
+      x, st = sched.step(st, model_output, x, noise=step_noise if sched.stochastic else None)
+      return (x, st), x
+
+    _, xs = jax.lax.scan(body, (x, state), (outputs, noises))
+    return jnp.concatenate([x[None], xs])
+
+  return np.asarray(run(state, x, outputs, noises))
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_run_from_the_first_kept_call_matches_reference(case_id):
+  case = CASES[case_id]
+  ref = testing.load_arrays(FIXTURES / f"{case_id}.npz")
+  sched = mdsch.from_config(case["config"])
+  state = sched.init(case["steps"], shape=BANK["x0"].shape)
+  total = mdsch.num_calls(state)
+  x0, noise = jnp.asarray(BANK["x0"]), jnp.asarray(BANK["noise"])
+  begin, stop = 0, total
+  if "strength" in case:
+    begin = mdsch.strength_start(case["steps"], case["strength"], mdsch.scheduler_order(sched))
+    x = mdsch.add_noise_at(sched, state, begin, x0, noise)
+  elif "denoising_start" in case:
+    begin = mdsch.denoising_start_index(sched, state, case["denoising_start"])
+    x = x0
+  else:
+    stop = mdsch.denoising_end_stop(sched, state, 0, case["denoising_end"])
+    x = noise * state.init_noise_sigma
+  assert (begin, stop) == (int(ref["begin"]), int(ref["stop"]))
+  np.testing.assert_allclose(
+    np.asarray(state.timesteps)[begin:stop], ref["timesteps"], rtol=1e-6, atol=1e-4
+  )
+  state = mdsch.start_at(sched, state, begin)
+  samples = _run_from(sched, state, begin, stop, x)
+  assert np.all(np.isfinite(samples))
+  err = np.abs(samples - ref["samples"]).max(axis=(1, 2, 3, 4))
+  assert err.max() <= 1e-5, f"{case_id}: max error {err.max():.3g} at kept call {err.argmax() - 1}"
