@@ -151,7 +151,7 @@ def test_save_mp4_with_audio(t2v_out, tmp_path):
   assert (info["height"], info["width"]) == t2v_out.frames.shape[2:4]
   assert info["has_audio"] and info["audio_sample_rate"] == 24000
   assert abs(info["audio_duration"] - samples / 24000) < 0.05
-  # Each stream keeps its own length: 5 frames (0.21 s) of video, 7920 samples (0.33 s) of audio.
+  # Each stream keeps its own length: 5 frames (0.21 s) of video, 4080 samples (0.17 s) of audio.
   assert abs(info["duration"] - max(frames / 24.0, samples / 24000)) < 0.05
 
 
