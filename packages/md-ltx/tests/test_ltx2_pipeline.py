@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import md_core
+import md_ltx
 import md_sharding as mds
 from md_core import testing
 from md_ltx._ltx2_pipeline import LTX2Output, load_ltx2_pipeline, save_ltx2_video
@@ -169,3 +170,10 @@ def test_sharded_equals_single_device(pipe, ref):
   assert jax.device_count() >= 8
   assert _max_diff(out.frames, np.asarray(one.frames)) < 1e-5
   assert _max_diff(out.audio, np.asarray(one.audio)) < 1e-5
+
+
+def test_load_pipeline_dispatches_ltx2_folders():
+  pipe = md_ltx.load_pipeline(ROOT / "pipe")
+  assert isinstance(pipe, md_ltx.LTX2VideoPipeline)
+  with pytest.raises(ValueError, match="condition"):
+    md_ltx.load_pipeline(ROOT / "pipe", condition=True)

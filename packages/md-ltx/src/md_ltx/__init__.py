@@ -4,6 +4,14 @@ from md_ltx._config import REMAT_POLICIES, VARIANTS, LTXConfig
 
 # LTX-2 (audio + video) transformer.
 from md_ltx._ltx2_config import LTX2_VARIANTS, LTX2Config
+from md_ltx._ltx2_pipeline import (
+  LTX2_IMAGE_CRF,
+  LTX2_PIPELINE_CLASSES,
+  LTX2Output,
+  LTX2VideoPipeline,
+  load_ltx2_pipeline,
+  save_ltx2_video,
+)
 from md_ltx._ltx2_transformer import (
   LTX2Attention,
   LTX2Block,
@@ -57,6 +65,12 @@ from md_ltx._weights import (
 )
 
 __all__ = [
+  "LTX2_IMAGE_CRF",
+  "LTX2_PIPELINE_CLASSES",
+  "LTX2Output",
+  "LTX2VideoPipeline",
+  "load_ltx2_pipeline",
+  "save_ltx2_video",
   "KEEP_F32",
   "LTX2_KEEP_F32",
   "LTX2_ORIGINAL_ALLOW_UNUSED",

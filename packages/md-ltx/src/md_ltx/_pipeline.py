@@ -34,6 +34,7 @@ import md_schedulers as mdsch
 import md_text
 import md_vae
 from md_core import progress as md_progress
+from md_ltx._ltx2_pipeline import LTX2_PIPELINE_CLASSES, load_ltx2_pipeline
 from md_ltx._transformer import (
   SKIP_LAYER_STRATEGIES,
   LTXTransformer,
@@ -893,9 +894,10 @@ def load_pipeline(
   remat: str | None = None,
   revision: str | None = None,
   progress: bool = False,
-) -> LTXVideoPipeline:
+) -> LTXVideoPipeline | Any:
   """Loads an LTX-Video diffusers pipeline (`LTXPipeline`, `LTXConditionPipeline`,
-  `LTXImageToVideoPipeline`) as md modules.
+  `LTXImageToVideoPipeline`) as md modules; LTX-2 folders (`LTX2Pipeline`, `LTX2ImageToVideoPipeline`) are
+  handed to `load_ltx2_pipeline` and return an `LTX2VideoPipeline`.
 
   Args:
     source: a local diffusers folder with `model_index.json`, or a hub id (`"Lightricks/LTX-Video"`,
@@ -929,9 +931,27 @@ def load_pipeline(
     )
   index = md_core.read_json(index_file)
   cls = index.get("_class_name", "")
+  if cls in LTX2_PIPELINE_CLASSES:
+    if condition is not None:
+      raise ValueError(
+        f"{index_file}: {cls} takes no `condition=` (that is LTX-Video's conditioning mode)"
+      )
+    return load_ltx2_pipeline(
+      source,
+      transformer=transformer,
+      mesh=mesh,
+      dtype=dtype,
+      rules=rules,
+      attention=attention,
+      attention_config=attention_config,
+      remat=remat,
+      revision=revision,
+      progress=progress,
+    )
   if cls not in _CLASSES:
     raise ValueError(
-      f"{index_file}: pipeline class {cls!r} is not one md-ltx loads; known: {_CLASSES}"
+      f"{index_file}: pipeline class {cls!r} is not one md-ltx loads; known: "
+      f"{(*_CLASSES, *LTX2_PIPELINE_CLASSES)}"
     )
   overrides = {}
   if attention is not None:
