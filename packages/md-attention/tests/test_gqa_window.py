@@ -189,8 +189,9 @@ SHARDED_CASES = [
   # 2 kv heads (1 per tensor shard) repeated to fit 4 Ulysses ways.
   pytest.param("ulysses", (2, 1, 4, 1), {}, (32, 32), 8, 4, True, True, 6, marks=pytest.mark.slow),
   ("ulysses", (1, 1, 4, 2), {"local_implementation": "blockwise"}, (30, 30), 8, 2, True, True, 7),
-  # Ring: K/V repeated to H heads for the ring steps.
+  # Ring steps with grouped K/V (query groups folded into rows); Ulysses x ring: 1 kv head per device.
   ("ring", (1, 1, 8, 1), {}, (32, 32), 4, 2, True, True, None),
+  ("ulysses_ring", (1, 1, 8, 1), {"ulysses_degree": 2}, (37, 37), 4, 2, True, True, None),
   # Cross-attention under context parallelism: K/V replicated, window applied locally.
   ("ring", (1, 1, 4, 2), {}, (32, 12), 4, 2, True, False, (None, 3)),
 ]

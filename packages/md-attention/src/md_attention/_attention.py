@@ -90,9 +90,9 @@ def attention(
 
   Grouped-query / multi-query attention: k and v may have `H_kv` heads with `H % H_kv == 0`; query
   head `h` then uses key/value head `h // (H // H_kv)` (transformers' `repeat_kv` order). `dot_product`,
-  `blockwise`, `cudnn`, `ulysses` and cross-attention under context parallelism use the smaller K/V
-  as they are; `splash` and `ring`/`ulysses_ring` (self-attention) repeat them to `H` heads, and
-  under a mesh K/V are repeated just enough for the devices their heads are split over.
+  `blockwise`, `cudnn`, `ring`, `ulysses` and `ulysses_ring` use the smaller K/V as they are; `splash`
+  repeats them to `H` heads, and under a mesh K/V are repeated just enough for the devices their heads
+  are split over (tensor axis, Ulysses degree x chunks).
 
   Args:
     q: `[B, S_q, H, D]` queries.

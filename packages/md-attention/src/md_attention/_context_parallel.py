@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from md_attention import _sharding as shd
+from md_attention._blockwise import fold_groups, unfold_groups
 from md_attention._config import AttentionConfig
 from md_attention._ring import ring_attention
 from md_attention._ulysses import ulysses_attention
@@ -114,11 +115,10 @@ def context_parallel_attention(
   tensor_split = h // local_heads
   if cross:
     k, v = shd.fit_kv_heads(k, v, h, tensor_split)
-  elif ring > 1:
-    # Ring steps take equal head counts: grouped K/V are repeated to H heads.
-    k, v = shd.fit_kv_heads(k, v, h, h)
   else:
-    k, v = shd.fit_kv_heads(k, v, h, tensor_split * degree * config.ulysses_chunks)
+    # Ulysses splits K/V heads as it splits query heads; ring steps fold query groups into rows.
+    ulysses_split = degree * config.ulysses_chunks if degree > 1 else 1
+    k, v = shd.fit_kv_heads(k, v, h, tensor_split * ulysses_split)
   # Device c of the context axis is Ulysses position c % degree of ring position c // degree.
   groups = (
     None
@@ -145,9 +145,17 @@ def context_parallel_attention(
 
     def local(q, k, v, kv_valid):
       if ring > 1:
-        return ring_attention(
-          q, k, v, kv_valid, ctx, ring, degree, causal, scale, config.block_q, config.block_kv
-        )
+        groups = q.shape[2] // k.shape[2]
+        if groups == 1:
+          return ring_attention(
+            q, k, v, kv_valid, ctx, ring, degree, causal, scale, config.block_q, config.block_kv
+          )
+        q_rows, _ = fold_groups(q, jnp.zeros((q.shape[1],), jnp.int32), k.shape[2])
+        out = ring_attention(
+          q_rows, k, v, kv_valid, ctx, ring, degree, causal, scale, config.block_q * groups,
+          config.block_kv, groups,
+        )  # fmt: skip
+        return unfold_groups(out, q.shape[2])
       pos = jnp.arange(q.shape[1], dtype=jnp.int32)
       return attend(q, k, v, kv_valid, pos, pos)
 

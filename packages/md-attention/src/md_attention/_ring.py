@@ -40,10 +40,17 @@ def _merge(out_a, lse_a, out_b, lse_b):
   return out_a * w_a + out_b * w_b, lse
 
 
-def _ring_forward(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv):
+def _query_positions(r, rows: int, groups: int):
+  # Folded grouped-query rows (`fold_groups`): `groups` consecutive rows share one position.
+  return jnp.repeat(_positions(r, rows // groups), groups)
+
+
+def _ring_forward(
+  q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups
+):
   r = lax.axis_index(axis_name) // stride
   s_local = k.shape[1]
-  q_pos = _positions(r, q.shape[1])
+  q_pos = _query_positions(r, q.shape[1], groups)
   kw = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
 
   def attend(kv, t):
@@ -64,8 +71,10 @@ def _ring_forward(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_
   return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def ring_attention(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+def ring_attention(
+  q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups=1
+):
   """Self-attention over a sequence split in `n` blocks along `axis_name` (call inside shard_map).
 
   Args:
@@ -75,25 +84,29 @@ def ring_attention(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block
     n: the ring size.
     stride: devices between ring neighbours on the axis (the Ulysses degree; 1 for a plain ring).
     causal, scale, block_q, block_kv: as in `blockwise_attention`.
+    groups: query rows per position: q holds grouped-query heads folded into its rows
+      (`md_attention._blockwise.fold_groups`, `[B, S/n * groups, H_kv, D]`) when > 1.
 
   Returns:
-    `[B, S/n, H, D]` in q's dtype.
+    `[B, S/n, H, D]` in q's dtype (rows as q's).
   """
-  return _ring_forward(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv)[0]
+  return _ring_forward(
+    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups
+  )[0]
 
 
-def _ring_fwd(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv):
+def _ring_fwd(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups):
   out, lse = _ring_forward(
-    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv
+    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups
   )
   return out, (q, k, v, kv_valid, out, lse)
 
 
-def _ring_bwd(axis_name, n, stride, causal, scale, block_q, block_kv, residuals, d_out):
+def _ring_bwd(axis_name, n, stride, causal, scale, block_q, block_kv, groups, residuals, d_out):
   q, k, v, kv_valid, out, lse = residuals
   r = lax.axis_index(axis_name) // stride
   s_local = k.shape[1]
-  q_pos = _positions(r, q.shape[1])
+  q_pos = _query_positions(r, q.shape[1], groups)
   delta = output_delta(d_out, out)
   kw = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
 
