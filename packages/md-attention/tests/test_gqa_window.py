@@ -189,9 +189,14 @@ SHARDED_CASES = [
   # 2 kv heads (1 per tensor shard) repeated to fit 4 Ulysses ways.
   pytest.param("ulysses", (2, 1, 4, 1), {}, (32, 32), 8, 4, True, True, 6, marks=pytest.mark.slow),
   ("ulysses", (1, 1, 4, 2), {"local_implementation": "blockwise"}, (30, 30), 8, 2, True, True, 7),
-  # Ring steps with grouped K/V (query groups folded into rows); Ulysses x ring: 1 kv head per device.
-  ("ring", (1, 1, 8, 1), {}, (32, 32), 4, 2, True, True, None),
-  ("ulysses_ring", (1, 1, 8, 1), {"ulysses_degree": 2}, (37, 37), 4, 2, True, True, None),
+  # Ring steps with grouped K/V (query groups folded into rows) and windows by global position;
+  # Ulysses x ring: 1 kv head per device. 37 tokens: padded to the context axis.
+  ("ring", (1, 1, 8, 1), {}, (32, 32), 4, 2, True, True, 5),
+  ("ulysses_ring", (1, 1, 8, 1), {"ulysses_degree": 2}, (37, 37), 4, 2, True, True, 9),
+  pytest.param(
+    "ring", (1, 2, 4, 1), {}, (40, 40), 2, 1, True, False, (3, 11), marks=pytest.mark.slow
+  ),
+  pytest.param("ring", (1, 1, 8, 1), {}, (32, 32), 4, 2, True, True, None, marks=pytest.mark.slow),
   # Cross-attention under context parallelism: K/V replicated, window applied locally.
   ("ring", (1, 1, 4, 2), {}, (32, 12), 4, 2, True, False, (None, 3)),
 ]
@@ -212,16 +217,6 @@ def test_sharded(implementation, mesh_shape, overrides, lengths, h, h_kv, mask, 
     assert errors[name] < TOL, (name, errors[name])
 
 
-def test_window_with_ring_steps_raises():
-  mesh = mdat.make_mesh((1, 1, 8, 1))
-  q, k, v, _, _ = _inputs(1, 16, 16, 4, 2, 8)
-  for impl, cfg in (("ring", {}), ("ulysses_ring", {"ulysses_degree": 2})):
-    with pytest.raises(ValueError, match="local window is not supported when key blocks travel"):
-      mda.attention(
-        q, k, v, window=4, implementation=impl, mesh=mesh, config=mda.AttentionConfig(**cfg)
-      )
-
-
 def test_bad_window_and_heads_raise():
   q, k, v, _, _ = _inputs(1, 8, 8, 4, 2, 8)
   with pytest.raises(ValueError, match="must agree in batch, heads and head dim"):
@@ -235,12 +230,13 @@ def test_bad_window_and_heads_raise():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["blockwise", "ulysses"])
+@pytest.mark.parametrize("implementation", ["blockwise", "ulysses", "ring"])
 @pytest.mark.parametrize("h_kv", [1, 2])
 @pytest.mark.parametrize("window", [1, 16, (7, 30), (None, 0)])
 @pytest.mark.parametrize("mask, causal", [(True, True), (True, False)])
 def test_grid(implementation, h_kv, window, mask, causal):
-  mesh = mdat.make_mesh((1, 2, 4, 1)) if implementation == "ulysses" else None
+  meshes = {"ulysses": (1, 2, 4, 1), "ring": (1, 1, 8, 1)}
+  mesh = mdat.make_mesh(meshes[implementation]) if implementation in meshes else None
   q, k, v, keep, d_out = _inputs(2, 131, 131, 8, h_kv, 16, mask=mask, seed=1)
   config = mda.AttentionConfig(block_q=32, block_kv=16)
   errors = mdat.max_errors(

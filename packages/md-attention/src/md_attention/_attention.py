@@ -108,15 +108,14 @@ def attention(
     window: local (sliding-window) attention by position. An int `w` is Gemma 3's causal window:
       query `i` sees keys `j` with `i - w < j <= i`. A pair `(left, right)` lets query `i` see keys
       `i - left <= j <= i + right` (None: no limit on that side). Combines with `mask` and `causal`
-      (causal caps `right` at 0). Not supported by `ring` / `ulysses_ring` self-attention.
+      (causal caps `right` at 0).
 
   Returns:
     `[B, S_q, H, D]` in q's dtype.
 
   Raises:
     ValueError: for mismatched shapes, an unknown implementation, a context-parallel implementation
-      without a mesh, heads that the Ulysses degree does not divide, or a window with an
-      implementation that passes key blocks around a ring.
+      without a mesh, heads that the Ulysses degree does not divide, or a bad window.
     TypeError: for non-float or mixed dtypes, or dtypes the chosen kernel does not take.
     RuntimeError: for `cudnn` off NVIDIA GPUs and `splash` off TPU.
   """

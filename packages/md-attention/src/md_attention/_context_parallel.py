@@ -81,8 +81,8 @@ def context_parallel_attention(
     k, v: `[B, S_kv, H_kv, D]` (`H % H_kv == 0`: grouped-query).
     kv_valid: `[B, S_kv]` bool.
     causal, scale: as in `attention`.
-    window: normalized `(left, right)` local window or None; `attend` applies it. Ring steps do not
-      take one, so a window with `R > 1` raises.
+    window: normalized `(left, right)` local window or None; `attend` and the ring steps apply it
+      by global position.
     mesh: a mesh with `config.context_axis`.
     config: block sizes, axes, Ulysses degree and chunks.
     implementation: "ring", "ulysses" or "ulysses_ring".
@@ -106,12 +106,6 @@ def context_parallel_attention(
   cross = s_q != s_kv
   degree = 1 if cross else ulysses_degree(implementation, context, local_heads, h, config)
   ring = context // degree
-  if window is not None and ring > 1 and not cross:
-    raise ValueError(
-      f"{implementation}: a local window is not supported when key blocks travel around a ring "
-      f"(ring size {ring}); use implementation='ulysses' (heads per device {local_heads} must divide "
-      f"by the {ctx!r} axis {context}), a context axis of 1, or no window"
-    )
   tensor_split = h // local_heads
   if cross:
     k, v = shd.fit_kv_heads(k, v, h, tensor_split)
@@ -148,12 +142,13 @@ def context_parallel_attention(
         groups = q.shape[2] // k.shape[2]
         if groups == 1:
           return ring_attention(
-            q, k, v, kv_valid, ctx, ring, degree, causal, scale, config.block_q, config.block_kv
-          )
+            q, k, v, kv_valid, ctx, ring, degree, causal, scale, config.block_q, config.block_kv,
+            1, window,
+          )  # fmt: skip
         q_rows, _ = fold_groups(q, jnp.zeros((q.shape[1],), jnp.int32), k.shape[2])
         out = ring_attention(
           q_rows, k, v, kv_valid, ctx, ring, degree, causal, scale, config.block_q * groups,
-          config.block_kv, groups,
+          config.block_kv, groups, window,
         )  # fmt: skip
         return unfold_groups(out, q.shape[2])
       pos = jnp.arange(q.shape[1], dtype=jnp.int32)

@@ -46,12 +46,12 @@ def _query_positions(r, rows: int, groups: int):
 
 
 def _ring_forward(
-  q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups
+  q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups, window
 ):
   r = lax.axis_index(axis_name) // stride
   s_local = k.shape[1]
   q_pos = _query_positions(r, q.shape[1], groups)
-  kw = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+  kw = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, window=window)
 
   def attend(kv, t):
     k_t, v_t, valid_t = kv
@@ -71,9 +71,9 @@ def _ring_forward(
   return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11, 12))
 def ring_attention(
-  q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups=1
+  q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups=1, window=None
 ):
   """Self-attention over a sequence split in `n` blocks along `axis_name` (call inside shard_map).
 
@@ -86,29 +86,35 @@ def ring_attention(
     causal, scale, block_q, block_kv: as in `blockwise_attention`.
     groups: query rows per position: q holds grouped-query heads folded into its rows
       (`md_attention._blockwise.fold_groups`, `[B, S/n * groups, H_kv, D]`) when > 1.
+    window: optional `(left, right)` local window by global position; every step masks by the
+      positions its key block came from, and skips tiles outside the window.
 
   Returns:
     `[B, S/n, H, D]` in q's dtype (rows as q's).
   """
   return _ring_forward(
-    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups
+    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups, window
   )[0]
 
 
-def _ring_fwd(q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups):
+def _ring_fwd(
+  q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups, window
+):
   out, lse = _ring_forward(
-    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups
+    q, k, v, kv_valid, axis_name, n, stride, causal, scale, block_q, block_kv, groups, window
   )
   return out, (q, k, v, kv_valid, out, lse)
 
 
-def _ring_bwd(axis_name, n, stride, causal, scale, block_q, block_kv, groups, residuals, d_out):
+def _ring_bwd(
+  axis_name, n, stride, causal, scale, block_q, block_kv, groups, window, residuals, d_out
+):
   q, k, v, kv_valid, out, lse = residuals
   r = lax.axis_index(axis_name) // stride
   s_local = k.shape[1]
   q_pos = _query_positions(r, q.shape[1], groups)
   delta = output_delta(d_out, out)
-  kw = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+  kw = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, window=window)
 
   def grads(kv, t):
     k_t, v_t, valid_t = kv
