@@ -7,10 +7,17 @@ uv run apps/ltx_generate --config=apps/configs/ltx.py:13b-0.9.7-dev-multiscale -
 uv run apps/ltx_generate --config=apps/configs/ltx.py:13b-0.9.8-distilled \
   --config.transformer=ltxv-13b-0.9.8-distilled.safetensors
 uv run apps/ltx_generate --config=apps/configs/ltx.py:tiny --workdir=/tmp/ltx   # the bundled tiny pipeline
+uv run apps/ltx_generate --config=apps/configs/ltx.py:ltx2-t2v --config.prompt="a cat playing a piano"
+uv run apps/ltx_generate --config=apps/configs/ltx.py:ltx2-i2v --config.image=cat.png
+uv run apps/ltx_generate --config=apps/configs/ltx.py:ltx2-distilled \
+  --config.transformer=ltx-2-19b-distilled.safetensors
+uv run apps/ltx_generate --config=apps/configs/ltx.py:tiny-ltx2 --workdir=/tmp/ltx2  # tiny LTX-2, with sound
 
 Variants: 2b-0.9.0, 2b-0.9.1, 2b-0.9.5, 2b-0.9.5-i2v, 13b-0.9.7-dev, 13b-0.9.7-dev-i2v,
 13b-0.9.7-dev-multiscale, 13b-0.9.7-distilled, 13b-0.9.8-dev, 13b-0.9.8-distilled, and tiny, tiny-i2v,
 tiny-keyframes, tiny-multiscale (tests/fixtures/ltx_pipeline, tests/fixtures/ltx_upsampler).
+LTX-2 (video with an audio track, `family="ltx2"`): ltx2-t2v, ltx2-i2v, ltx2-distilled, and tiny-ltx2,
+tiny-ltx2-i2v (tests/fixtures/ltx2_pipeline).
 
 Defaults follow diffusers' LTX-Video documentation (0.42): 25 fps, decode_timestep 0.03 / 0.05 with
 decode_noise_scale 0.025 for the timestep-conditioned VAEs (0.9.1+), 0.9.5+ checkpoints run with
@@ -22,6 +29,14 @@ Multi-scale (`upsampler` set): a first pass at `downscale_factor` of the size (r
 takes), the latent upsampler (x2, AdaIN against the first pass with `adain_factor`), a second pass
 refining the upsampled latents with `second_pass_denoise_strength` over `second_pass_steps`, and the frames
 resized to `height` x `width`; as diffusers' LTX-Video 0.9.7 multi-scale example.
+
+LTX-2 defaults follow diffusers' LTX2Pipeline / LTX2ImageToVideoPipeline (0.42): 512x768, 121 frames
+at 24 fps, 30 steps, guidance 3 (audio 7), spatio-temporal guidance 1 (audio 1) skipping block 28,
+modality guidance 3 (audio 3), rescale 0.7 (audio 0.7), 1024 Gemma tokens, the cross-modal timestep;
+image-to-video re-compresses the image at `image_crf` 33 as the model was trained. The distilled
+variant runs the published 8 sigmas (`sigmas="distilled"`) without guidance; its transformer is the
+original single file (`--config.transformer=`), the rest from Lightricks/LTX-2. The MP4 carries the
+generated sound (AAC); settings.json records its sample rate and duration.
 
 Hub ids need the hub cache (or network). `attention` picks md-attention's implementation.
 """
@@ -35,6 +50,56 @@ _13B = dict(height=480, width=704, num_frames=121, condition=True, decode_timest
 _13B_DEV = dict(_13B, steps=30, guidance_scale=5.0, guidance_rescale=0.7)
 _13B_DISTILLED = dict(_13B, guidance_scale=1.0, timesteps=_DISTILLED_TIMESTEPS)
 _TINY = dict(height=32, width=32, num_frames=9, steps=3, decode_timestep=0.05)
+_LTX2 = dict(
+  family="ltx2",
+  model="Lightricks/LTX-2",
+  height=512,
+  width=768,
+  num_frames=121,
+  fps=24,
+  steps=30,
+  guidance_scale=3.0,
+  audio_guidance_scale=7.0,
+  stg_scale=1.0,
+  audio_stg_scale=1.0,
+  stg_blocks="28",
+  modality_scale=3.0,
+  audio_modality_scale=3.0,
+  guidance_rescale=0.7,
+  audio_guidance_rescale=0.7,
+  max_sequence_length=1024,
+  use_cross_timestep=True,
+  decode_timestep=0.0,
+  decode_noise_scale=-1.0,
+)
+# No guidance at all: CFG, STG and modality scales 1 / 0 (one transformer call per step).
+_LTX2_DISTILLED = dict(
+  _LTX2,
+  steps=8,
+  sigmas="distilled",
+  guidance_scale=1.0,
+  audio_guidance_scale=1.0,
+  stg_scale=0.0,
+  audio_stg_scale=0.0,
+  modality_scale=1.0,
+  audio_modality_scale=1.0,
+  guidance_rescale=0.0,
+  audio_guidance_rescale=0.0,
+  needs_transformer=True,
+)
+# The tiny LTX-2 pipeline: 2 blocks, 16 Gemma tokens, a VAE taking multiples of 32 and 1 + 8k frames.
+_TINY_LTX2 = dict(
+  _LTX2,
+  model="tests/fixtures/ltx2_pipeline/pipe",
+  height=32,
+  width=64,
+  num_frames=9,
+  steps=3,
+  stg_blocks="1",
+  max_sequence_length=16,
+  decode_timestep=0.05,
+  decode_noise_scale=0.025,
+)
 
 # variant -> settings that differ from the defaults below
 VARIANTS = {
@@ -65,6 +130,11 @@ VARIANTS = {
     _TINY, model=f"{_FIXTURES}/cond", condition=True, height=64, width=64,
     upsampler=_UPSAMPLER_FIXTURE, second_pass_steps=3,
   ),
+  "ltx2-t2v": dict(_LTX2),
+  "ltx2-i2v": dict(_LTX2, needs_image=True),
+  "ltx2-distilled": dict(_LTX2_DISTILLED),
+  "tiny-ltx2": dict(_TINY_LTX2),
+  "tiny-ltx2-i2v": dict(_TINY_LTX2, needs_image=True),
 }  # fmt: skip
 
 # The negative prompt of diffusers' LTX-Video examples.
@@ -79,6 +149,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   c = ml_collections.ConfigDict()
   c.variant = name
+  # "ltx" (LTX-Video) or "ltx2" (LTX-2: video with sound); set by the variant.
+  c.family = "ltx"
   # The pipeline: a diffusers folder or hub id; an optional transformer (diffusers folder or original
   # single file) replacing its own; parameter dtype of the transformer and T5.
   c.model = ""
@@ -146,6 +218,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.distributed = ml_collections.ConfigDict(
     dict(coordinator_address="", num_processes=-1, process_id=-1)
   )
+  # LTX-2 only: the audio stream's guidance (0: the video's value), modality guidance (the pass without
+  # the other stream), Gemma's token count, the audio<->video modulation following the other stream's
+  # timestep, custom sigmas ("s1,s2,..." or "distilled": md_schedulers.LTX2_DISTILLED_SIGMAS; empty: the
+  # schedule), the H.264 quality the image is re-compressed at (0: none) and the frame-rate divisor of the
+  # positions (motion_speed).
+  c.audio_guidance_scale = 0.0
+  c.audio_stg_scale = 0.0
+  c.modality_scale = 1.0
+  c.audio_modality_scale = 0.0
+  c.audio_guidance_rescale = 0.0
+  c.max_sequence_length = 1024
+  c.use_cross_timestep = True
+  c.sigmas = ""
+  c.image_crf = 33
+  c.motion_speed = 1.0
   c.compilation_cache = True
   c.update(VARIANTS[name])
   c.lock()
