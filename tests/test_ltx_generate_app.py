@@ -190,6 +190,10 @@ def test_ltx2_generate_reports_bad_settings_clearly(tmp_path):
     and "--config.num_frames=12 → 9 or 17" in out.stderr
   )
   assert "--config.width" not in out.stderr
+  out = run_app(f"--workdir={tmp_path}", "--config.timesteps=1000,900", variant="tiny-ltx2")
+  assert out.returncode != 0 and "LTX-2 takes --config.sigmas=" in out.stderr
+  out = run_app(f"--workdir={tmp_path}", "--config.sigmas=1.0,x", variant="tiny-ltx2")
+  assert out.returncode != 0 and "--config.sigmas='1.0,x' must be 'distilled'" in out.stderr
   out = run_app(f"--workdir={tmp_path}", variant="ltx2-distilled")
   assert out.returncode != 0 and "--config.transformer=" in out.stderr
   assert "ltx-2-19b-distilled.safetensors" in out.stderr

@@ -151,6 +151,12 @@ def _main_ltx2(config) -> None:
   """LTX-2: one pass of md_ltx.load_ltx2_pipeline, MP4s with the audio track, settings.json."""
   if config.keyframes:
     raise app.UsageError("--config.keyframes is LTX-Video only; LTX-2 takes one --config.image")
+  if config.upsampler:
+    raise app.UsageError("--config.upsampler (multi-scale) is LTX-Video only; LTX-2 runs one pass")
+  if config.timesteps.strip():
+    raise app.UsageError("--config.timesteps is LTX-Video only; LTX-2 takes --config.sigmas=")
+  if config.cfg_star:
+    raise app.UsageError("--config.cfg_star is LTX-Video only")
   if config.image_crf < 0:
     raise app.UsageError(
       f"--config.image_crf={config.image_crf} must be >= 0 (0: no re-compression)"
