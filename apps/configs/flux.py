@@ -17,6 +17,8 @@ the output size from the first reference image when height and width are 0. Hub 
 
 import ml_collections
 
+from md_core import apps as md_apps
+
 _FIXTURES = "tests/fixtures/flux_pipeline"
 _KLEIN_FIXTURES = "tests/fixtures/flux2_pipeline"
 _TINY = dict(height=32, width=48, steps=3, max_sequence_length=8)
@@ -107,22 +109,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.kv_cache = False
   # Attention implementation ("" = automatic; "ulysses" / "ring" for context parallelism).
   c.attention = ""
-  c.mesh = ml_collections.ConfigDict(
-    dict(
-      ici_data_parallelism=1,
-      ici_fsdp_parallelism=-1,
-      ici_context_parallelism=1,
-      ici_tensor_parallelism=1,
-      dcn_data_parallelism=1,
-      dcn_fsdp_parallelism=1,
-      dcn_context_parallelism=1,
-      dcn_tensor_parallelism=1,
-    )
-  )
-  c.distributed = ml_collections.ConfigDict(
-    dict(coordinator_address="", num_processes=-1, process_id=-1)
-  )
-  c.compilation_cache = True
+  md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -7,6 +7,8 @@ uv run apps/md_info --config=apps/configs/info.py --config.checkpoint=path/to/mo
 
 import ml_collections
 
+from md_core import apps as md_apps
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg not in (None, "", "default"):
@@ -15,21 +17,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # A safetensors file, a sharded index or a folder; the default is the small sharded checkpoint in the repo.
   c.checkpoint = "tests/fixtures/core/stack_sharded"
   c.dtype = "float32"
-  c.mesh = ml_collections.ConfigDict(
-    dict(
-      ici_data_parallelism=1,
-      ici_fsdp_parallelism=-1,
-      ici_context_parallelism=1,
-      ici_tensor_parallelism=1,
-      dcn_data_parallelism=1,
-      dcn_fsdp_parallelism=1,
-      dcn_context_parallelism=1,
-      dcn_tensor_parallelism=1,
-    )
-  )
-  c.distributed = ml_collections.ConfigDict(
-    dict(coordinator_address="", num_processes=-1, process_id=-1)
-  )
-  c.compilation_cache = True
+  md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
   c.lock()
   return c

@@ -43,6 +43,8 @@ Hub ids need the hub cache (or network). `attention` picks md-attention's implem
 
 import ml_collections
 
+from md_core import apps as md_apps
+
 _FIXTURES = "tests/fixtures/ltx_pipeline"
 _UPSAMPLER_FIXTURE = "tests/fixtures/ltx_upsampler/ltx_video"
 _DISTILLED_TIMESTEPS = "1000,993,987,981,975,909,725,0.03"
@@ -203,21 +205,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.second_pass_steps = 10
   c.second_pass_denoise_strength = 0.4
   c.second_pass_image_cond_noise_scale = 0.025
-  c.mesh = ml_collections.ConfigDict(
-    dict(
-      ici_data_parallelism=1,
-      ici_fsdp_parallelism=-1,
-      ici_context_parallelism=1,
-      ici_tensor_parallelism=1,
-      dcn_data_parallelism=1,
-      dcn_fsdp_parallelism=1,
-      dcn_context_parallelism=1,
-      dcn_tensor_parallelism=1,
-    )
-  )
-  c.distributed = ml_collections.ConfigDict(
-    dict(coordinator_address="", num_processes=-1, process_id=-1)
-  )
+  md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
   # LTX-2 only: the audio stream's guidance (0: the video's value), modality guidance (the pass without
   # the other stream), Gemma's token count, the audio<->video modulation following the other stream's
   # timestep, custom sigmas ("s1,s2,..." or "distilled": md_schedulers.LTX2_DISTILLED_SIGMAS; empty: the
@@ -233,7 +221,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sigmas = ""
   c.image_crf = 33
   c.motion_speed = 1.0
-  c.compilation_cache = True
   c.update(VARIANTS[name])
   c.lock()
   return c

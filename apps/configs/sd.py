@@ -21,6 +21,8 @@ they fail with a message that says how to get them.
 
 import ml_collections
 
+from md_core import apps as md_apps
+
 _FIXTURES = "tests/fixtures/sd_pipeline"
 _FEATURES = "tests/fixtures/sd_features"
 _TINY = dict(height=32, width=32, steps=3)
@@ -187,22 +189,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.controlnet_conditioning_scale = 1.0
   c.control_guidance_start = 0.0
   c.control_guidance_end = 1.0
-  c.mesh = ml_collections.ConfigDict(
-    dict(
-      ici_data_parallelism=1,
-      ici_fsdp_parallelism=-1,
-      ici_context_parallelism=1,
-      ici_tensor_parallelism=1,
-      dcn_data_parallelism=1,
-      dcn_fsdp_parallelism=1,
-      dcn_context_parallelism=1,
-      dcn_tensor_parallelism=1,
-    )
-  )
-  c.distributed = ml_collections.ConfigDict(
-    dict(coordinator_address="", num_processes=-1, process_id=-1)
-  )
-  c.compilation_cache = True
+  md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
   c.update(VARIANTS[name])
   c.lock()
   return c

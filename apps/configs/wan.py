@@ -18,6 +18,8 @@ guidance, flow_shift: 3.0 at 480p, 5.0 at 720p, 16 for FLF2V; 16 fps, 24 for TI2
 
 import ml_collections
 
+from md_core import apps as md_apps
+
 _FIXTURES = "tests/fixtures/wan_pipeline"
 
 # variant -> settings that differ from the defaults below
@@ -139,22 +141,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.last_image = ""
   c.needs_image = False
   c.needs_last_image = False
-  c.mesh = ml_collections.ConfigDict(
-    dict(
-      ici_data_parallelism=1,
-      ici_fsdp_parallelism=-1,
-      ici_context_parallelism=1,
-      ici_tensor_parallelism=1,
-      dcn_data_parallelism=1,
-      dcn_fsdp_parallelism=1,
-      dcn_context_parallelism=1,
-      dcn_tensor_parallelism=1,
-    )
-  )
-  c.distributed = ml_collections.ConfigDict(
-    dict(coordinator_address="", num_processes=-1, process_id=-1)
-  )
-  c.compilation_cache = True
+  md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+_AXES = ("data", "fsdp", "context", "tensor")
 _DEFAULT_CACHE = (
   pathlib.Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "md" / "jax"
 )
@@ -31,6 +32,26 @@ def configure_jax(*, compilation_cache: str | os.PathLike | None | bool = True) 
     folder.expanduser().mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder.expanduser()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def add_runtime_config(config: Any) -> Any:
+  """Adds the settings every app shares to an ml-collections `config` and returns it.
+
+  `config.mesh`: md-sharding's `MeshConfig` fields (`ici_*` / `dcn_*` parallelism per axis; fsdp takes
+  the devices left, -1), `config.distributed`: `jax.distributed` start-up (`coordinator_address`,
+  `num_processes`, `process_id`; empty / -1: detect or single process), `config.compilation_cache`
+  (see `configure_jax`). `start(config)` reads them back.
+  """
+  import ml_collections
+
+  mesh = {f"{kind}_{axis}_parallelism": 1 for kind in ("ici", "dcn") for axis in _AXES}
+  mesh["ici_fsdp_parallelism"] = -1
+  config.mesh = ml_collections.ConfigDict(mesh)
+  config.distributed = ml_collections.ConfigDict(
+    dict(coordinator_address="", num_processes=-1, process_id=-1)
+  )
+  config.compilation_cache = True
+  return config
 
 
 def start(config: Mapping[str, Any] | None = None) -> jax.sharding.Mesh:
