@@ -41,6 +41,7 @@ import md_text
 from md_core import progress as md_progress
 from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
 from md_ltx._ltx2_weights import load_ltx2_transformer
+from md_ltx._video_tokens import check_video_size, pack_tokens, unpack_tokens
 from md_vae._ltx2_audio import LTX2AudioVAE, pack_audio_latents, unpack_audio_latents
 from md_vae._ltx2_audio_weights import load_vae_ltx2_audio
 from md_vae._ltx2_vae import LTX2VideoVAE
@@ -103,11 +104,6 @@ def _as_list(prompt: str | Sequence[str] | None) -> list[str] | None:
   if prompt is None:
     return None
   return [prompt] if isinstance(prompt, str) else list(prompt)
-
-
-def _nearest(value: int, step: int, offset: int) -> str:
-  below = max(offset, offset + step * ((value - offset) // step))
-  return str(below) if below == value else f"{below} or {below + step}"
 
 
 # H.264 quality the LTX-2 / 2.3 (Gemma 3) checkpoints were trained with for conditioning images.
@@ -280,32 +276,16 @@ class LTX2VideoPipeline:
     tc = self.transformer.cfg
     m = int(np.lcm(32, self.vae_spatial_compression_ratio * tc.patch_size))
     t = self.vae_temporal_compression_ratio * tc.patch_size_t
-    bad = [
-      f"{name}={v} → {_nearest(max(v, m), m, m)}"
-      for name, v in (("height", height), ("width", width))
-      if v <= 0 or v % m
-    ]
-    if num_frames < 1 or (num_frames - 1) % t:
-      bad.append(f"num_frames={num_frames} → {_nearest(max(num_frames, 1), t, 1)}")
-    if bad:
-      raise ValueError(
-        f"the LTX-2 VAE takes height and width multiples of {m} and num_frames = 1 + {t}k; got "
-        f"{height}x{width}, {num_frames} frames; nearest valid: {', '.join(bad)}"
-      )
+    check_video_size("LTX-2 VAE", height, width, num_frames, m, t)
 
   # --- packing ---------------------------------------------------------------------------------------------
   def _pack(self, x):
-    """`[B, F, H, W, C]` → `[B, S, C * pt * p * p]` (tokens frame-major; features channel-major)."""
-    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
-    b, f, h, w, c = x.shape
-    x = x.reshape(b, f // pt, pt, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
-    return x.reshape(b, (f // pt) * (h // p) * (w // p), c * pt * p * p)
+    cfg = self.transformer.cfg
+    return pack_tokens(x, cfg.patch_size, cfg.patch_size_t)
 
   def _unpack(self, x, f, h, w):
-    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
-    b = x.shape[0]
-    x = x.reshape(b, f // pt, h // p, w // p, -1, pt, p, p).transpose(0, 1, 5, 2, 6, 3, 7, 4)
-    return x.reshape(b, f, h, w, -1)
+    cfg = self.transformer.cfg
+    return unpack_tokens(x, f, h, w, cfg.patch_size, cfg.patch_size_t)
 
   # --- image conditioning ----------------------------------------------------------------------------------
   def _encode_image(self, pixels: jax.Array) -> jax.Array:

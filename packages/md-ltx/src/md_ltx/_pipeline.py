@@ -41,6 +41,7 @@ from md_ltx._transformer import (
   rope_tables,
   rope_tables_from_coords,
 )
+from md_ltx._video_tokens import check_video_size, pack_tokens, unpack_tokens
 from md_ltx._weights import load_transformer
 
 _CLASSES = ("LTXPipeline", "LTXConditionPipeline", "LTXImageToVideoPipeline")
@@ -80,11 +81,6 @@ def _as_list(prompt: str | Sequence[str] | None) -> list[str] | None:
   if prompt is None:
     return None
   return [prompt] if isinstance(prompt, str) else list(prompt)
-
-
-def _nearest(value: int, step: int, offset: int) -> str:
-  below = max(offset, offset + step * ((value - offset) // step))
-  return str(below) if below == value else f"{below} or {below + step}"
 
 
 def _image_array(image: Any, what: str) -> np.ndarray:
@@ -272,33 +268,16 @@ class LTXVideoPipeline:
       self.size_multiple,
       self.vae_temporal_compression_ratio * self.transformer.cfg.patch_size_t,
     )
-    bad = [
-      f"{name}={v} → {_nearest(v, m, m)}"
-      for name, v in (("height", height), ("width", width))
-      if v <= 0 or v % m
-    ]
-    if num_frames < 1 or (num_frames - 1) % t:
-      bad.append(f"num_frames={num_frames} → {_nearest(max(num_frames, 1), t, 1)}")
-    if bad:
-      raise ValueError(
-        f"the LTX-Video VAE takes height and width multiples of {m} and num_frames = 1 + {t}k; got "
-        f"{height}x{width}, {num_frames} frames; nearest valid: {', '.join(bad)}"
-      )
+    check_video_size("LTX-Video VAE", height, width, num_frames, m, t)
 
   # --- packing ---------------------------------------------------------------------------------------------
   def _pack(self, x):
-    """`[B, F, H, W, C]` → `[B, S, C * pt * p * p]` (tokens frame-major; features channel-major)."""
-    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
-    b, f, h, w, c = x.shape
-    x = x.reshape(b, f // pt, pt, h // p, p, w // p, p, c).transpose(0, 1, 3, 5, 7, 2, 4, 6)
-    return x.reshape(b, (f // pt) * (h // p) * (w // p), c * pt * p * p)
+    cfg = self.transformer.cfg
+    return pack_tokens(x, cfg.patch_size, cfg.patch_size_t)
 
   def _unpack(self, x, f, h, w):
-    """The inverse of `_pack` for a latent grid of `f x h x w` (in latent frames and pixels)."""
-    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
-    b = x.shape[0]
-    x = x.reshape(b, f // pt, h // p, w // p, -1, pt, p, p).transpose(0, 1, 5, 2, 6, 3, 7, 4)
-    return x.reshape(b, f, h, w, -1)
+    cfg = self.transformer.cfg
+    return unpack_tokens(x, f, h, w, cfg.patch_size, cfg.patch_size_t)
 
   def _coords(self, f: int, h: int, w: int, frame_index: int) -> np.ndarray:
     """The reference's `video_coords` of a latent grid `[1, 3, S]` (before the frame-rate division): latent
