@@ -1,11 +1,11 @@
 """md-core: the pieces every md package shares.
 
 Weights (safetensors reading, checkpoint sources, key maps, loading onto a mesh, Orbax save/restore), the
-neural-network blocks the families share (`md_core.nn`), media I/O (`md_core.media`) and progress bars
-(`md_core.progress`).
+neural-network blocks the families share (`md_core.nn`), media I/O (`md_core.media`), pipeline image
+inputs (`md_core.images`) and progress bars (`md_core.progress`).
 """
 
-from md_core import apps, media, nn, progress
+from md_core import apps, images, media, nn, progress
 from md_core._keymap import (
   LAYOUTS,
   KeyMap,
@@ -43,6 +43,7 @@ __all__ = [
   "coverage",
   "hub_cache_dir",
   "hub_offline",
+  "images",
   "load_config",
   "load_weights",
   "logical_axes",
