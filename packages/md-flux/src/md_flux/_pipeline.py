@@ -187,11 +187,13 @@ class FluxPipeline:
 
   # --- text ---------------------------------------------------------------------------------------------
   def encode_prompt(
-    self, prompts: Sequence[str], max_sequence_length: int = 512
+    self, prompts: str | Sequence[str], max_sequence_length: int = 512
   ) -> tuple[jax.Array, jax.Array]:
-    """T5 embeddings `[B, max_sequence_length, D]` and CLIP pooled embeddings `[B, P]`."""
-    ids = md_text.tokenize(self.tokenizer, list(prompts)).ids
-    ids2 = md_text.tokenize(self.tokenizer_2, list(prompts), max_length=max_sequence_length).ids
+    """T5 embeddings `[B, max_sequence_length, D]` and CLIP pooled embeddings `[B, P]` for one prompt
+    (B = 1) or a list."""
+    prompts = _as_list(prompts)
+    ids = md_text.tokenize(self.tokenizer, prompts).ids
+    ids2 = md_text.tokenize(self.tokenizer_2, prompts, max_length=max_sequence_length).ids
 
     def make():
       te, te2 = self._te, self._te2

@@ -249,7 +249,7 @@ class LTXVideoPipeline:
   ) -> tuple[jax.Array, jax.Array]:
     """T5 states `[B, L, D]` and the token mask `[B, L]` (int32, 1 = token), as the reference: the encoder
     sees all `L` positions without a mask; the mask is for the transformer's cross-attention."""
-    tokens = md_text.tokenize(self.tokenizer, list(prompts), max_length=max_sequence_length)
+    tokens = md_text.tokenize(self.tokenizer, prompts, max_length=max_sequence_length)  # str: one
     te = self._te
 
     def encode(state, ids):

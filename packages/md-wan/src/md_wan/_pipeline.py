@@ -197,7 +197,7 @@ class WanVideoPipeline:
     """UMT5 states `[B, max_sequence_length, D]`, zero after each prompt's last token (as the reference
     trims and pads them)."""
     tokens = md_text.tokenize(
-      self.tokenizer, [clean_prompt(p) for p in prompts], max_length=max_sequence_length
+      self.tokenizer, [clean_prompt(p) for p in _as_list(prompts)], max_length=max_sequence_length
     )
     te = self._te
 
