@@ -156,8 +156,8 @@ def test_config_errors():
     md_wan.WanConfig.from_dict(base, attention="flash")
   with pytest.raises(ValueError, match="remat='some' is not one of"):
     md_wan.WanConfig.from_dict(base, remat="some")
-  with pytest.raises(ValueError, match="the image branch needs both"):
-    md_wan.WanConfig.from_dict({**base, "image_dim": 1280})
+  with pytest.raises(ValueError, match="added_kv_proj_dim=48 needs image_dim"):
+    md_wan.WanConfig.from_dict({**base, "added_kv_proj_dim": 48})
   with pytest.raises(ValueError, match="patch_size=.* must be three positive ints"):
     md_wan.WanConfig.from_dict({**base, "patch_size": [2, 2]})
 

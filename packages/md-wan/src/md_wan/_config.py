@@ -42,6 +42,8 @@ class WanConfig:
     eps: epsilon of the block norms.
     image_dim: width of the CLIP image tokens (Wan 2.1 I2V / FLF2V: 1280), None without image branch.
     added_kv_proj_dim: input width of the image key/value projections (Wan 2.1 I2V: the model width).
+      None with `image_dim` set: the projected image tokens are prepended to the text tokens and
+      cross-attention reads both through its ordinary key/value projections (as diffusers does).
     rope_max_seq_len: longest rotary table per axis (latent frames / rows / columns per video).
     pos_embed_seq_len: FLF2V's learned position table over the two images' tokens (2 x 257), or None.
     attention: md-attention implementation for self-attention ("auto", "dot_product", "blockwise",
@@ -95,10 +97,10 @@ class WanConfig:
       raise ValueError(
         f"attention_head_dim={self.attention_head_dim} must be even and >= 6 (three rotary parts)"
       )
-    if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+    if self.added_kv_proj_dim is not None and self.image_dim is None:
       raise ValueError(
-        f"image_dim={self.image_dim} and added_kv_proj_dim={self.added_kv_proj_dim}: the image branch "
-        "needs both (Wan 2.1 I2V: 1280 and the model width) or neither"
+        f"added_kv_proj_dim={self.added_kv_proj_dim} needs image_dim (the width of the CLIP image tokens "
+        "its projections read; Wan 2.1 I2V: 1280)"
       )
     if self.added_kv_proj_dim is not None and self.added_kv_proj_dim != self.dim:
       # The image embedder projects CLIP tokens to the model width, which the added projections read.

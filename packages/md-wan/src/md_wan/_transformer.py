@@ -3,7 +3,8 @@
 Tokens are latent patches `(t, h, w)` in frame-major order. Each block modulates its norms with a learned
 float32 table plus the timestep projection (AdaLN), runs self-attention with q/k RMS norms across all heads
 and a 3-axis rotary embedding, cross-attention to the text (plus, for Wan 2.1 I2V, to CLIP image tokens
-through separate key/value projections), and a tanh-GELU feed-forward.
+through separate key/value projections; a config with `image_dim` and no `added_kv_proj_dim` instead
+prepends the image tokens to the text ones), and a tanh-GELU feed-forward.
 """
 
 from __future__ import annotations
@@ -339,7 +340,11 @@ class WanTransformer(nnx.Module):
     context = self.text_embedder(text.astype(dtype))
     image_tokens = None
     if self.image_embedder is not None:
-      image_tokens = self.image_embedder(image.astype(dtype))
+      image_tokens = self.image_embedder(image.astype(dtype))  # [B, S_img, D]
+      if cfg.added_kv_proj_dim is None:
+        # No separate image keys / values: the image tokens come first in the cross-attention context.
+        context = jnp.concatenate([image_tokens, context], axis=1)
+        image_tokens = None
 
     graphdef, params = nnx.split(self.blocks)
 
