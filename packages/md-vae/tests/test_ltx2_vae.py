@@ -109,6 +109,21 @@ def test_tiled_encode_matches_diffusers(vaes, refs):
   )
 
 
+@pytest.mark.parametrize("case", ("extra", "defaults"))
+def test_configs_counted_as_diffusers_counts_them(case):
+  # Per-block options longer than the blocks (tests/fixtures/vae_ltx2_configs): diffusers counts the blocks by
+  # the widths and reads only the entries they need (the decoder's from the end); md refused these.
+  folder = fixture_path("vae_ltx2_configs") / case
+  ref = load_arrays(fixture_path("vae_ltx2_configs") / f"{case}.npz")
+  vae = load_vae_ltx2(folder)
+  mean, logvar = _encode(*nnx.split(vae), _cl(ref["video"]))
+  chex.assert_trees_all_close(
+    (mean, logvar), (_cl(ref["mean"]), _cl(ref["logvar"])), atol=TOL, rtol=0
+  )
+  out = _decode(*nnx.split(vae), _cl(ref["latents"]), None, None)
+  chex.assert_trees_all_close(out, _cl(ref["sample"]), atol=TOL, rtol=0)
+
+
 def test_original_single_file_loads_the_same_weights(vaes):
   cfg = vaes["v2"].config
   vae = load_vae_ltx2_original(
@@ -208,8 +223,17 @@ def test_input_errors(vaes):
     LTX2VideoVAEConfig(decoder_spatial_padding_mode="circular")
   with pytest.raises(ValueError, match=r"upsample_type \['conv'\] not supported"):
     LTX2VideoVAEConfig(upsample_type=("conv", "spatial", "spatial"))
-  with pytest.raises(ValueError, match=r"block_out_channels=\(8,\) needs one entry per down block"):
-    LTX2VideoVAEConfig(block_out_channels=(8,))
+  # One down block is fine: the mid block takes layers_per_block[-1], as in diffusers.
+  LTX2VideoVAEConfig(block_out_channels=(8,))
+  with pytest.raises(
+    ValueError,
+    match=r"6 down blocks .*need more entries in: layers_per_block=\(4, 6, 6, 2, 2\) has 5, needs 6",
+  ):
+    LTX2VideoVAEConfig(block_out_channels=(8,) * 6)
+  with pytest.raises(ValueError, match=r"upsample_factor=\(2, 2\) has 2, needs 3"):
+    LTX2VideoVAEConfig(upsample_factor=(2, 2))
+  with pytest.raises(ValueError, match=r"decoder_layers_per_block=\(5, 5, 5\) has 3, needs 4"):
+    LTX2VideoVAEConfig(decoder_layers_per_block=(5, 5, 5))
 
 
 def test_missing_key_is_named(tmp_path):

@@ -41,16 +41,20 @@ from md_vae._ltx_vae import (
 
 _F32 = jnp.float32
 _DOWN_TYPE = "LTX2VideoDownBlock3D"
+# Per-block options and how many entries the reference reads: (name, extra, "down" / "up"), i.e. the number
+# of down (up) blocks + extra.
+_READ = (
+  ("layers_per_block", 0, "down"), ("down_block_types", 0, "down"),
+  ("spatio_temporal_scaling", 0, "down"), ("downsample_type", 0, "down"),
+  ("decoder_layers_per_block", 1, "up"), ("decoder_spatio_temporal_scaling", 0, "up"),
+  ("decoder_inject_noise", 1, "up"), ("upsample_type", 0, "up"), ("upsample_residual", 0, "up"),
+  ("upsample_factor", 0, "up"),
+)  # fmt: skip
 
 
-def _per_block(value, n: int, name: str) -> tuple:
-  """diffusers lets some per-block options be one bool for all blocks."""
-  if isinstance(value, bool):
-    return (value,) * n
-  value = tuple(value)
-  if len(value) != n:
-    raise ValueError(f"{name}={value} needs {n} entries")
-  return value
+def _per_block(value, n: int) -> tuple:
+  """diffusers lets some per-block options be one bool for all `n` blocks."""
+  return (value,) * n if isinstance(value, bool) else tuple(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,38 +97,40 @@ class LTX2VideoVAEConfig:
     for f in dataclasses.fields(self):
       if isinstance(getattr(self, f.name), list):
         set_(f.name, tuple(getattr(self, f.name)))
+    # As diffusers: one bool stands for len(layers_per_block) - 1 entries (the compression ratios count
+    # them all), the blocks are counted by the widths, and only the entries they read must be there.
     n_enc, n_dec = len(self.layers_per_block), len(self.decoder_layers_per_block)
+    set_("spatio_temporal_scaling", _per_block(self.spatio_temporal_scaling, n_enc - 1))
     set_(
-      "spatio_temporal_scaling",
-      _per_block(self.spatio_temporal_scaling, n_enc - 1, "spatio_temporal_scaling"),
+      "decoder_spatio_temporal_scaling", _per_block(self.decoder_spatio_temporal_scaling, n_dec - 1)
     )
-    set_(
-      "decoder_spatio_temporal_scaling",
-      _per_block(
-        self.decoder_spatio_temporal_scaling, n_dec - 1, "decoder_spatio_temporal_scaling"
-      ),
-    )
-    set_(
-      "decoder_inject_noise", _per_block(self.decoder_inject_noise, n_dec, "decoder_inject_noise")
-    )
-    set_("upsample_residual", _per_block(self.upsample_residual, n_dec - 1, "upsample_residual"))
-    if len(self.block_out_channels) != n_enc - 1:
+    set_("decoder_inject_noise", _per_block(self.decoder_inject_noise, n_dec))
+    set_("upsample_residual", _per_block(self.upsample_residual, n_dec - 1))
+    n_down, n_up = len(self.block_out_channels), len(self.decoder_block_out_channels)
+    if n_down < 1 or n_up < 1:
       raise ValueError(
-        f"block_out_channels={self.block_out_channels} needs one entry per down block "
-        f"(layers_per_block={self.layers_per_block}: {n_enc - 1} down blocks + the mid block)"
+        f"block_out_channels={self.block_out_channels} and decoder_block_out_channels="
+        f"{self.decoder_block_out_channels} need one entry per down / up block (at least one each)"
       )
-    bad = [t for t in self.down_block_types if t != _DOWN_TYPE]
+    short = []
+    for name, extra, side in _READ:
+      need, value = (n_down if side == "down" else n_up) + extra, getattr(self, name)
+      if len(value) < need:
+        short.append(f"{name}={value} has {len(value)}, needs {need}")
+    if short:
+      raise ValueError(
+        f"LTX-2 video VAE config: {n_down} down blocks (block_out_channels={self.block_out_channels}) "
+        f"and {n_up} up blocks (decoder_block_out_channels={self.decoder_block_out_channels}) need "
+        f"more entries in: {', '.join(short)}"
+      )
+    bad = [t for t in self.down_block_types[:n_down] if t != _DOWN_TYPE]
     if bad:
       raise ValueError(f"down_block_types {bad} are not supported; expected {_DOWN_TYPE!r}")
-    for name, extra in (("downsample_type", ("conv",)), ("upsample_type", ())):
+    for name, extra, n in (("downsample_type", ("conv",), n_down), ("upsample_type", (), n_up)):
       kinds = (*extra, *_DOWNSAMPLE_STRIDES)
-      bad = [t for t in getattr(self, name) if t not in kinds]
+      bad = [t for t in getattr(self, name)[:n] if t not in kinds]
       if bad:
         raise ValueError(f"{name} {bad} not supported; expected one of {kinds}")
-    if len(self.upsample_type) != n_dec - 1:
-      raise ValueError(
-        f"upsample_type={self.upsample_type} needs {n_dec - 1} entries (one per up block)"
-      )
     for name in ("encoder_spatial_padding_mode", "decoder_spatial_padding_mode"):
       if getattr(self, name) not in _PADDING_MODES:
         raise ValueError(
@@ -144,8 +150,13 @@ class LTX2VideoVAEConfig:
     return self.patch_size_t * 2 ** sum(self.spatio_temporal_scaling)
 
   def to_ltx(self) -> LTXVideoVAEConfig:
-    """The same network as an LTX-Video config (0.9.5-style blocks), which md's shared blocks are built from."""
-    n = len(self.block_out_channels)
+    """The same network as an LTX-Video config (0.9.5-style blocks), which md's shared blocks are built from.
+
+    Only the entries the reference reads are passed: down block i takes entry i of the encoder's options and
+    the encoder's mid block the last `layers_per_block`; the decoder reverses its options, so its mid block
+    and up blocks take the last entries (all but `upsample_type`, which it reads from the front).
+    """
+    n, m = len(self.block_out_channels), len(self.decoder_block_out_channels)
     return LTXVideoVAEConfig(
       in_channels=self.in_channels,
       out_channels=self.out_channels,
@@ -153,14 +164,14 @@ class LTX2VideoVAEConfig:
       block_out_channels=(self.latent_channels, *self.block_out_channels),
       down_block_types=("LTXVideo095DownBlock3D",) * n,
       decoder_block_out_channels=self.decoder_block_out_channels,
-      layers_per_block=self.layers_per_block,
-      decoder_layers_per_block=self.decoder_layers_per_block,
-      spatio_temporal_scaling=self.spatio_temporal_scaling,
-      decoder_spatio_temporal_scaling=self.decoder_spatio_temporal_scaling,
-      decoder_inject_noise=self.decoder_inject_noise,
-      downsample_type=self.downsample_type,
-      upsample_residual=self.upsample_residual,
-      upsample_factor=self.upsample_factor,
+      layers_per_block=(*self.layers_per_block[:n], self.layers_per_block[-1]),
+      decoder_layers_per_block=self.decoder_layers_per_block[-(m + 1) :],
+      spatio_temporal_scaling=self.spatio_temporal_scaling[:n],
+      decoder_spatio_temporal_scaling=self.decoder_spatio_temporal_scaling[-m:],
+      decoder_inject_noise=self.decoder_inject_noise[-(m + 1) :],
+      downsample_type=self.downsample_type[:n],
+      upsample_residual=self.upsample_residual[-m:],
+      upsample_factor=self.upsample_factor[-m:],
       timestep_conditioning=self.timestep_conditioning,
       patch_size=self.patch_size,
       patch_size_t=self.patch_size_t,
@@ -170,7 +181,7 @@ class LTX2VideoVAEConfig:
       decoder_causal=self.decoder_causal,
       spatial_compression_ratio=self.spatial_ratio,
       temporal_compression_ratio=self.temporal_ratio,
-      upsample_type=self.upsample_type,
+      upsample_type=self.upsample_type[:m],
       encoder_spatial_padding_mode=self.encoder_spatial_padding_mode,
       decoder_spatial_padding_mode=self.decoder_spatial_padding_mode,
     )
