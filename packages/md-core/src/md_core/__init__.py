@@ -5,7 +5,7 @@ neural-network blocks the families share (`md_core.nn`), media I/O (`md_core.med
 inputs (`md_core.images`) and progress bars (`md_core.progress`).
 """
 
-from md_core import apps, images, media, nn, progress
+from md_core import apps, images, media, nn, pipeline, progress
 from md_core._keymap import (
   LAYOUTS,
   KeyMap,
@@ -16,7 +16,8 @@ from md_core._keymap import (
   target_shape,
   torch_module_keymap,
 )
-from md_core._layers import REMAT_POLICIES, remat, stack_layers
+from md_core._layers import stack_layers
+from md_core._scan import REMAT_POLICIES, BlockHook, block_hook, num_layers_of, remat, scan_layers
 from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
 from md_core._orbax import restore_converted, save_converted
 from md_core._safetensors import (
@@ -30,6 +31,10 @@ from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json,
 
 __all__ = [
   "apps",
+  "BlockHook",
+  "block_hook",
+  "num_layers_of",
+  "scan_layers",
   "LAYOUTS",
   "REMAT_POLICIES",
   "Checkpoint",
@@ -51,6 +56,7 @@ __all__ = [
   "nn",
   "open_checkpoint",
   "path_str",
+  "pipeline",
   "progress",
   "read_json",
   "remat",

@@ -1,4 +1,4 @@
-"""Stacks of identical blocks for `jax.lax.scan`: building them with stacked parameters, and remat."""
+"""Stacks of identical blocks: building them with stacked parameters (run them with `scan_layers`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import jax
 from flax import nnx
 
 from md_core._loading import logical_axes
-
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 
 def stack_layers(
@@ -29,18 +27,3 @@ def stack_layers(
     axes = logical_axes(var)
     var.set_metadata("logical_axes", ("layers",) + (axes or (None,) * (var.get_value().ndim - 1)))
   return stacked
-
-
-def remat(fn: Callable, policy: str) -> Callable:
-  """`fn` rematerialised by policy name: "none" (keep every activation), "full" (recompute all), "dots"
-  (keep matmul outputs), "dots_no_batch" (keep matmul outputs without batch dimensions)."""
-  if policy == "none":
-    return fn
-  policies = {
-    "full": None,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-  }
-  if policy not in policies:
-    raise ValueError(f"unknown remat policy {policy!r}; expected one of {REMAT_POLICIES}")
-  return jax.checkpoint(fn, policy=policies[policy])

@@ -1,5 +1,7 @@
-"""md-schedulers: diffusion and flow-matching noise schedulers, optax style, matching diffusers."""
+"""md-schedulers: diffusion and flow-matching noise schedulers, optax style, matching diffusers, and the
+one sampling loop every pipeline runs (`sample`, `drive`, `md_schedulers.guidance`)."""
 
+from md_schedulers import guidance
 from md_schedulers._base import (
   Scheduler,
   SchedulerState,
@@ -30,6 +32,16 @@ from md_schedulers._ltx import (
   ltx_uniform_sigmas,
 )
 from md_schedulers._pndm import pndm
+from md_schedulers._sample import (
+  Cancelled,
+  Expert,
+  SampleState,
+  StepCache,
+  drive,
+  init_state,
+  run_steps,
+  sample,
+)
 from md_schedulers._start import (
   add_noise_at,
   denoising_end_stop,
@@ -52,6 +64,15 @@ from md_schedulers._training import (
 from md_schedulers._unipc import unipc_multistep
 
 __all__ = [
+  "Cancelled",
+  "Expert",
+  "SampleState",
+  "StepCache",
+  "drive",
+  "guidance",
+  "init_state",
+  "run_steps",
+  "sample",
   "LTX2_DISTILLED_SIGMAS",
   "LTX2_STAGE2_DISTILLED_SIGMAS",
   "SCHEDULERS",

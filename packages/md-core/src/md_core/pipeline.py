@@ -1,0 +1,223 @@
+"""What every family's pipeline shares: components, split modules, the jit memo, the mesh, batch placement.
+
+A family pipeline subclasses `Pipeline`: it keeps its modules split once into graph definition and state
+(`Split`; the state is a jit argument, the graph static), builds its jitted programs through `self.jit(key,
+make)` (memoised by static settings, bounded), runs them inside `self.context()` (the mesh, when there is
+one) and places batch inputs with `self.place(x)` (batch over `data` × `fsdp` where it divides). Loading
+goes through `read_index` / `component` / `listed`, so a missing or unknown component fails the same way
+in every family. Sizes are checked with `check_multiple`, whose `SizeError` names the nearest valid sizes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import math
+import os
+import pathlib
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from md_core._sources import read_json
+
+
+@dataclasses.dataclass
+class Split:
+  """A module split once into its static graph definition and its state (a jit argument)."""
+
+  graphdef: Any
+  state: Any
+
+  @classmethod
+  def of(cls, module: nnx.Module | None) -> Split | None:
+    return None if module is None else cls(*nnx.split(module))
+
+  def merge(self, state: Any | None = None) -> nnx.Module:
+    """The module with `state` (a traced copy inside jit; default: the stored state)."""
+    return nnx.merge(self.graphdef, self.state if state is None else state)
+
+
+def as_prompts(prompt: str | Sequence[str] | None, what: str = "prompt") -> list[str] | None:
+  """A prompt argument as a list: a `str` is one prompt (never split into characters).
+
+  Raises:
+    TypeError: something that is neither a string nor a sequence of strings.
+  """
+  if prompt is None:
+    return None
+  if isinstance(prompt, str):
+    return [prompt]
+  if isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+    raise TypeError(f"{what} must be a str or a list of str, got {type(prompt).__name__}")
+  bad = [type(p).__name__ for p in prompt if not isinstance(p, str)]
+  if bad:
+    raise TypeError(f"{what} must be a str or a list of str; the list holds {sorted(set(bad))}")
+  return list(prompt)
+
+
+class SizeError(ValueError):
+  """A height, width or frame count the model cannot take; the message names the nearest valid ones."""
+
+
+def nearest_multiples(value: int, multiple: int) -> list[int]:
+  """The valid sizes (multiples of `multiple`, at least one multiple) nearest `value`."""
+  low = max(multiple, value // multiple * multiple)
+  return [low] if low >= value else [low, low + multiple]
+
+
+def check_multiple(name: str, value: Any, multiple: int, *, minimum: int | None = None) -> int:
+  """Checks that `value` is a positive multiple of `multiple`.
+
+  Raises:
+    SizeError: naming `name`, the value, the multiple and the nearest valid sizes.
+  """
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise SizeError(f"{name} must be an int, got {value!r}")
+  value = int(value)
+  floor = multiple if minimum is None else minimum
+  if value < floor:
+    raise SizeError(f"{name}={value} is too small: the smallest valid {name} is {floor}")
+  if value % multiple:
+    near = " or ".join(str(v) for v in nearest_multiples(value, multiple))
+    raise SizeError(f"{name}={value} is not a multiple of {multiple}; the nearest valid: {near}")
+  return value
+
+
+def batch_spec(mesh: jax.sharding.Mesh | None, batch: int) -> tuple[str, ...] | str | None:
+  """The mesh axes a batch of `batch` rows is split over: `data` × `fsdp` where it divides, else
+  `data` alone, else none (replicated)."""
+  if mesh is None:
+    return None
+  for axes in (("data", "fsdp"), ("data",), ("fsdp",)):
+    sizes = [mesh.shape.get(a, 1) for a in axes]
+    size = math.prod(sizes)
+    if size > 1 and batch % size == 0:
+      used = tuple(a for a, s in zip(axes, sizes) if s > 1)
+      return used if len(used) > 1 else used[0]
+  return None
+
+
+def place_batch(mesh: jax.sharding.Mesh | None, x: Any) -> Any:
+  """Places every array of the pytree `x` with its leading (batch) axis split as `batch_spec` says."""
+  if mesh is None:
+    return x
+
+  def put(a):
+    a = np.asarray(a) if not isinstance(a, jax.Array) else a
+    spec = [batch_spec(mesh, a.shape[0]) if a.ndim else None] + [None] * max(a.ndim - 1, 0)
+    return jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+  return jax.tree.map(put, x)
+
+
+def seed_key(seed: Any) -> jax.Array:
+  """A PRNG key from an int seed (or a key, returned as it is).
+
+  Raises:
+    TypeError: a seed that is neither an int nor a key.
+  """
+  if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+    return seed
+  if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+    raise TypeError(f"seed must be an int, got {seed!r}")
+  return jax.random.key(int(seed))
+
+
+class JitMemo:
+  """Compiled programs by static settings, keeping the `capacity` most recently used."""
+
+  def __init__(self, capacity: int = 32):
+    self.capacity = capacity
+    self._fns: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+
+  def __call__(self, key: Hashable, make: Callable[[], Any]) -> Any:
+    fn = self._fns.get(key)
+    if fn is None:
+      fn = self._fns[key] = make()
+      while len(self._fns) > self.capacity:
+        self._fns.popitem(last=False)
+    else:
+      self._fns.move_to_end(key)
+    return fn
+
+  def __len__(self) -> int:
+    return len(self._fns)
+
+  def clear(self) -> None:
+    self._fns.clear()
+
+
+class Pipeline:
+  """The base of every family pipeline: its mesh, its jit memo, batch placement."""
+
+  mesh: jax.sharding.Mesh | None = None
+  source: str = ""
+
+  def _init_scaffold(self, mesh: jax.sharding.Mesh | None, source: Any = "") -> None:
+    self.mesh, self.source = mesh, str(source)
+    self._memo = JitMemo()
+
+  def context(self):
+    """The mesh as the current one while a program runs (a no-op without a mesh)."""
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def jit(self, key: Hashable, make: Callable[[], Any]) -> Any:
+    """The program for `key`, made by `make()` on first use."""
+    return self._memo(key, make)
+
+  def place(self, x: Any) -> Any:
+    """Batch inputs placed on the mesh (see `place_batch`)."""
+    return place_batch(self.mesh, x)
+
+
+# --- loading ----------------------------------------------------------------------------------------------
+
+
+def read_index(
+  root: str | os.PathLike, classes: Sequence[str], what: str
+) -> tuple[dict[str, Any], str]:
+  """`model_index.json` of a diffusers pipeline folder and its `_class_name`.
+
+  Raises:
+    FileNotFoundError: no `model_index.json` (the message says what the folder should hold).
+    ValueError: a pipeline class not in `classes`.
+  """
+  index_file = pathlib.Path(root) / "model_index.json"
+  if not index_file.is_file():
+    raise FileNotFoundError(
+      f"{root}: no model_index.json; pass a diffusers {what} folder or hub id"
+    )
+  index = read_json(index_file)
+  cls = index.get("_class_name", "")
+  if cls not in classes:
+    raise ValueError(
+      f"{index_file}: pipeline class {cls!r} is not one md loads here; known: {classes}"
+    )
+  return index, cls
+
+
+def listed(index: Mapping[str, Any], name: str) -> bool:
+  """Whether `model_index.json` names a component `name` (entries of `[None, None]` do not count)."""
+  entry = index.get(name)
+  return isinstance(entry, list) and bool(entry) and entry[0] is not None
+
+
+def component(root: str | os.PathLike, name: str, index: Mapping[str, Any]) -> pathlib.Path:
+  """The folder of pipeline component `name`.
+
+  Raises:
+    FileNotFoundError: the folder is missing (naming what `model_index.json` lists).
+  """
+  folder = pathlib.Path(root) / name
+  if not folder.is_dir():
+    have = sorted(k for k in index if listed(index, k))
+    raise FileNotFoundError(
+      f"{root}: pipeline component {name!r} is missing (no folder {folder}); model_index.json lists "
+      f"{have}. Download the whole pipeline, or pass a complete diffusers folder"
+    )
+  return folder

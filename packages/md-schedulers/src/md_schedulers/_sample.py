@@ -1,0 +1,313 @@
+"""The one sampling loop every md pipeline runs: schedulers × a family's denoiser, guidance, experts, caches.
+
+A family supplies `denoise(params, x, t, cond, *, step) -> prediction`: model-input assembly and the model
+call, nothing else. `x` holds every guidance branch stacked on the batch axis in the canonical row order
+of `md_schedulers.guidance` (`[negative, positive, perturbed, isolated]`, each `B` rows), `t` the
+per-row timesteps `[n * B]` of the scheduler's current call, `cond` whatever the family needs (text
+states already stacked in the same row order, image latents, masks…) and `step` the traced step index
+(for per-step inputs such as ControlNet windows). The loop owns the rest: scaling the model input, the
+branch batching, the guidance maths, the scheduler step, expert switching, starting and stopping
+part-way, the step-cache hook and progress.
+
+Two ways to run it:
+- `sample(...)`: pure and traceable — the whole range in one `fori_loop` inside the caller's `jit` (or a
+  training step).
+- `drive(run, carry, start, stop, ...)`: host-driven jitted chunks of steps. `run(carry, lo, hi)` is the
+  caller's jitted `run_steps` (traced bounds: one compiled program whatever the chunk); between chunks
+  the host reports progress, calls a per-step `callback(step, timestep, latents)`, honours a `cancel()`
+  request and lets Ctrl-C (KeyboardInterrupt) through at a step boundary. One chunk stays in flight
+  ahead of the one being waited for, so the device never idles on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from md_schedulers._base import Scheduler, SchedulerState, current_timestep, num_calls
+from md_schedulers.guidance import NO_GUIDANCE, Guidance, combine
+
+
+class StepCache(NamedTuple):
+  """The loop's cache hook: pure functions over a NamedTuple state carried through the loop (md-cache
+  builds these). All decisions are traced values, so thresholds change without recompiling.
+
+  Attributes:
+    init: `init(latents, num_steps) -> state`.
+    decide: `decide(state, step, t, sample) -> (reuse, prediction)`: `reuse` a bool scalar; when True
+      the loop takes `prediction` (shaped like the guided prediction) instead of calling the denoiser.
+    update: `update(state, step, t, sample, prediction, reused) -> state`, after every step.
+    hook: optional `hook(state, step, t, sample) -> md_core block hook` with a `.state` attribute read
+      back after the denoiser call (block-level caches); the denoiser then always runs.
+  """
+
+  init: Callable[[Any, int], Any]
+  decide: Callable[..., tuple[jax.Array, Any]]
+  update: Callable[..., Any]
+  hook: Callable[..., Any] | None = None
+
+
+class Expert(NamedTuple):
+  """One denoiser of a multi-expert schedule (Wan 2.2's high- and low-noise transformers).
+
+  Attributes:
+    denoise: the family denoiser for this expert.
+    params: its parameters (a jit argument).
+    until: the step index (exclusive) where this expert hands over to the next; the last one's is the
+      end of the schedule.
+    scales: this expert's per-step guidance scales (None: the shared `scales`).
+  """
+
+  denoise: Callable[..., Any]
+  params: Any
+  until: int
+  scales: Mapping[str, Any] | None = None
+
+
+class SampleState(NamedTuple):
+  """The loop carry.
+
+  Attributes:
+    latents: the sample (an array `[B, …]`, or a pytree of them for several modalities).
+    scheduler: the scheduler's state (its `step` is the next model call).
+    cache: the step cache's state (None without a cache).
+    calls: (), int32. Denoiser calls made so far (a reused step adds none).
+  """
+
+  latents: Any
+  scheduler: SchedulerState
+  cache: Any
+  calls: jax.Array
+
+
+class Cancelled(Exception):
+  """`drive` stopped at a step boundary because `cancel()` returned True."""
+
+  def __init__(self, step: int, total: int, state: SampleState):
+    super().__init__(f"cancelled at step {step}/{total}")
+    self.step, self.total, self.state = step, total, state
+
+
+def init_state(
+  latents: Any, state: SchedulerState, *, cache: StepCache | None = None
+) -> SampleState:
+  """The carry at the first step: latents, scheduler state, the cache's initial state, no calls."""
+  cache_state = None if cache is None else cache.init(latents, num_calls(state))
+  return SampleState(latents, state, cache_state, jnp.zeros((), jnp.int32))
+
+
+def _batch_rows(x: Any, n: int) -> Any:
+  return x if n == 1 else jax.tree.map(lambda a: jnp.concatenate([a] * n, axis=0), x)
+
+
+def _scheduler_step(scheduler: Scheduler, st: SchedulerState, pred: Any, x: Any, key):
+  leaves, tree = jax.tree.flatten(x)
+  preds = jax.tree.leaves(pred)
+  if len(leaves) == 1:
+    new, st = scheduler.step(st, preds[0].astype(leaves[0].dtype), leaves[0], key)
+    return jax.tree.unflatten(tree, [new]), st
+  if st.memory:
+    raise ValueError(
+      f"{scheduler.name} carries a history per sample; a multi-modality sample needs a memoryless "
+      "scheduler (flow-match Euler)"
+    )
+  outs, new_st = [], st
+  for leaf, p in zip(leaves, preds):
+    out, new_st = scheduler.step(st, p.astype(leaf.dtype), leaf, key)
+    outs.append(out)
+  return jax.tree.unflatten(tree, outs), new_st
+
+
+def _segments(experts: Sequence[Expert], lo, hi):
+  """Each expert's `[begin, end)` within `[lo, hi)` (bounds may be traced)."""
+  out, begin = [], 0
+  for e in experts:
+    out.append((e, jnp.maximum(lo, begin), jnp.minimum(hi, e.until)))
+    begin = e.until
+  return out
+
+
+def run_steps(
+  denoise: Callable[..., Any] | None,
+  scheduler: Scheduler,
+  carry: SampleState,
+  lo: Any,
+  hi: Any,
+  cond: Any,
+  *,
+  params: Any = None,
+  guidance: Guidance = NO_GUIDANCE,
+  scales: Mapping[str, Any] | None = None,
+  experts: Sequence[Expert] | None = None,
+  cache: StepCache | None = None,
+  key: jax.Array | None = None,
+  progress: Callable[[Any], None] | None = None,
+) -> SampleState:
+  """Runs scheduler calls `[lo, hi)` (static or traced ints) from `carry`; pure and traceable.
+
+  Args:
+    denoise: `denoise(params, x, t, cond, *, step) -> prediction` (None when `experts` are given).
+    scheduler: the scheduler whose state is in `carry`.
+    carry: from `init_state` or a previous chunk.
+    lo, hi: the step range.
+    cond: the family's conditioning (a pytree; a jit argument).
+    params: the denoiser's parameters.
+    guidance: which guidance terms to compute; the denoiser sees `guidance.num_branches × B` rows.
+    scales: per-step scales (`guidance.per_step`): name → `[steps]` or `[steps, B]`.
+    experts: several denoisers by step range, each with its own params and optionally scales.
+    cache: a step cache (None: every step calls the denoiser).
+    key: PRNG key for stochastic schedulers (folded with the step index).
+    progress: `tick(i)` called in the body with the step index (in-jit progress bars).
+
+  Returns:
+    The carry after step `hi - 1`.
+  """
+  if experts is None:
+    if denoise is None:
+      raise ValueError("sample: pass a denoiser, or experts")
+    experts = [Expert(denoise, params, num_calls(carry.scheduler), None)]
+  elif denoise is not None:
+    raise ValueError("sample: pass either a denoiser or experts, not both")
+  if scheduler.stochastic and key is None:
+    raise ValueError(f"{scheduler.name} is stochastic: sample needs a key")
+  n = guidance.num_branches
+  missing = [s for s in guidance.scale_names if s not in (scales or {})]
+  for e in experts:
+    if e.scales is None and missing:
+      raise ValueError(f"guidance {guidance} needs per-step scales {missing}")
+
+  def body(expert: Expert):
+    step_scales = scales if expert.scales is None else expert.scales
+
+    def step(i, c: SampleState) -> SampleState:
+      x, st = c.latents, c.scheduler
+      t = current_timestep(st)
+      b = jax.tree.leaves(x)[0].shape[0]
+      s_i = {k: jnp.asarray(v)[i] for k, v in (step_scales or {}).items()}
+      sigma = st.sigmas[st.step]
+
+      def compute():
+        xin = jax.tree.map(lambda a: scheduler.scale_model_input(st, a), x)
+        tb = jnp.broadcast_to(t, (n * b,))
+        out = expert.denoise(expert.params, _batch_rows(xin, n), tb, cond, step=i)
+        out = jax.tree.map(lambda o, a: o.astype(a.dtype), out, _batch_rows(x, n))
+        return combine(guidance, out, s_i, sample=x, sigma=sigma)
+
+      cache_state, calls = c.cache, c.calls
+      if cache is None:
+        pred, reused = compute(), jnp.zeros((), bool)
+      elif cache.hook is not None:
+        import md_core  # noqa: PLC0415 - only block-level caches need it
+
+        hook = cache.hook(cache_state, i, t, x)
+        with md_core.block_hook(hook):
+          pred = compute()
+        cache_state, reused = hook.state, jnp.zeros((), bool)
+      else:
+        reused, candidate = cache.decide(cache_state, i, t, x)
+        reused = jnp.asarray(reused, bool)
+        pred = jax.lax.cond(reused, lambda: candidate, compute)
+      calls = calls + jnp.where(reused, 0, 1).astype(jnp.int32)
+      if cache is not None:
+        cache_state = cache.update(cache_state, i, t, x, pred, reused)
+      step_key = None if not scheduler.stochastic else jax.random.fold_in(key, i)
+      x, st = _scheduler_step(scheduler, st, pred, x, step_key)
+      if progress is not None:
+        progress(i)
+      return SampleState(x, st, cache_state, calls)
+
+    return step
+
+  for expert, begin, end in _segments(experts, lo, hi):
+    carry = jax.lax.fori_loop(begin, end, body(expert), carry)
+  return carry
+
+
+def sample(
+  denoise: Callable[..., Any] | None,
+  scheduler: Scheduler,
+  latents: Any,
+  state: SchedulerState,
+  cond: Any,
+  *,
+  params: Any = None,
+  guidance: Guidance = NO_GUIDANCE,
+  scales: Mapping[str, Any] | None = None,
+  start: int = 0,
+  stop: int | None = None,
+  experts: Sequence[Expert] | None = None,
+  cache: StepCache | None = None,
+  key: jax.Array | None = None,
+  progress: Callable[[Any], None] | None = None,
+) -> SampleState:
+  """Samples from `latents` over scheduler calls `[start, stop)` in one traced loop (see `run_steps`).
+
+  `state` must already point at `start` (`md_schedulers.start_at` for img2img / denoising_start).
+  Returns the final `SampleState` (`.latents` the result, `.calls` the denoiser calls made).
+  """
+  stop = num_calls(state) if stop is None else stop
+  carry = init_state(latents, state, cache=cache)
+  return run_steps(
+    denoise, scheduler, carry, start, stop, cond, params=params, guidance=guidance,
+    scales=scales, experts=experts, cache=cache, key=key, progress=progress,
+  )  # fmt: skip
+
+
+def drive(
+  run: Callable[[SampleState, Any, Any], SampleState],
+  carry: SampleState,
+  start: int,
+  stop: int,
+  *,
+  chunk: int | None = 1,
+  callback: Callable[[int, Any, Any], Any] | None = None,
+  cancel: Callable[[], bool] | None = None,
+  progress: Callable[[int], None] | None = None,
+) -> SampleState:
+  """Runs `run(carry, lo, hi)` (a jitted `run_steps`) over `[start, stop)` in chunks from the host.
+
+  Args:
+    run: the caller's jitted chunk; its bounds are traced, so every chunk runs one compiled program.
+    carry: the starting carry.
+    start, stop: the step range.
+    chunk: steps per chunk; None runs the whole range in one call.
+    callback: `callback(step, timestep, latents)` after each step (forces `chunk=1`); latents are the
+      sample after that step. Returning False stops like `cancel`.
+    cancel: polled at every step boundary; True stops with `Cancelled`.
+    progress: `progress(done)` on the host after each chunk, `done` steps completed.
+
+  Returns:
+    The carry after the last step.
+
+  Raises:
+    Cancelled: `cancel()` returned True (or `callback` returned False); holds the carry reached.
+  """
+  if stop <= start:
+    return carry
+  if callback is not None:
+    chunk = 1
+  size = stop - start if chunk is None else max(1, int(chunk))
+  bounds = list(range(start, stop, size)) + [stop]
+  in_flight: SampleState | None = None
+  for lo, hi in zip(bounds[:-1], bounds[1:]):
+    timestep = None
+    if callback is not None:
+      timestep = carry.scheduler.timesteps[carry.scheduler.step]
+    nxt = run(carry, np.int32(lo), np.int32(hi))
+    if in_flight is not None:
+      jax.block_until_ready(in_flight.calls)  # keep one chunk queued ahead, no more
+    in_flight, carry = nxt, nxt
+    if callback is not None:
+      jax.block_until_ready(carry.calls)
+      if callback(lo, timestep, carry.latents) is False:
+        raise Cancelled(hi, stop, carry)
+    if progress is not None:
+      progress(hi - start)
+    if cancel is not None and hi < stop and cancel():
+      jax.block_until_ready(carry.calls)
+      raise Cancelled(hi, stop, carry)
+  return carry

@@ -1,0 +1,236 @@
+"""md_schedulers.sample / drive: the one loop equals a hand-written Python loop, with guidance, experts,
+caches, chunks, callbacks and cancellation."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import md_schedulers as mdsch
+from md_schedulers import guidance as G
+
+B, SHAPE = 2, (2, 3, 3, 4)
+
+
+def _sched():
+  return mdsch.euler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+
+
+def _denoise(params, x, t, cond, *, step):
+  """A stand-in model: depends on the rows' conditioning, the timestep and the step."""
+  del step
+  c = cond.reshape(cond.shape + (1,) * (x.ndim - 1))
+  return params * jnp.tanh(x) + 0.01 * c * (t.reshape(t.shape + (1,) * (x.ndim - 1)) / 1000.0)
+
+
+def _python_loop(sched, st, x, combine, start=0, stop=None, reuse=lambda i: False):
+  stop = mdsch.num_calls(st) if stop is None else stop
+  prev = None
+  calls = 0
+  for i in range(start, stop):
+    t = mdsch.current_timestep(st)
+    if reuse(i) and prev is not None:
+      pred = prev
+    else:
+      pred = combine(i, sched.scale_model_input(st, x), t)
+      calls += 1
+    prev = pred
+    x, st = sched.step(st, pred, x)
+  return x, calls
+
+
+def _setup(steps=6):
+  sched = _sched()
+  st = sched.init(steps, shape=SHAPE)
+  x = jax.random.normal(jax.random.key(0), SHAPE) * st.init_noise_sigma
+  return sched, st, x
+
+
+def test_no_guidance_equals_python_loop_and_counts_calls():
+  sched, st, x = _setup()
+  cond = jnp.asarray([1.0, 2.0])
+  out = jax.jit(lambda x, st: mdsch.sample(_denoise, sched, x, st, cond, params=0.5))(x, st)
+  want, calls = _python_loop(
+    sched, st, x, lambda i, xin, t: _denoise(0.5, xin, jnp.full((B,), t), cond, step=i)
+  )
+  chex.assert_trees_all_close(out.latents, want, atol=1e-5, rtol=1e-6)
+  assert int(out.calls) == calls == 6
+
+
+def test_cfg_rows_are_negative_then_positive_with_per_step_scales_and_rescale():
+  sched, st, x = _setup()
+  spec = G.Guidance(cfg=True, rescale=True)
+  cond = jnp.asarray([0.0, 0.0, 5.0, 7.0])  # [negative × B, positive × B]
+  g = np.linspace(1.5, 7.0, 6).astype(np.float32)
+  scales = G.per_step(6, {"guidance": g, "rescale": 0.7})
+
+  def combine(i, xin, t):
+    out = _denoise(0.5, jnp.concatenate([xin, xin]), jnp.full((2 * B,), t), cond, step=i)
+    uncond, text = out[:B], out[B:]
+    guided = uncond + g[i] * (text - uncond)
+    axes = (1, 2, 3)
+    std_t = jnp.std(text, axis=axes, keepdims=True, ddof=1)
+    std_g = jnp.std(guided, axis=axes, keepdims=True, ddof=1)
+    return 0.7 * guided * std_t / std_g + 0.3 * guided
+
+  out = mdsch.sample(_denoise, sched, x, st, cond, params=0.5, guidance=spec, scales=scales)
+  want, _ = _python_loop(sched, st, x, combine)
+  chex.assert_trees_all_close(out.latents, want, atol=1e-5, rtol=0)
+
+
+def test_per_row_scales_and_missing_scales():
+  sched, st, x = _setup(3)
+  spec = G.Guidance(cfg=True)
+  cond = jnp.asarray([0.0, 0.0, 5.0, 7.0])
+  scales = G.per_step(3, {"guidance": np.tile([[2.0, 1.0]], (3, 1))})
+  out = mdsch.sample(_denoise, sched, x, st, cond, params=0.5, guidance=spec, scales=scales)
+  # Row 1 has scale 1: plain conditional prediction, as running without guidance on its own row.
+  alone = mdsch.sample(
+    _denoise, sched, x[1:], sched.init(3, shape=(1,) + SHAPE[1:]), cond[3:], params=0.5
+  )
+  chex.assert_trees_all_close(out.latents[1:], alone.latents, atol=1e-5, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"needs per-step scales \['guidance'\]"):
+    mdsch.sample(_denoise, sched, x, st, cond, params=0.5, guidance=spec)
+
+
+def test_guidance_terms_closed_forms():
+  u, c, p = (jnp.full((1, 2), v) for v in (1.0, 3.0, 2.0))
+  spec = G.Guidance(cfg=True, stg=True)
+  out = G.combine(spec, jnp.concatenate([u, c, p]), {"guidance": 2.0, "stg": 0.5})
+  chex.assert_trees_all_close(out, (1 + 2 * (3 - 1)) + 0.5 * (3 - 2) * jnp.ones((1, 2)))
+  gated = G.combine(G.Guidance(cfg=True, gate=True), jnp.concatenate([u, c]), {"guidance": 1.0})
+  chex.assert_trees_all_close(gated, c)
+  # x0 space: guidance on x - sigma * v, turned back into a velocity; linear terms agree.
+  x = jnp.full((1, 2), 0.3)
+  v = G.combine(
+    G.Guidance(cfg=True, space="x0"), jnp.concatenate([u, c]), {"guidance": 2.0}, sample=x,
+    sigma=0.5,
+  )  # fmt: skip
+  chex.assert_trees_all_close(v, jnp.full((1, 2), 5.0), atol=1e-6)
+  star = G.cfg_star(jnp.asarray([[1.0, 0.0]]), jnp.asarray([[2.0, 2.0]]))
+  chex.assert_trees_all_close(star, jnp.asarray([[2.0, 0.0]]))
+  with pytest.raises(ValueError, match="Guidance.rescale needs cfg=True"):
+    G.Guidance(rescale=True)
+  with pytest.raises(ValueError, match="guidance has 3 values; give one, or one per step"):
+    G.per_step(4, {"guidance": [1, 2, 3]})
+  with pytest.raises(ValueError, match="must be a number"):
+    G.per_step(4, {"guidance": "high"})
+  assert G.per_step(3, {"stg": [1.0, 2.0]}, windows=[0, 1, 1])["stg"].tolist() == [1.0, 2.0, 2.0]
+
+
+def test_two_experts_switch_at_their_step_with_their_own_scales():
+  sched, st, x = _setup(6)
+  spec = G.Guidance(cfg=True)
+  cond = jnp.asarray([0.0, 0.0, 5.0, 7.0])
+  s1, s2 = G.per_step(6, {"guidance": 4.0}), G.per_step(6, {"guidance": 2.0})
+  experts = [mdsch.Expert(_denoise, 0.5, 4, s1), mdsch.Expert(_denoise, -0.25, 6, s2)]
+  out = mdsch.sample(None, sched, x, st, cond, guidance=spec, experts=experts)
+
+  def combine(i, xin, t):
+    p, g = (0.5, 4.0) if i < 4 else (-0.25, 2.0)
+    o = _denoise(p, jnp.concatenate([xin, xin]), jnp.full((2 * B,), t), cond, step=i)
+    return o[:B] + g * (o[B:] - o[:B])
+
+  want, _ = _python_loop(sched, st, x, combine)
+  chex.assert_trees_all_close(out.latents, want, atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="either a denoiser or experts"):
+    mdsch.sample(_denoise, sched, x, st, cond, guidance=spec, experts=experts)
+
+
+def _reuse_odd_steps():
+  """A toy step cache: on odd steps reuse the previous step's prediction."""
+
+  def init(latents, num_steps):
+    del num_steps
+    return jnp.zeros_like(latents)
+
+  def decide(state, step, t, x):
+    return step % 2 == 1, state
+
+  def update(state, step, t, x, pred, reused):
+    return pred
+
+  return mdsch.StepCache(init, decide, update)
+
+
+def test_step_cache_hook_skips_the_denoiser_on_odd_steps():
+  sched, st, x = _setup(6)
+  cond = jnp.asarray([1.0, 2.0])
+  out = jax.jit(
+    lambda x, st: mdsch.sample(_denoise, sched, x, st, cond, params=0.5, cache=_reuse_odd_steps())
+  )(x, st)
+  want, calls = _python_loop(
+    sched, st, x, lambda i, xin, t: _denoise(0.5, xin, jnp.full((B,), t), cond, step=i),
+    reuse=lambda i: i % 2 == 1,
+  )  # fmt: skip
+  assert int(out.calls) == calls == 3
+  chex.assert_trees_all_close(out.latents, want, atol=1e-5, rtol=1e-6)
+
+
+def test_part_way_start_and_stop():
+  sched, st, x = _setup(8)
+  cond = jnp.asarray([1.0, 2.0])
+  st3 = mdsch.start_at(sched, st, 3)
+  out = mdsch.sample(_denoise, sched, x, st3, cond, params=0.5, start=3, stop=6)
+  want, calls = _python_loop(
+    sched, st3, x, lambda i, xin, t: _denoise(0.5, xin, jnp.full((B,), t), cond, step=i), 3, 6
+  )
+  assert int(out.calls) == calls == 3
+  chex.assert_trees_all_close(out.latents, want, atol=1e-5, rtol=1e-6)
+
+
+def _chunked(sched, cond):
+  traces = []
+
+  @jax.jit
+  def run(carry, lo, hi):
+    traces.append(1)
+    return mdsch.run_steps(_denoise, sched, carry, lo, hi, cond, params=0.5)
+
+  return run, traces
+
+
+def test_drive_in_chunks_equals_one_loop_compiles_once_and_reports_each_step():
+  sched, st, x = _setup(6)
+  cond = jnp.asarray([1.0, 2.0])
+  whole = mdsch.sample(_denoise, sched, x, st, cond, params=0.5)
+  run, traces = _chunked(sched, cond)
+  for chunk in (1, 4, None):
+    out = mdsch.drive(run, mdsch.init_state(x, st), 0, 6, chunk=chunk)
+    chex.assert_trees_all_close(out.latents, whole.latents, atol=1e-5, rtol=1e-6)
+    assert int(out.calls) == 6
+  assert len(traces) == 1
+  seen = []
+  mdsch.drive(
+    run, mdsch.init_state(x, st), 0, 6, callback=lambda i, t, z: seen.append((i, float(t), z.shape))
+  )
+  assert [s[0] for s in seen] == list(range(6))
+  assert [s[1] for s in seen] == [float(v) for v in np.asarray(st.timesteps)]
+  assert all(s[2] == SHAPE for s in seen)
+
+
+def test_drive_cancels_at_a_step_boundary():
+  sched, st, x = _setup(6)
+  cond = jnp.asarray([1.0, 2.0])
+  run, _ = _chunked(sched, cond)
+  polls = []
+  with pytest.raises(mdsch.Cancelled, match="cancelled at step 2/6") as err:
+    mdsch.drive(run, mdsch.init_state(x, st), 0, 6, cancel=lambda: polls.append(1) or len(polls) >= 2)
+  assert err.value.step == 2 and int(err.value.state.calls) == 2
+  partial = mdsch.sample(_denoise, sched, x, st, cond, params=0.5, stop=2)
+  chex.assert_trees_all_close(err.value.state.latents, partial.latents, atol=1e-5, rtol=1e-6)
+  with pytest.raises(mdsch.Cancelled):
+    mdsch.drive(run, mdsch.init_state(x, st), 0, 6, callback=lambda i, t, z: i < 3)
+
+
+def test_multi_modality_sample_steps_each_leaf():
+  sched = mdsch.flow_match_euler(shift=3.0)
+  st = sched.init(4)
+  x = (jnp.ones((1, 2, 3)), jnp.full((1, 5), 0.5))
+  den = lambda p, x, t, c, *, step: jax.tree.map(lambda a: -a * p, x)  # noqa: E731
+  out = mdsch.sample(den, sched, x, st, None, params=1.0)
+  sig = np.asarray(st.sigmas)
+  factor = np.prod([1 - (sig[i + 1] - sig[i]) for i in range(4)])
+  chex.assert_trees_all_close(out.latents[0], factor * x[0], atol=1e-6)
+  chex.assert_trees_all_close(out.latents[1], factor * x[1], atol=1e-6)
