@@ -1,6 +1,7 @@
 """md-wan: Wan 2.1 / 2.2 video diffusion for md (transformer, weights, pipelines)."""
 
-from md_wan._config import REMAT_POLICIES, VARIANTS, WanConfig
+from md_core import REMAT_POLICIES
+from md_wan._config import VARIANTS, WanConfig
 from md_wan._pipeline import (
   DEFAULT_NEGATIVE_PROMPT,
   WanVideoPipeline,

@@ -11,8 +11,6 @@ from typing import Any
 import md_attention as mda
 import md_core
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-
 # diffusers passes `qk_norm` to the blocks but always builds RMS norms over all heads; these are the values
 # that mean exactly that.
 _QK_NORMS = ("rms_norm_across_heads", None)
@@ -91,8 +89,8 @@ class WanConfig:
       raise ValueError(
         f"WanConfig.attention={self.attention!r} is not one of {', '.join(mda.IMPLEMENTATIONS)}"
       )
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"WanConfig.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.remat not in md_core.REMAT_POLICIES:
+      raise ValueError(f"WanConfig.remat={self.remat!r} is not one of {md_core.REMAT_POLICIES}")
     if self.attention_head_dim % 2 or self.attention_head_dim < 6:
       raise ValueError(
         f"attention_head_dim={self.attention_head_dim} must be even and >= 6 (three rotary parts)"

@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 
 import md_attention as mda
+import md_core
 import md_sharding as mds
 from md_core import nn, stack_layers
-from md_core import remat as _remat
 from md_wan._config import WanConfig
 
 _F32 = jnp.float32
@@ -346,13 +346,11 @@ class WanTransformer(nnx.Module):
         context = jnp.concatenate([image_tokens, context], axis=1)
         image_tokens = None
 
-    graphdef, params = nnx.split(self.blocks)
-
-    def body(h, layer):
-      h = nnx.merge(graphdef, layer)(h, context, image_tokens, modulation, rope)
+    def body(block, h, _):
+      h = block(h, context, image_tokens, modulation, rope)
       return mds.with_logical_constraint(h, _TOKENS), None
 
-    h, _ = jax.lax.scan(_remat(body, cfg.remat), h, params)
+    h, _ = md_core.scan_layers(self.blocks, body, h, remat=cfg.remat)
 
     table = self.scale_shift_table[...].astype(_F32)  # [1, 2, D]
     shift = table[:, 0][None] + temb.astype(_F32)  # [B, 1|S, D]
