@@ -4,9 +4,11 @@ Three kinds of jitted programs per shape: T5 encoding, the denoising loop (one `
 flow-match Euler steps, classifier-free guidance as a batch of 2 `[negative, positive]`) and VAE decoding
 (plus the VAE encoding of the conditioning images).
 
-Two modes, as diffusers' (0.42) pipelines:
+Three modes (`mode=`), as diffusers' (0.42) pipelines:
 - text-to-video (`LTXPipeline`): the scheduler's shifted schedule (`mu` from the token count), a rotary
   grid scaled by `(vae_temporal_ratio / frame_rate, vae_spatial_ratio, vae_spatial_ratio)`.
+- image-to-video (`LTXImageToVideoPipeline`): text-to-video's schedule and rotary grid; the image's
+  posterior sample replaces the first latent frame, whose tokens get timestep 0 and are never updated.
 - conditioning (`LTXConditionPipeline`, 0.9.5+; used whenever `conditions` are given or the checkpoint is
   a condition pipeline): the linear-quadratic schedule, explicit token coordinates (`video_coords`), images
   at frame 0 blended into the first latent frame with their strength (per-token timesteps
@@ -45,6 +47,8 @@ from md_ltx._video_tokens import check_video_size, pack_tokens, unpack_tokens
 from md_ltx._weights import load_transformer
 
 _CLASSES = ("LTXPipeline", "LTXConditionPipeline", "LTXImageToVideoPipeline")
+MODES = ("text_to_video", "image_to_video", "condition")
+_MODE_KEYS = {"text_to_video": "t2v", "image_to_video": "i2v", "condition": "condition"}
 MAX_SEQUENCE_LENGTH = 128
 _F32 = jnp.float32
 
@@ -189,7 +193,9 @@ class LTXVideoPipeline:
     transformer: the LTX-Video transformer; vae: the LTX-Video VAE; text_encoder, tokenizer: T5.
     scheduler_config: the checkpoint's `scheduler_config.json` dict (flow-match Euler).
     condition_pipeline: the checkpoint is an `LTXConditionPipeline` (0.9.5+ conditioning semantics even
-      without conditions: linear-quadratic schedule, explicit coordinates).
+      without conditions: linear-quadratic schedule, explicit coordinates; `image=` is a condition).
+      Otherwise (`LTXPipeline`, `LTXImageToVideoPipeline`) `image=` runs LTXImageToVideoPipeline's
+      semantics. A call's `mode=` overrides either.
   """
 
   def __init__(
@@ -291,20 +297,41 @@ class LTXVideoPipeline:
     return c
 
   # --- VAE ---------------------------------------------------------------------------------------------------
-  def _encode_image(self, image: np.ndarray, key) -> jax.Array:
-    """Frames `[N, H, W, 3]` in [0, 1] → normalized latents `[1, n, h, w, C]` (a posterior sample)."""
-    vae = self._vae
+  @staticmethod
+  def _fit(pic: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Frames `[N, H', W', 3]` resized (Lanczos, clipped to [0, 1]) to the video's size when it differs."""
+    if pic.shape[1:3] == (height, width):
+      return pic
+    resized = jax.image.resize(pic, (pic.shape[0], height, width, 3), method="lanczos3")
+    return np.asarray(jnp.clip(resized, 0.0, 1.0))
 
-    def encode(state, x, key):
+  def _encode_image(self, image: np.ndarray, key, eps: Any = None, what: str = "") -> jax.Array:
+    """Frames `[N, H, W, 3]` in [0, 1] → normalized latents `[1, n, h, w, C]`: the posterior sample
+    `mean + std * eps`, `eps` given in the reference's layout `[1, C, n, h, w]` or drawn from `key`."""
+    vae = self._vae
+    if eps is not None:
+      ss, st = self.vae_spatial_compression_ratio, self.vae_temporal_compression_ratio
+      n, h, w = (image.shape[0] - 1) // st + 1, image.shape[1] // ss, image.shape[2] // ss
+      want = (1, self.vae.config.latent_channels, n, h, w)
+      eps = jnp.asarray(eps, _F32)
+      if eps.shape != want:
+        raise ValueError(
+          f"{what} must be the posterior's noise [1, C, F, H, W] = {want} (the reference's layout), got "
+          f"{eps.shape}"
+        )
+      eps = jnp.transpose(eps, (0, 2, 3, 4, 1))
+
+    def encode(state, x, key, eps):
       model = vae.merge(state)
-      z = model.encode(x[None] * 2 - 1).sample(key)
+      dist = model.encode(x[None] * 2 - 1)
+      z = dist.sample(key) if eps is None else dist.mean + dist.std * eps
       mean = model.latents_mean[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       std = model.latents_std[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       return (z - mean) * 1.0 / std  # the pipelines normalise with scaling factor 1 here
 
     fn = self._jit(("encode_image", image.shape), lambda: jax.jit(encode))
     with self._context():
-      return fn(self._vae.state, jnp.asarray(image), key)
+      return fn(self._vae.state, jnp.asarray(image), key, eps)
 
   def _decode_fn(self):
     vae = self._vae
@@ -434,6 +461,11 @@ class LTXVideoPipeline:
         if mode == "t2v":
           out = predict(i, x, jnp.broadcast_to(t, (b,)))
           x = x + (sigmas[i + 1] - sigmas[i]) * out
+        elif mode == "i2v":
+          # The first latent frame's tokens (cond_mask 1) are the image: timestep 0, never updated.
+          first = cond_mask[..., None] > 0.5  # [B, S, 1]
+          out = predict(i, x, jnp.broadcast_to(t, (b, 1)) * (1 - cond_mask))
+          x = jnp.where(first, x, x + (sigmas[i + 1] - sigmas[i]) * out)
         else:
           if noise_on:
             if step_noise is None:
@@ -466,6 +498,31 @@ class LTXVideoPipeline:
     return jax.jit(loop)
 
   # --- the call --------------------------------------------------------------------------------------------
+  def _mode(self, mode: str | None, image: Any, conditions: Any) -> str:
+    """The loop's mode key ("t2v", "i2v", "condition") for a call's `mode=`, `image=`, `conditions=`."""
+    if mode is None:
+      if conditions or self.condition_pipeline:
+        mode = "condition"
+      else:
+        mode = "image_to_video" if image is not None else "text_to_video"
+    if mode not in MODES:
+      raise ValueError(
+        f"mode={mode!r} must be one of {MODES} (or None: chosen from the folder's class)"
+      )
+    if mode == "text_to_video" and (image is not None or conditions):
+      raise ValueError(
+        "mode='text_to_video' takes no image= or conditions=; pass mode='image_to_video' or 'condition'"
+      )
+    if mode == "image_to_video":
+      if conditions:
+        raise ValueError(
+          "mode='image_to_video' takes image= (the first frame), not conditions=; pass mode='condition' "
+          "for keyframes, clips or strengths"
+        )
+      if image is None:
+        raise ValueError("mode='image_to_video' needs image= (the first frame)")
+    return _MODE_KEYS[mode]
+
   def __call__(
     self,
     prompt: str | Sequence[str] | None = None,
@@ -473,6 +530,7 @@ class LTXVideoPipeline:
     *,
     conditions: Sequence[LTXCondition] | None = None,
     image: Any = None,
+    mode: str | None = None,
     height: int = 512,
     width: int = 704,
     num_frames: int = 161,
@@ -487,7 +545,7 @@ class LTXVideoPipeline:
     stg_rescale: float | Sequence[float] = 1.0,
     cfg_star: bool = False,
     guidance_timesteps: Sequence[float] | None = None,
-    image_cond_noise_scale: float = 0.15,
+    image_cond_noise_scale: float | None = None,
     denoise_strength: float = 1.0,
     num_videos_per_prompt: int = 1,
     seed: int = 0,
@@ -501,6 +559,7 @@ class LTXVideoPipeline:
     decode_noise: Any = None,
     step_noise: Any = None,
     noise: Any = None,
+    image_noise: Any = None,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     output_type: str = "frames",
     progress: bool = True,
@@ -511,7 +570,13 @@ class LTXVideoPipeline:
       prompt: one prompt or a list (or pass `prompt_embeds` with `prompt_attention_mask`).
       negative_prompt: for classifier-free guidance (default: the empty prompt, as the reference).
       conditions: `LTXCondition` items (image, frame index, strength); selects the conditioning mode.
-      image: shorthand for `conditions=[LTXCondition(image)]` (image-to-video from the first frame).
+      image: the first frame (`[H, W, 3]` uint8 or float in [0, 1], a PIL image or an image file):
+        image-to-video, in the mode below.
+      mode: "text_to_video" (`LTXPipeline`), "image_to_video" (`LTXImageToVideoPipeline`: the image's
+        latents replace the first latent frame, which keeps timestep 0; text-to-video's schedule and
+        rotary grid) or "condition" (`LTXConditionPipeline`: `image` is `LTXCondition(image)`). Default:
+        "condition" with `conditions`, or for a condition-pipeline folder (`LTXConditionPipeline`, or
+        loaded with `condition=True`); otherwise "image_to_video" with `image`, else "text_to_video".
       height, width: pixels, multiples of 32.
       num_frames: `1 + 8k` frames.
       frame_rate: frames per second (scales the rotary time axis).
@@ -536,15 +601,17 @@ class LTXVideoPipeline:
         step taking the first window whose start is <= its timestep / 1000 (see `guidance_windows`).
       guidance_rescale: the std rescale of the guided prediction (0: off).
       image_cond_noise_scale: noise added at each step to hard-conditioned tokens (strength 1), scaled by
-        `(t / 1000)^2` (conditioning mode).
+        `(t / 1000)^2` (conditioning mode; default 0.15 as the reference; image-to-video adds none).
       denoise_strength: below 1 (conditioning mode), `latents` are a video's normalized latents
         `[B, C, F, H, W]` (e.g. a first pass's upsampled `output_type="latent"` result): the last
         `int(num_inference_steps * denoise_strength)` steps run from them noised to that step's level.
       num_videos_per_prompt: videos per prompt.
       seed: draws every noise not given (initial latents, posterior samples, keyframe and step noise,
         decode noise).
-      latents: initial noise in the reference's layout: packed `[B, S, C]` (text-to-video; `[B, C, F, H, W]`
-        is accepted too) or `[B, C, F, H, W]` (conditioning mode).
+      latents: initial noise in the reference's layout: packed `[B, S, C]` (text- and image-to-video;
+        `[B, C, F, H, W]` is accepted too) or `[B, C, F, H, W]` (conditioning mode). In image-to-video
+        the first latent frame is replaced by the image's (the reference takes given latents as
+        already holding it and skips the image).
       prompt_embeds, prompt_attention_mask: precomputed T5 states `[B, L, D]` and mask `[B, L]`.
       negative_prompt_embeds, negative_prompt_attention_mask: the same for the negative prompt.
       decode_timestep, decode_noise_scale: the 0.9.1+ decoder's timestep and noise blend (per video or one).
@@ -552,6 +619,10 @@ class LTXVideoPipeline:
       step_noise: the conditioning mode's per-step noise `[steps, B, S, C]` (default: drawn from `seed`).
       noise: with `denoise_strength < 1`, the noise `[B, C, F, H, W]` mixed into `latents` (default: drawn
         from `seed`).
+      image_noise: the VAE posterior's standard-normal noise for the conditioning image(s), in the
+        reference's layout `[1, C, n, h, w]` (`n` latent frames of the image or clip): one array for
+        `image`, or a list with one per condition (default: drawn from `seed`). The sample is
+        `mean + std * image_noise`.
       max_sequence_length: T5 tokens (128 in the reference).
       output_type: "frames", or "latent" for the denoised normalized latents `[B, C, F, H, W]` (the
         reference's layout), e.g. for a latent upsampler.
@@ -565,27 +636,42 @@ class LTXVideoPipeline:
       raise ValueError(f"output_type={output_type!r} must be 'frames' or 'latent'")
     if not 0.0 < denoise_strength <= 1.0:
       raise ValueError(f"denoise_strength={denoise_strength} must be in (0, 1]")
+    if image is not None and conditions:
+      raise ValueError("pass either image= or conditions=, not both")
+    mode = self._mode(mode, image, conditions)
+    if mode == "i2v":
+      for name, value in (
+        ("timesteps", timesteps), ("step_noise", step_noise), ("noise", noise),
+        ("image_cond_noise_scale", image_cond_noise_scale or None),
+      ):  # fmt: skip
+        if value is not None:
+          raise ValueError(
+            f"{name} is not used by mode='image_to_video' (LTXImageToVideoPipeline semantics); pass "
+            "mode='condition' for the conditioning pipeline's"
+          )
+    if image_noise is not None and mode == "t2v":
+      raise ValueError("image_noise is the conditioning image's posterior noise: pass image= too")
+    if image_cond_noise_scale is None:
+      image_cond_noise_scale = 0.15 if mode == "condition" else 0.0
     if image is not None:
-      if conditions:
-        raise ValueError("pass either image= or conditions=, not both")
       conditions = [LTXCondition(image)]
     conditions = list(conditions or [])
-    mode = "condition" if (conditions or self.condition_pipeline) else "t2v"
     refine = denoise_strength < 1.0
     if timesteps is not None:
       if mode == "t2v":
         raise ValueError(
           "custom timesteps need the conditioning mode (the reference's LTXPipeline passes its own "
-          "sigmas): load with load_pipeline(..., condition=True) or pass conditions"
+          "sigmas): pass mode='condition', load with load_pipeline(..., condition=True) or pass "
+          "conditions"
         )
       timesteps = [float(t) for t in timesteps]
       if not timesteps or any(b >= a for a, b in zip(timesteps, timesteps[1:], strict=False)):
         raise ValueError(f"timesteps={timesteps} must be a non-empty descending list")
       num_inference_steps = len(timesteps)
-    if refine and mode == "t2v":
+    if refine and mode != "condition":
       raise ValueError(
-        "denoise_strength < 1 needs the conditioning mode (LTXConditionPipeline semantics): load with "
-        "load_pipeline(..., condition=True) or pass conditions"
+        "denoise_strength < 1 needs the conditioning mode (LTXConditionPipeline semantics): pass "
+        "mode='condition', load with load_pipeline(..., condition=True) or pass conditions"
       )
     if refine and latents is None:
       raise ValueError("denoise_strength < 1 refines given latents: pass latents= [B, C, F, H, W]")
@@ -606,6 +692,16 @@ class LTXVideoPipeline:
         )
       if not 0.0 <= float(c.strength) <= 1.0:
         raise ValueError(f"conditions[{i}].strength={c.strength} must be in [0, 1]")
+    posterior_noise = [None] * len(conditions)
+    if image_noise is not None:
+      posterior_noise = (
+        list(image_noise) if isinstance(image_noise, list | tuple) else [image_noise]
+      )
+      if len(posterior_noise) != len(conditions):
+        raise ValueError(
+          f"image_noise has {len(posterior_noise)} arrays for {len(conditions)} conditioning items; give one per "
+          "item (one array for image=)"
+        )
     pics = []
     st = self.vae_temporal_compression_ratio
     for i, c in enumerate(conditions):
@@ -680,12 +776,12 @@ class LTXVideoPipeline:
     else:
       x = jnp.asarray(latents, _F32)
       packed = (batch, tokens, cfg.in_channels)
-      if mode == "t2v" and x.shape == packed:
+      if mode != "condition" and x.shape == packed:
         x = self._unpack(x, f, h, w)
       elif x.shape == full:
         x = jnp.transpose(x, (0, 2, 3, 4, 1))
       else:
-        want = f"{full} ([B, C, F, H, W])" + (f" or packed {packed}" if mode == "t2v" else "")
+        want = f"{full} ([B, C, F, H, W])" + (f" or packed {packed}" if mode != "condition" else "")
         raise ValueError(
           f"latents have shape {x.shape}; expected {want} for {batch} videos of {num_frames} frames at "
           f"{height}x{width}"
@@ -694,7 +790,7 @@ class LTXVideoPipeline:
     # Schedule (static: known on the host).
     sched = mdsch.from_config(self.scheduler_config)
     sc = sched.config
-    if mode == "t2v":
+    if mode != "condition":
       mu = mdsch.calculate_shift(
         tokens,
         sc.get("base_image_seq_len", 256),
@@ -745,8 +841,19 @@ class LTXVideoPipeline:
 
     # Conditioning (conditioning mode): blend / append latents, per-token strengths, coordinates.
     cond_mask = init = None
-    if mode == "t2v":
+    if mode != "condition":
       rope = rope_tables(cfg, f // pt, h // p, w // p, (st / frame_rate, ss, ss))
+      if mode == "i2v":
+        # LTXImageToVideoPipeline: the image's latents replace the first latent frame (one posterior
+        # sample shared by every video), whose tokens the loop keeps.
+        zc = self._encode_image(
+          self._fit(pics[0], height, width), keys[1], posterior_noise[0], "image_noise"
+        )  # [1, 1, h, w, C]
+        x = x.at[:, :1].set(jnp.broadcast_to(zc, (batch, *zc.shape[1:])))
+        first = np.zeros((f,), np.float32)
+        first[0] = 1.0
+        cm = first[np.repeat(np.arange(0, f, pt), (h // p) * (w // p))]
+        cond_mask = jnp.broadcast_to(jnp.asarray(cm), (batch, cm.shape[0]))
       x = self._pack(x)
     else:
       frames_mask = np.zeros((f,), np.float32)
@@ -754,14 +861,9 @@ class LTXVideoPipeline:
       kcond = jax.random.split(keys[1], 2 * max(len(conditions), 1))
       prefix = 2  # the reference's num_prefix_latent_frames
       for i, c in enumerate(conditions):
-        pic = pics[i]
-        if pic.shape[1:3] != (height, width):
-          pic = np.asarray(
-            jnp.clip(
-              jax.image.resize(pic, (pic.shape[0], height, width, 3), method="lanczos3"), 0.0, 1.0
-            )
-          )
-        zc = self._encode_image(pic, kcond[2 * i])  # [1, n, h, w, C]
+        pic = self._fit(pics[i], height, width)
+        what = "image_noise" if len(conditions) == 1 else f"image_noise[{i}]"
+        zc = self._encode_image(pic, kcond[2 * i], posterior_noise[i], what)  # [1, n, h, w, C]
         n, s, index = zc.shape[1], float(c.strength), int(c.frame_index)
         if index == 0:
           x = x.at[:, :n].set(_lerp(x[:, :n], zc, s))
@@ -883,8 +985,10 @@ def load_pipeline(
       `"Lightricks/LTX-Video-0.9.5"`, `"Lightricks/LTX-Video-0.9.7-dev"`, ...).
     transformer: another transformer: a loaded `LTXTransformer`, a diffusers transformer folder or an
       original single file (`ltxv-13b-0.9.8-distilled.safetensors`), used with the source's VAE and T5.
-    condition: use LTXConditionPipeline semantics without conditions too (default: when the folder is an
-      `LTXConditionPipeline`); needed for `denoise_strength < 1`.
+    condition: use LTXConditionPipeline semantics without conditions and for `image=` too (default: when
+      the folder is an `LTXConditionPipeline`; `LTXPipeline` and `LTXImageToVideoPipeline` folders run
+      `image=` as LTXImageToVideoPipeline); needed for `denoise_strength < 1`. A call's `mode=`
+      chooses per call.
     mesh: place parameters on this mesh by their logical axes (FSDP over `fsdp`, heads over `tensor`).
     dtype: parameter dtype of the transformer and the text encoder (default: as stored); the VAE stays
       float32.
@@ -895,7 +999,8 @@ def load_pipeline(
     progress: progress bars while loading tensors.
 
   Returns:
-    An `LTXVideoPipeline` (conditioning semantics by default for `LTXConditionPipeline` folders).
+    An `LTXVideoPipeline` (conditioning semantics by default for `LTXConditionPipeline` folders,
+    image-to-video semantics for `image=` otherwise).
 
   Raises:
     FileNotFoundError: no folder / hub id, or a component missing (named).
