@@ -15,25 +15,22 @@ timesteps of `expand_timesteps` (Wan 2.2 TI2V-5B).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import html
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
-from md_core import progress as md_progress
+from md_core import pipeline as mdp
 from md_wan._transformer import WanTransformer
 from md_wan._weights import load_transformer
 
@@ -63,29 +60,6 @@ def clean_prompt(text: str) -> str:
   return re.sub(r"\s+", " ", text).strip()
 
 
-@dataclasses.dataclass
-class _Split:
-  """A module split once into its static graph definition and its state (a jit argument)."""
-
-  graphdef: Any
-  state: Any
-
-  @classmethod
-  def of(cls, module: nnx.Module | None) -> _Split | None:
-    if module is None:
-      return None
-    return cls(*nnx.split(module))
-
-  def merge(self, state: Any) -> nnx.Module:
-    return nnx.merge(self.graphdef, state)
-
-
-def _as_list(prompt: str | Sequence[str] | None) -> list[str] | None:
-  if prompt is None:
-    return None
-  return [prompt] if isinstance(prompt, str) else list(prompt)
-
-
 def _nearest(value: int, factor: int) -> str:
   low = max(factor, value // factor * factor)
   return str(low) if low == value else f"{low} or {low + factor}" if low < value else str(low)
@@ -105,7 +79,7 @@ def _image_array(image: Any, what: str) -> jax.Array:
   return x.astype(jnp.float32) / 255.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32)
 
 
-class WanVideoPipeline:
+class WanVideoPipeline(mdp.Pipeline):
   """A loaded Wan pipeline (see `load_pipeline`); call it to generate videos.
 
   Attributes:
@@ -152,14 +126,13 @@ class WanVideoPipeline:
     self.scheduler_config = dict(scheduler_config)
     self.image_to_video = image_to_video
     self.boundary_ratio, self.expand_timesteps = boundary_ratio, expand_timesteps
-    self.mesh, self.source = mesh, source
-    self._t1, self._t2 = _Split.of(transformer), _Split.of(transformer_2)
+    self._init_scaffold(mesh, source)
+    self._t1, self._t2 = mdp.Split.of(transformer), mdp.Split.of(transformer_2)
     self._vae, self._te, self._ie = (
-      _Split.of(vae),
-      _Split.of(text_encoder),
-      _Split.of(image_encoder),
+      mdp.Split.of(vae),
+      mdp.Split.of(text_encoder),
+      mdp.Split.of(image_encoder),
     )
-    self._compiled: dict[Any, Any] = {}
 
   # --- facts --------------------------------------------------------------------------------------------
   @property
@@ -181,15 +154,6 @@ class WanVideoPipeline:
     """The checkpoint's scheduler with `options` overridden (e.g. `flow_shift=5.0` for 720p)."""
     return mdsch.from_config(self.scheduler_config, **options)
 
-  def _context(self):
-    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-  def _jit(self, key, make):
-    fn = self._compiled.get(key)
-    if fn is None:
-      fn = self._compiled[key] = make()
-    return fn
-
   # --- encoders ------------------------------------------------------------------------------------------
   def encode_prompt(
     self, prompts: Sequence[str], max_sequence_length: int = MAX_SEQUENCE_LENGTH
@@ -197,7 +161,9 @@ class WanVideoPipeline:
     """UMT5 states `[B, max_sequence_length, D]`, zero after each prompt's last token (as the reference
     trims and pads them)."""
     tokens = md_text.tokenize(
-      self.tokenizer, [clean_prompt(p) for p in _as_list(prompts)], max_length=max_sequence_length
+      self.tokenizer,
+      [clean_prompt(p) for p in mdp.as_prompts(prompts)],
+      max_length=max_sequence_length,
     )
     te = self._te
 
@@ -205,24 +171,30 @@ class WanVideoPipeline:
       h = te.merge(state)(ids, mask)
       return (h.astype(jnp.float32) * mask[..., None]).astype(h.dtype)
 
-    fn = self._jit(("encode", max_sequence_length), lambda: jax.jit(encode))
-    with self._context():
+    fn = self.jit(("encode", max_sequence_length), lambda: jax.jit(encode))
+    with self.context():
       return fn(self._te.state, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
 
-  def encode_image(self, images: jax.Array) -> jax.Array:
-    """CLIP image tokens (`hidden_states[-2]`, `[N, tokens, D]`) of images `[N, H, W, 3]` in [0, 1]."""
+  def encode_image(self, images: Any) -> jax.Array:
+    """CLIP image tokens (`hidden_states[-2]`, `[N, tokens, D]`) of images: `[N, H, W, 3]` (uint8, or
+    floats in [0, 1]), or PIL images / `[H, W, 3]` arrays in a list.
+
+    The images are resized and cropped on the host as the reference's CLIP image processor does
+    (`md_text.clip_image_preprocess`, PIL bicubic), then encoded in one jitted call.
+    """
     if self.image_encoder is None:
       raise ValueError(
         "this pipeline has no image_encoder (only Wan 2.1 I2V uses CLIP image tokens)"
       )
-    ie, size = self._ie, self.image_size
+    size = self.image_size or self.image_encoder.config.image_size
+    pixels = md_text.clip_image_preprocess(images, size=size)
+    ie = self._ie
 
-    def encode(state, x):
-      pixels = md_text.clip_image_preprocess(x, size=size)
+    def encode(state, pixels):
       return ie.merge(state)(pixels, output_hidden_states=True).hidden_states[-2]
 
-    with self._context():
-      return self._jit("image", lambda: jax.jit(encode))(self._ie.state, images)
+    with self.context():
+      return self.jit("image", lambda: jax.jit(encode))(self._ie.state, jnp.asarray(pixels))
 
   def _condition_fn(self, num_frames: int, has_last: bool):
     vae = self._vae
@@ -256,63 +228,50 @@ class WanVideoPipeline:
     return np.broadcast_to(mask[None, :, None, None, :], (1, f, h, w, t)).copy()
 
   # --- the loop ---------------------------------------------------------------------------------------------
-  def _loop_fn(self, sched, *, switch: int, total: int, cfg_on: bool, mode: str, show: bool):
-    t1, t2 = self._t1, self._t2
+  def _denoiser(self, expert: int, mode: str, branches: int):
+    """The family part of sampling: model inputs for every guidance row, then the transformer."""
+    split = self._t1 if expert == 0 else self._t2
     patch = self.transformer.cfg.patch_size
 
-    def loop(s1, s2, latents, sched_state, context, image_tokens, condition, g1, g2):
-      models = [t1.merge(s1), None if t2 is None else t2.merge(s2)]
-      tick = md_progress.make_step_callback(total, desc="denoising") if show else None
-      b = latents.shape[0]
-      if mode == "expand":
-        _, f, h, w, _ = latents.shape
-        # 0 on the image's first latent frame, 1 elsewhere (all ones without an image).
-        frame_mask = jnp.ones((1, f, h, w, 1), jnp.float32)
+    def rows(a):  # per-video inputs, repeated for each guidance branch
+      return None if a is None else jnp.concatenate([a] * branches, axis=0)
+
+    def denoise(params, x, t, cond, *, step):
+      del step
+      t = t.astype(jnp.float32)
+      condition = rows(cond["condition"])
+      if mode == "concat":
+        xin = jnp.concatenate([x, condition], axis=-1)
+        timestep = t
+      elif mode == "expand":
+        mask = cond["frame_mask"]  # [1, f, h, w, 1]: 0 on the image's latent frame
         if condition is not None:
-          frame_mask = frame_mask.at[:, 0].set(0.0)
+          xin = (1 - mask) * condition + mask * x
+        else:
+          xin = x
+        per_token = mask[0, :, :: patch[1], :: patch[2], 0].reshape(-1)
+        timestep = per_token[None] * t[:, None]  # [rows, tokens]
+      else:
+        xin, timestep = x, t
+      model = split.merge(params)
+      return model(xin, timestep, cond["context"], rows(cond["image_tokens"]), layout="BFHWC")
 
-      def body(expert: int, guidance):
-        model = models[expert]
+    return denoise
 
-        def step(i, carry):
-          x, st = carry
-          t = mdsch.current_timestep(st).astype(jnp.float32)
-          if mode == "concat":
-            xin = jnp.concatenate([x, condition], axis=-1)
-            timestep = jnp.broadcast_to(t, (b,))
-          elif mode == "expand":
-            xin = x if condition is None else (1 - frame_mask) * condition + frame_mask * x
-            per_token = frame_mask[0, :, :: patch[1], :: patch[2], 0].reshape(-1) * t
-            timestep = jnp.broadcast_to(per_token, (b, per_token.shape[0]))
-          else:
-            xin = x
-            timestep = jnp.broadcast_to(t, (b,))
-          img = image_tokens
-          if cfg_on:
-            xin = jnp.concatenate([xin, xin], axis=0)
-            timestep = jnp.concatenate([timestep, timestep], axis=0)
-            img = None if img is None else jnp.concatenate([img, img], axis=0)
-          out = model(xin, timestep, context, img, layout="BFHWC").astype(jnp.float32)
-          if cfg_on:
-            uncond, cond = jnp.split(out, 2, axis=0)
-            out = uncond + guidance * (cond - uncond)
-          x, st = sched.step(st, out, x)
-          if tick is not None:
-            tick(i)
-          return x, st
+  def _run_fn(self, sched, *, switch: int, total: int, guide, mode: str, cache):
+    """One jitted chunk of steps `[lo, hi)` (traced bounds) over both experts."""
+    d1 = self._denoiser(0, mode, guide.num_branches)
+    d2 = self._denoiser(1, mode, guide.num_branches) if switch < total else None
 
-        return step
+    def run(s1, s2, carry, lo, hi, cond, g1, g2):
+      experts = [mdsch.Expert(d1, s1, switch, g1)]
+      if d2 is not None:
+        experts.append(mdsch.Expert(d2, s2, total, g2))
+      return mdsch.run_steps(
+        None, sched, carry, lo, hi, cond, guidance=guide, experts=experts, cache=cache
+      )
 
-      carry = (latents, sched_state)
-      carry = jax.lax.fori_loop(0, switch, body(0, g1), carry)
-      if switch < total:
-        carry = jax.lax.fori_loop(switch, total, body(1, g2), carry)
-      x = carry[0]
-      if mode == "expand" and condition is not None:
-        x = (1 - frame_mask) * condition + frame_mask * x
-      return x
-
-    return jax.jit(loop)
+    return jax.jit(run)
 
   def _decode_fn(self):
     vae = self._vae
@@ -326,8 +285,8 @@ class WanVideoPipeline:
 
   def decode(self, latents: jax.Array) -> jax.Array:
     """The denoiser's latents `[B, f, h, w, z]` (channels-last) → frames `[B, F, H, W, 3]` in [0, 1]."""
-    with self._context():
-      return self._jit("decode", self._decode_fn)(self._vae.state, latents)
+    with self.context():
+      return self.jit("decode", self._decode_fn)(self._vae.state, latents)
 
   # --- the call --------------------------------------------------------------------------------------------
   def check_size(self, height: int, width: int, num_frames: int) -> int:
@@ -387,6 +346,11 @@ class WanVideoPipeline:
     image_embeds: Any = None,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
     scheduler_options: Mapping[str, Any] | None = None,
+    output_type: str = "np",
+    callback: Callable[[int, jax.Array, jax.Array], Any] | None = None,
+    cancel: Callable[[], bool] | None = None,
+    cache: mdsch.StepCache | None = None,
+    chunk: int | None = 1,
     progress: bool = True,
   ) -> jax.Array:
     """Generates videos.
@@ -411,13 +375,24 @@ class WanVideoPipeline:
         the first then the last frame's), the same for every video.
       max_sequence_length: text tokens (512 in the reference).
       scheduler_options: overrides of the scheduler config (e.g. `{"flow_shift": 5.0}`).
+      output_type: "np" for frames, "latent" for the final latents `[B, C, F, H, W]` (the reference's
+        layout, before the VAE).
+      callback: `callback(step, timestep, latents)` after each step (latents channels-last
+        `[B, f, h, w, C]`); returning False stops like `cancel`.
+      cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
+      cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction.
+      chunk: steps per host dispatch (None: the whole loop in one call; progress, callback and cancel
+        act at chunk boundaries).
       progress: show a progress bar over the steps.
 
     Returns:
-      Frames `[B, F, H, W, 3]` float32 in [0, 1].
+      Frames `[B, F, H, W, 3]` float32 in [0, 1], or latents with `output_type="latent"`. The denoiser
+      calls made are in `self.last_calls`.
     """
+    if output_type not in ("np", "latent"):
+      raise ValueError(f"output_type={output_type!r}: expected 'np' or 'latent'")
     num_frames = self.check_size(height, width, num_frames)
-    with self._context():
+    with self.context():
       # Heads vs tensor / Ulysses degrees: fail before any encoding or compiling.
       for model in (self.transformer, self.transformer_2):
         if model is not None:
@@ -455,7 +430,7 @@ class WanVideoPipeline:
       guidance_scale_2 = guidance_scale
 
     # Text.
-    prompts = _as_list(prompt)
+    prompts = mdp.as_prompts(prompt)
     if prompt_embeds is None:
       if not prompts:
         raise ValueError("pass prompt (a string or a list) or prompt_embeds")
@@ -470,7 +445,7 @@ class WanVideoPipeline:
       if negative_prompt_embeds is not None:
         neg = jnp.asarray(negative_prompt_embeds, jnp.float32)
       else:
-        negs = _as_list(negative_prompt) or [""]
+        negs = mdp.as_prompts(negative_prompt) or [""]
         if len(negs) == 1 and b > 1:
           negs = negs * b
         if len(negs) != b:
@@ -510,11 +485,11 @@ class WanVideoPipeline:
       last = (
         None if last_image is None else self._fit_image(last_image, height, width, "last_image")
       )
-      fn = self._jit(
+      fn = self.jit(
         ("condition", num_frames, last is not None),
         lambda: self._condition_fn(num_frames, last is not None),
       )
-      with self._context():
+      with self.context():
         cond = fn(self._vae.state, first, last)  # [1, f or 1, h, w, z]
       cond = jnp.repeat(cond, batch, axis=0)
       if mode == "concat":
@@ -542,34 +517,39 @@ class WanVideoPipeline:
     if self.boundary_ratio is not None:
       boundary = self.boundary_ratio * float(sched.config["num_train_timesteps"])
       switch = int(np.sum(np.asarray(state.timesteps) >= boundary))
-    show = bool(progress) and md_progress.progress_enabled()
-    key = (
-      "loop",
-      repr(sorted(sched.config.items())),
-      total,
-      switch,
-      cfg_on,
-      mode,
-      condition is not None,
-      image_tokens is not None,
-      show,
+    guide = mdsch.guidance.Guidance(cfg=cfg_on)
+    scales = [mdsch.guidance.per_step(total, {"guidance": g} if cfg_on else {})
+              for g in (guidance_scale, guidance_scale_2)]  # fmt: skip
+    frame_mask = None
+    if mode == "expand":
+      # 0 on the image's first latent frame, 1 elsewhere (all ones without an image).
+      frame_mask = np.ones((1, f, h, w, 1), np.float32)
+      if condition is not None:
+        frame_mask[:, 0] = 0.0
+      frame_mask = jnp.asarray(frame_mask)
+    cond = dict(
+      context=context, image_tokens=image_tokens, condition=condition, frame_mask=frame_mask
     )
-    loop = self._jit(
+    key = ("loop", repr(sorted(sched.config.items())), total, switch, guide, mode, cache,
+           condition is not None, image_tokens is not None)  # fmt: skip
+    run = self.jit(
       key,
-      lambda: self._loop_fn(sched, switch=switch, total=total, cfg_on=cfg_on, mode=mode, show=show),
+      lambda: self._run_fn(sched, switch=switch, total=total, guide=guide, mode=mode, cache=cache),
     )
-    with self._context():
-      x = loop(
-        self._t1.state,
-        None if self._t2 is None else self._t2.state,
-        x,
-        state,
-        context,
-        image_tokens,
-        condition,
-        jnp.float32(guidance_scale),
-        jnp.float32(guidance_scale_2),
-      )
+    s1, s2 = self._t1.state, None if self._t2 is None else self._t2.state
+    with self.context():
+      carry = mdsch.init_state(self.place(x), state, cache=cache)
+      cond, scales = self.place(cond), [jax.tree.map(jnp.asarray, g) for g in scales]
+      carry = mdsch.drive(
+        lambda c, lo, hi: run(s1, s2, c, lo, hi, cond, *scales), carry, 0, total,
+        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress),
+      )  # fmt: skip
+    x = carry.latents
+    if mode == "expand" and condition is not None:
+      x = (1 - frame_mask) * condition + frame_mask * x
+    self.last_calls = int(carry.calls)
+    if output_type == "latent":
+      return jnp.transpose(x, (0, 4, 1, 2, 3))
     return self.decode(x)
 
   def _video_image_tokens(self, image_embeds: Any, batch: int) -> jax.Array:
@@ -595,22 +575,6 @@ class WanVideoPipeline:
 
 
 # --- loading ----------------------------------------------------------------------------------------------------
-
-
-def _folder(root, name: str, index: Mapping[str, Any]):
-  folder = root / name
-  if not folder.is_dir():
-    have = sorted(k for k, v in index.items() if isinstance(v, list) and v and v[0])
-    raise FileNotFoundError(
-      f"{root}: pipeline component {name!r} is missing (no folder {folder}); model_index.json lists "
-      f"{have}. Download the whole pipeline, or pass a complete diffusers folder"
-    )
-  return folder
-
-
-def _listed(index: Mapping[str, Any], name: str) -> bool:
-  entry = index.get(name)
-  return isinstance(entry, list) and bool(entry) and entry[0] is not None
 
 
 def load_pipeline(
@@ -671,27 +635,27 @@ def load_pipeline(
     overrides["remat"] = remat
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   transformer = load_transformer(
-    _folder(root, "transformer", index), subfolder=None, dtype=dtype, **kw, **overrides
+    mdp.component(root, "transformer", index), subfolder=None, dtype=dtype, **kw, **overrides
   )
   transformer_2 = None
-  if _listed(index, "transformer_2"):
+  if mdp.listed(index, "transformer_2"):
     transformer_2 = load_transformer(
-      _folder(root, "transformer_2", index), subfolder=None, dtype=dtype, **kw, **overrides
+      mdp.component(root, "transformer_2", index), subfolder=None, dtype=dtype, **kw, **overrides
     )
-  vae = md_vae.load_vae_wan(_folder(root, "vae", index), subfolder=None, **kw)
-  te = md_text.load_t5_encoder(_folder(root, "text_encoder", index), dtype=dtype, **kw)
-  tok = md_text.load_tokenizer(_folder(root, "tokenizer", index), subfolder=None)
+  vae = md_vae.load_vae_wan(mdp.component(root, "vae", index), subfolder=None, **kw)
+  te = md_text.load_t5_encoder(mdp.component(root, "text_encoder", index), dtype=dtype, **kw)
+  tok = md_text.load_tokenizer(mdp.component(root, "tokenizer", index), subfolder=None)
   image_encoder, image_size = None, None
-  if _listed(index, "image_encoder"):
+  if mdp.listed(index, "image_encoder"):
     image_encoder = md_text.load_clip_vision(
-      _folder(root, "image_encoder", index), subfolder=None, with_projection=False, **kw
+      mdp.component(root, "image_encoder", index), subfolder=None, with_projection=False, **kw
     )
     image_size = image_encoder.config.image_size
     proc = root / "image_processor" / "preprocessor_config.json"
     if proc.is_file():
       crop = md_core.read_json(proc).get("crop_size", {})
       image_size = int(crop.get("height", image_size)) if isinstance(crop, dict) else int(crop)
-  sched_cfg = mdsch.read_config(_folder(root, "scheduler", index))
+  sched_cfg = mdsch.read_config(mdp.component(root, "scheduler", index))
   mdsch.from_config(sched_cfg)  # fail now, not at the first call
   ratio = index.get("boundary_ratio")
   return WanVideoPipeline(
