@@ -1,7 +1,9 @@
-"""Gemma 3 text encoder (LTX-2's `text_encoder`) against transformers' outputs (tests/fixtures/gemma3):
-every hidden state with left padding, local / global layers, key map over both naming layouts, the real
-Gemma 3 12B manifest, config reading, tokenizer, errors."""
+"""Gemma 3 text encoder (LTX-2's `text_encoder`) against transformers' outputs: every hidden state with left
+padding, local / global layers, with eager attention (tests/fixtures/gemma3, `fully_masked_rows="mean"`) and
+with SDPA as diffusers' LTX-2 pipelines run it (tests/fixtures/gemma3_sdpa, the default), key map over both
+naming layouts, the real Gemma 3 12B manifest, config reading, tokenizer, errors."""
 
+import dataclasses
 import json
 
 import chex
@@ -23,7 +25,8 @@ def io():
 
 @pytest.fixture(scope="module")
 def model():
-  return md_text.load_gemma3_encoder(fixture_path("gemma3"))
+  # The gemma3 fixture is transformers' eager attention: padded queries average the values.
+  return md_text.load_gemma3_encoder(fixture_path("gemma3"), fully_masked_rows="mean")
 
 
 @jax.jit
@@ -63,6 +66,50 @@ def test_hidden_states_match_transformers(io, model):
   )
   out = _run(wide, io["input_ids"], np.ones_like(io["attention_mask"]))
   assert float(jnp.abs(out.hidden_states[1] - full[1]).max()) > 1e-3
+
+
+def test_hidden_states_match_transformers_sdpa():
+  """The default follows transformers' SDPA attention (from_pretrained's default, what LTX2Pipeline runs):
+  a query that sees no key gives zeros, so padded positions stay zero here; every position within 1e-4, and
+  the pipeline's packed `prompt_embeds` of the empty prompt too."""
+  ref = load_arrays(fixture_path("gemma3_sdpa") / "io.npz")
+  ids, mask = ref["input_ids"], ref["attention_mask"]
+  assert mask[0].sum() == 1  # the empty prompt: only <bos>
+  model = md_text.load_gemma3_encoder(fixture_path("gemma3"))
+  assert model.cfg.fully_masked_rows == "zeros"
+  out = _run(model, ids, mask)
+  chex.assert_trees_all_close(out.hidden_states, ref["hidden_states"], atol=1e-4, rtol=0)
+  embeds = md_text.ltx2_prompt_embeds(model, jnp.asarray(ids), jnp.asarray(mask))
+  chex.assert_trees_all_close(embeds, ref["prompt_embeds"], atol=1e-4, rtol=0)
+  # Eager's mean differs there (only there).
+  eager = _run(
+    md_text.load_gemma3_encoder(fixture_path("gemma3"), fully_masked_rows="mean"), ids, mask
+  )
+  pad = ~mask.astype(bool)
+  assert float(jnp.abs(eager.hidden_states[:, pad]).max()) > 1e-1
+  chex.assert_trees_all_close(
+    eager.hidden_states[:, ~pad], ref["hidden_states"][:, ~pad], atol=1e-4, rtol=0
+  )
+
+
+@pytest.mark.parametrize("rows", ("zeros", "mean"))
+def test_softcapped_attention_treats_masked_rows_alike(io, rows):
+  """The dense soft-capped path (a cap so large that tanh is linear) gives md-attention's results, padded
+  rows included, in either mode."""
+  folder = fixture_path("gemma3")
+  plain = md_text.load_gemma3_encoder(folder, fully_masked_rows=rows)
+  capped = md_core.load_weights(
+    lambda: md_text.Gemma3Encoder(
+      dataclasses.replace(plain.cfg, attn_logit_softcapping=1e6), rngs=nnx.Rngs(0)
+    ),
+    md_core.open_checkpoint(folder / "text_encoder"),
+    md_text.convert_gemma3_key,
+    allow_unused=md_text.GEMMA3_ALLOW_UNUSED,
+    progress=False,
+  )
+  want = _run(plain, io["input_ids"], io["attention_mask"]).hidden_states
+  got = _run(capped, io["input_ids"], io["attention_mask"]).hidden_states
+  chex.assert_trees_all_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_output_selection(io, model):
@@ -153,6 +200,10 @@ def test_config_reading_and_errors():
     md_text.Gemma3Config.from_dict({**text, "layer_types": ["full_attention"] * 2})
   with pytest.raises(ValueError, match="hidden_activation='silu'"):
     md_text.Gemma3Config.from_dict({**text, "hidden_activation": "silu"})
+  with pytest.raises(
+    ValueError, match=r"fully_masked_rows='nan' is not one of \('zeros', 'mean'\)"
+  ):
+    md_text.Gemma3Config.from_dict(text, fully_masked_rows="nan")
 
 
 def test_tokenizer_left_padding_and_truncation_warning(model, io):
@@ -228,11 +279,13 @@ def test_sharded_bf16_load(io):
   import md_sharding as mds
 
   mesh = mds.make_mesh(mds.MeshConfig(ici_fsdp_parallelism=2, ici_tensor_parallelism=4))
-  model = md_text.load_gemma3_encoder(fixture_path("gemma3"), mesh=mesh)
+  model = md_text.load_gemma3_encoder(fixture_path("gemma3"), mesh=mesh, fully_masked_rows="mean")
   assert tuple(model.layers.q_proj.kernel[...].sharding.spec) == (None, "fsdp", "tensor")
   out = _run(model, io["input_ids"], io["attention_mask"])
   chex.assert_trees_all_close(out.hidden_states, io["hidden_states"], atol=1e-4, rtol=0)
-  model = md_text.load_gemma3_encoder(fixture_path("gemma3"), mesh=mesh, dtype=jnp.bfloat16)
+  model = md_text.load_gemma3_encoder(
+    fixture_path("gemma3"), mesh=mesh, dtype=jnp.bfloat16, fully_masked_rows="mean"
+  )
   out = _run(model, io["input_ids"], io["attention_mask"])
   assert out.hidden_states.dtype == jnp.bfloat16
   err = jnp.abs(out.hidden_states.astype(jnp.float32) - io["hidden_states"]).max()

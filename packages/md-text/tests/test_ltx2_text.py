@@ -82,22 +82,33 @@ def test_prompt_path_end_to_end(io, connectors):
   np.testing.assert_array_equal(tokens.mask, io["prompt_mask"])
   assert tokens.mask[0].sum() == 1 and tokens.ids[0, -1] == tok.bos_token_id  # "": <bos> only
   assert tokens.mask[2, 0] == 0 and tokens.mask[2, -1] == 1  # left padding
-  encoder = md_text.load_gemma3_encoder(fixture_path("gemma3"))
-  graphdef_e, state_e = nnx.split(encoder)
   graphdef_c, state_c = nnx.split(connectors["connectors"])
 
-  @jax.jit
-  def run(se, sc, ids, mask):
-    enc, conn = nnx.merge(graphdef_e, se), nnx.merge(graphdef_c, sc)
-    embeds = md_text.ltx2_prompt_embeds(enc, ids, mask)
-    return embeds, md_text.encode_ltx2_prompt(enc, conn, ids, mask)
+  def run(encoder):
+    graphdef_e, state_e = nnx.split(encoder)
 
-  embeds, out = run(state_e, state_c, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
+    @jax.jit
+    def fn(se, sc, ids, mask):
+      enc, conn = nnx.merge(graphdef_e, se), nnx.merge(graphdef_c, sc)
+      embeds = md_text.ltx2_prompt_embeds(enc, ids, mask)
+      return embeds, md_text.encode_ltx2_prompt(enc, conn, ids, mask)
+
+    return fn(state_e, state_c, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
+
+  # This fixture's Gemma ran transformers' eager attention (padded queries average the values).
+  embeds, out = run(md_text.load_gemma3_encoder(fixture_path("gemma3"), fully_masked_rows="mean"))
   chex.assert_shape(embeds, (4, 16, 32 * 5))
   chex.assert_trees_all_close(embeds, io["prompt_embeds"], atol=1e-4, rtol=0)
   chex.assert_trees_all_close(out.video, io["e2e_video"], atol=1e-4, rtol=0)
   chex.assert_trees_all_close(out.audio, io["e2e_audio"], atol=1e-4, rtol=0)
   np.testing.assert_array_equal(out.mask, io["e2e_mask"])
+  # The default (SDPA: zeros there) changes only the padded raw states, which the connectors never see.
+  embeds, out = run(md_text.load_gemma3_encoder(fixture_path("gemma3")))
+  valid = io["prompt_mask"].astype(bool)
+  chex.assert_trees_all_close(embeds[valid], io["prompt_embeds"][valid], atol=1e-4, rtol=0)
+  assert float(jnp.abs(embeds[~valid]).max()) == 0.0
+  chex.assert_trees_all_close(out.video, io["e2e_video"], atol=1e-4, rtol=0)
+  chex.assert_trees_all_close(out.audio, io["e2e_audio"], atol=1e-4, rtol=0)
 
 
 def test_feature_extractor_pieces(io):

@@ -17,6 +17,11 @@ K/V as they are and the local layers' window as md-attention's `window`; a layer
 only in the window is picked per step with `lax.cond` (no cond when the window covers the prompt, as
 in LTX-2: 1024 tokens, window 1024).
 
+A query that sees no real key (a left-padded position) attends to nothing: by default its attention output
+is zero, as transformers' SDPA attention gives (its default implementation, the one diffusers' LTX-2
+pipelines load); `Gemma3Config.fully_masked_rows="mean"` averages every value there instead, as its eager
+attention does. Only the padded positions' hidden states differ.
+
 As an encoder it returns the hidden states of every layer, indexed as transformers' `output_hidden_states`
 indexes them: 0 the (scaled) embeddings, `i` the output of layer `i`, `num_hidden_layers` the final normed
 output. LTX-2 stacks all of them (`md_text.ltx2_pack_hidden_states`).
@@ -47,6 +52,8 @@ _F32 = jnp.float32
 LTX2_MAX_LENGTH = 1024
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+# A fully masked query's attention output: transformers' SDPA (zeros) or eager (mean of the values).
+FULLY_MASKED_ROWS = ("zeros", "mean")
 
 # Config keys that do not change the encoder's forward pass (generation, training, bookkeeping).
 _IGNORED_KEYS = {
@@ -83,6 +90,9 @@ class Gemma3Config:
     remat: rematerialisation of each scanned layer: "none", "full", "dots", "dots_no_batch".
     attention: the md-attention implementation and its settings (not used with
       `attn_logit_softcapping`, which is computed densely).
+    fully_masked_rows: the attention output of a query that sees no real key (a left-padded position):
+      "zeros" as transformers' SDPA attention (its default, and what diffusers' LTX-2 pipelines run), or
+      "mean" of every value as its eager attention (the only one transformers runs with soft-capping).
   """
 
   vocab_size: int
@@ -103,9 +113,14 @@ class Gemma3Config:
   max_position_embeddings: int = 131_072
   remat: str = "none"
   attention: mda.AttentionConfig = dataclasses.field(default_factory=mda.AttentionConfig)
+  fully_masked_rows: str = "zeros"
 
   def __post_init__(self):
     object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if self.fully_masked_rows not in FULLY_MASKED_ROWS:
+      raise ValueError(
+        f"Gemma3Config.fully_masked_rows={self.fully_masked_rows!r} is not one of {FULLY_MASKED_ROWS}"
+      )
     if self.remat not in md_core.REMAT_POLICIES:
       raise ValueError(f"Gemma3Config.remat={self.remat!r} is not one of {md_core.REMAT_POLICIES}")
     if self.num_attention_heads % self.num_key_value_heads:
@@ -175,6 +190,7 @@ class Gemma3Config:
     layer_types = d.pop("layer_types", None)
     fields = {f.name for f in dataclasses.fields(cls)} - {
       "attention",
+      "fully_masked_rows",
       "remat",
       "layer_types",
       "rope_linear_factor",
@@ -334,9 +350,9 @@ class _Layer(nnx.Module):
         out = run(cfg.sliding_window if local else None)
       else:
         out = jax.lax.cond(local, lambda: run(cfg.sliding_window), lambda: run(None))
-      if empty is not None:
-        # The reference adds float32's lowest value to masked scores, so a query that sees no key at
-        # all (a left-padded position) averages every value; md-attention gives zeros there.
+      if empty is not None and cfg.fully_masked_rows == "mean":
+        # transformers' eager attention adds float32's lowest value to masked scores, so a query that
+        # sees no key at all averages every value; md-attention gives zeros there, as SDPA does.
         mean = jnp.mean(v.astype(_F32), axis=1).astype(out.dtype)  # [B, kvh, hd]
         out = out.reshape(b, s, kvh, h // kvh, hd)
         out = jnp.where(empty[:, :, None, None, None], mean[:, None, :, None, :], out)
@@ -357,10 +373,13 @@ class _Layer(nnx.Module):
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg.astype(_F32), k.astype(_F32)) * scale
     cap = float(cfg.attn_logit_softcapping)
     scores = cap * jnp.tanh(scores / cap)
-    # Masked scores take float32's lowest value, as the reference adds it: a query that sees no key at
-    # all (a left-padded position) then averages every value, as the reference does.
+    # Masked scores take float32's lowest value, as transformers' eager attention adds it: a query that
+    # sees no key at all (a left-padded position) then averages every value ("mean"), or gives zeros.
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(_F32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if cfg.fully_masked_rows == "zeros":
+      probs = jnp.where(jnp.any(allowed, axis=-1)[:, None, None, :, None], probs, 0.0)
+    probs = probs.astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, h, hd)
 
   def __call__(self, h, cos, sin, mask, empty, local):
@@ -446,10 +465,10 @@ class Gemma3Encoder(nnx.Module):
 
     cos, sin = gemma3_rope_tables(cfg, s)  # [2, S, hd]
     mask = None if attention_mask is None else attention_mask.astype(bool)
-    # Queries that see no real key, per layer kind: none without a mask; with one, those whose window
-    # (local) or causal past (global) holds no real token.
+    # For "mean": queries that see no real key, per layer kind (none without a mask; with one, those whose
+    # window or causal past holds no real token). md-attention already gives "zeros" there.
     empty = None
-    if mask is not None:
+    if mask is not None and cfg.fully_masked_rows == "mean":
       seen = jnp.cumsum(mask, axis=1, dtype=jnp.int32)  # real keys among 0..i
       w = cfg.sliding_window
       before = jnp.pad(seen, ((0, 0), (w, 0)))[:, :s]  # real keys among 0..i-w
@@ -460,16 +479,15 @@ class Gemma3Encoder(nnx.Module):
     mixed = windowed and "full_attention" in cfg.layer_types
     fixed_local = windowed and not mixed
 
-    graphdef, params = nnx.split(self.layers)
-
-    def body(h, xs):
-      layer, kind = xs
+    def body(layer, h, kind):
       local = (kind == 0) if mixed else fixed_local
       layer_empty = None if empty is None else empty[kind]
-      h = nnx.merge(graphdef, layer)(h, cos[kind], sin[kind], mask, layer_empty, local)
+      h = layer(h, cos[kind], sin[kind], mask, layer_empty, local)
       return h, h
 
-    h, per_layer = jax.lax.scan(md_core.remat(body, cfg.remat), h, (params, kinds))
+    h, per_layer = md_core.scan_layers(
+      self.layers, body, h, per_layer=kinds, remat=cfg.remat, hookable=False
+    )
     last = self.norm(h)
     picked = []
     for i in wanted:
@@ -607,6 +625,7 @@ def load_gemma3_encoder(
   remat: str | None = None,
   progress: bool = False,
   attention: mda.AttentionConfig | None = None,
+  fully_masked_rows: str | None = None,
 ) -> Gemma3Encoder:
   """Loads a Gemma 3 text encoder from a transformers checkpoint folder or hub id.
 
@@ -620,6 +639,8 @@ def load_gemma3_encoder(
     remat: override `Gemma3Config.remat`.
     progress: show a progress bar.
     attention: override `Gemma3Config.attention`.
+    fully_masked_rows: override `Gemma3Config.fully_masked_rows` ("zeros", transformers' SDPA, by default;
+      "mean" as its eager attention).
 
   Returns:
     The `Gemma3Encoder` with the checkpoint's weights.
@@ -633,6 +654,8 @@ def load_gemma3_encoder(
   overrides = {} if remat is None else {"remat": remat}
   if attention is not None:
     overrides["attention"] = attention
+  if fully_masked_rows is not None:
+    overrides["fully_masked_rows"] = fully_masked_rows
   cfg = Gemma3Config.from_json(folder / "config.json", **overrides)
   return md_core.load_weights(
     lambda: Gemma3Encoder(cfg, rngs=nnx.Rngs(0)),
