@@ -81,6 +81,9 @@ def _open_image(image: Any, what: str):
         f"{what}: an image array must be [H, W, 3] (or [H, W] grey), uint8 or floats in [0, 1]; "
         f"got shape {arr.shape}"
       )
+    if arr.dtype != np.uint8:
+      # Refuses ambiguous scales (other integers, [-1, 1] or [0, 255] floats) instead of clipping them.
+      arr = md_core.images.pixel_values(arr, what=what)
     try:
       pixels = md_core.media.load_image(arr)
     except ValueError as e:

@@ -235,9 +235,9 @@ class StableDiffusionPipeline:
     return jax.jit(encode)
 
   def encode_prompt(
-    self, prompts: Sequence[str], clip_skip: int | None = None
+    self, prompts: str | Sequence[str], clip_skip: int | None = None
   ) -> tuple[jax.Array, jax.Array | None]:
-    """Text embeddings `[B, S, D]` (and SDXL's pooled `[B, P]`) for a list of prompts.
+    """Text embeddings `[B, S, D]` (and SDXL's pooled `[B, P]`) for one prompt (B = 1) or a list.
 
     `clip_skip` layers are skipped from the end, as the reference does for positive prompts: SD takes
     `hidden_states[-(clip_skip + 1)]` through the final LayerNorm, SDXL `hidden_states[-(clip_skip + 2)]`.
@@ -250,8 +250,9 @@ class StableDiffusionPipeline:
         raise ValueError(
           f"clip_skip={clip_skip} is out of range for a {layers}-layer text encoder ({self.kind})"
         )
-    ids = None if self.tokenizer is None else md_text.tokenize(self.tokenizer, list(prompts)).ids
-    ids2 = md_text.tokenize(self.tokenizer_2, list(prompts)).ids if self.kind == "sdxl" else None
+    prompts = _as_list(prompts)
+    ids = None if self.tokenizer is None else md_text.tokenize(self.tokenizer, prompts).ids
+    ids2 = md_text.tokenize(self.tokenizer_2, prompts).ids if self.kind == "sdxl" else None
     fn = self._jit(("encode", clip_skip), lambda: self._encode_fn(clip_skip))
     te_state = None if self._te is None else self._te.state
     te2_state = None if self._te2 is None else self._te2.state
@@ -505,7 +506,9 @@ class StableDiffusionPipeline:
         default: the checkpoint's. Image-to-image works with every one (multistep solvers restart at the
         first kept step, as the reference's `set_begin_index`).
       scheduler_options: options for the scheduler named by `scheduler` (e.g. `timestep_spacing`).
-      image: image-to-image input `[B, H, W, 3]` in [0, 1] (one image, or one per generated image).
+      image: image-to-image input (one image, or one per generated image): a PIL image, an image file, a
+        list of them, or an array `[B, H, W, 3]` / `[H, W, 3]`, uint8 or floats in [0, 1] (read as
+        `md_core.images.image_batch`: other dtypes and ranges are refused).
       image_latents: image-to-image input already in latent space, `[B, 4, H/8, W/8]` (the reference's
         4-channel `image`), e.g. an SDXL base run's `output_type="latent"` result for the refiner.
       strength: image-to-image: how much of the schedule to run (1 ignores the image's content).
@@ -516,8 +519,8 @@ class StableDiffusionPipeline:
         `strength`, without adding noise (the refiner continuing a base run with `denoising_end`).
       denoising_end: SDXL: stop at this fraction of the training timesteps (use with
         `output_type="latent"` and hand the latents to a refiner).
-      control_image: ControlNet conditioning image `[B, H, W, 3]` in [0, 1] (one, or one per generated image);
-        with several ControlNets, a list with one such image per ControlNet.
+      control_image: ControlNet conditioning image, taken as `image` is (one, or one per generated image; a
+        list is a batch); with several ControlNets, a list with one such input per ControlNet.
       controlnet_conditioning_scale: multiplies the ControlNet's residuals (a list: one per ControlNet).
       control_guidance_start: the share of the run's steps before which a ControlNet is off (one per net).
       control_guidance_end: the share of the run's steps after which a ControlNet is off (one per net).
@@ -547,13 +550,13 @@ class StableDiffusionPipeline:
       image_latents = _nchw_to_nhwc(image_latents)
       size = (image_latents.shape[1] * f, image_latents.shape[2] * f)
     elif image is not None:
-      image = jnp.asarray(image, jnp.float32)
-      image = image[None] if image.ndim == 3 else image
-      if image.ndim != 4 or image.shape[-1] != 3:
-        raise ValueError(
-          f"image must be [B, H, W, 3] (or [H, W, 3]) in [0, 1], channels-last; got shape {image.shape}; "
-          "latents go in image_latents"
-        )
+      if isinstance(image, np.ndarray | jax.Array) and image.ndim == 4 and image.shape[-1] != 3:
+        if image.shape[1] == self.vae.config.latent_channels:
+          raise ValueError(
+            f"image must be [B, H, W, 3] (pixels); got shape {image.shape}: latents [B, C, H/8, W/8] "
+            "go in image_latents"
+          )
+      image = jnp.asarray(md_core.images.image_batch(image, what="image"))
       size = tuple(image.shape[1:3])
     else:
       size = (self.default_size, self.default_size)
@@ -833,11 +836,16 @@ class StableDiffusionPipeline:
   def _control_settings(self, images, scales, starts, ends):
     """Checks the ControlNet settings (before any work) and gives one entry per ControlNet of each."""
     k = len(self.controlnets)
-    if k == 1 and not isinstance(images, (list, tuple)):
-      images = [images]
-    if not isinstance(images, (list, tuple)) or len(images) != k:
+    if k == 1:
+      # One ControlNet: a list is a batch of images (as the reference's single-ControlNet pipelines).
+      images = [md_core.images.image_batch(images, what="control_image")]
+    elif not isinstance(images, (list, tuple)) or len(images) != k:
       got = len(images) if isinstance(images, (list, tuple)) else "1"
       raise ValueError(f"{k} ControlNets need a list of {k} control images, got {got}")
+    else:
+      images = [
+        md_core.images.image_batch(im, what=f"control_image[{j}]") for j, im in enumerate(images)
+      ]
 
     def per_net(value, name):
       values = list(value) if isinstance(value, (list, tuple)) else [value] * k
@@ -869,10 +877,8 @@ class StableDiffusionPipeline:
     return conds, jnp.asarray(scales, jnp.float32), jnp.asarray(keep)
 
   def _control_image(self, control_image, batch, height, width, double) -> jax.Array:
-    cond = jnp.asarray(control_image, jnp.float32)
-    if cond.ndim == 3:
-      cond = cond[None]
-    if cond.ndim != 4 or cond.shape[1:] != (height, width, 3):
+    cond = jnp.asarray(control_image, jnp.float32)  # [B, H, W, 3] in [0, 1] (`_control_settings`)
+    if cond.shape[1:] != (height, width, 3):
       raise ValueError(
         f"control_image must be [B, {height}, {width}, 3] (channels-last, in [0, 1]) for height={height}, "
         f"width={width}; got shape {cond.shape}"
@@ -933,6 +939,30 @@ def _component(root: pathlib.Path, name: str, index: Mapping[str, Any]) -> pathl
   return folder
 
 
+_CONTROLNET_CLASSES = ("ControlNetModel", "MultiControlNetModel")
+
+
+def _listed_controlnets(
+  root: pathlib.Path, index: Mapping[str, Any]
+) -> tuple[list[pathlib.Path], bool]:
+  """The ControlNet folders a pipeline's model_index.json names, and whether they are a
+  MultiControlNetModel: `controlnet/` for a ControlNetModel; `controlnet/`, `controlnet_1/`, … for a
+  MultiControlNetModel (diffusers' layout for several)."""
+  entry = index.get("controlnet")
+  if not (isinstance(entry, list) and len(entry) == 2 and entry[1] is not None):
+    return [], False
+  cls = entry[1]
+  if cls not in _CONTROLNET_CLASSES:
+    raise ValueError(
+      f"{root / 'model_index.json'}: controlnet is a {cls!r}; md loads {list(_CONTROLNET_CLASSES)}"
+    )
+  folders = [_component(root, "controlnet", index)]
+  if cls == "MultiControlNetModel":
+    while (root / f"controlnet_{len(folders)}").is_dir():
+      folders.append(root / f"controlnet_{len(folders)}")
+  return folders, cls == "MultiControlNetModel"
+
+
 def load_pipeline(
   source: str | os.PathLike,
   *,
@@ -952,6 +982,9 @@ def load_pipeline(
       resolved through md-core (the hub cache; downloads when online).
     controlnet: a ControlNet folder or hub id (e.g. `"lllyasviel/sd-controlnet-canny"`), or a list of them
       (used together, as the reference's `MultiControlNetModel`); the pipeline then needs `control_image`.
+      Default: the ControlNet(s) the folder's model_index.json names (a saved `*ControlNet*Pipeline`:
+      `controlnet/`, and `controlnet_1/`, … for a `MultiControlNetModel`), else none. Components md does
+      not run (`safety_checker`, `feature_extractor`, `image_encoder`) are not loaded.
       The SDXL refiner (`"stabilityai/stable-diffusion-xl-refiner-1.0"`, no `text_encoder`) loads as any
       other source and then needs `image` or `image_latents`.
     unet_file: a UNet-only safetensors file (diffusers tensor names) loaded over the base UNet's config,
@@ -995,6 +1028,7 @@ def load_pipeline(
       if isinstance(entry, list) and entry and entry[0] is None:
         names.remove(name)
   folders = {name: _component(root, name, index) for name in names}
+  listed = _listed_controlnets(root, index) if controlnet is None else None
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   if unet_file is None:
     unet = load_unet(folders["unet"], subfolder=None, dtype=dtype, **kw)
@@ -1020,6 +1054,10 @@ def load_pipeline(
     net = [load_controlnet(c, subfolder=None, dtype=dtype, **kw) for c in controlnet]
   elif controlnet is not None:
     net = load_controlnet(controlnet, subfolder=None, dtype=dtype, **kw)
+  elif listed is not None:
+    folders_cn, multi = listed
+    nets = [load_controlnet(f, subfolder=None, dtype=dtype, **kw) for f in folders_cn]
+    net = nets if multi else nets[0] if nets else None
   sched_cfg = mdsch.read_config(folders["scheduler"])
   mdsch.from_config(sched_cfg)  # fail now, not at the first call, on a scheduler md lacks
   return StableDiffusionPipeline(
