@@ -10,6 +10,7 @@ uv run apps/sd_generate --config=apps/configs/sd.py:controlnet-multi-sd \
 uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-base-refiner --config.prompt="a lion"
 uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-refiner --config.image=photo.png
 uv run apps/sd_generate --config=apps/configs/sd.py:tiny --workdir=/tmp/sd   # the bundled tiny pipeline
+uv run apps/sd_generate --help --config=apps/configs/sd.py:tiny   # the variant's keys and values
 
 Variants: sd1.4, sd1.5, sd2-base, sd2.1, sdxl, sdxl-lightning, sdxl-refiner (image-to-image),
 sdxl-base-refiner (base then refiner, the ensemble of experts), controlnet-sd, controlnet-sdxl,
@@ -20,12 +21,13 @@ they fail with a message that says how to get them.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from md_core import apps as md_apps
 
 _FIXTURES = "tests/fixtures/sd_pipeline"
 _FEATURES = "tests/fixtures/sd_features"
-_TINY = dict(height=32, width=32, steps=3)
+_TINY = dict(height=32, width=32, num_inference_steps=3)
 
 # variant -> settings that differ from the defaults below
 VARIANTS = {
@@ -41,7 +43,7 @@ VARIANTS = {
     unet_file="ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors",
     height=1024,
     width=1024,
-    steps=4,
+    num_inference_steps=4,
     guidance_scale=0.0,
     scheduler="EulerDiscreteScheduler",
     timestep_spacing="trailing",
@@ -59,7 +61,7 @@ VARIANTS = {
     refiner_start=0.8,
     height=1024,
     width=1024,
-    steps=40,
+    num_inference_steps=40,
     guidance_scale=5.0,
   ),
   "controlnet-multi-sd": dict(
@@ -76,14 +78,16 @@ VARIANTS = {
     width=1024,
     guidance_scale=5.0,
   ),
-  "tiny": dict(model=f"{_FIXTURES}/sd", height=32, width=32, steps=3),
-  "tiny-sdxl": dict(model=f"{_FIXTURES}/sdxl", height=32, width=32, steps=3, guidance_scale=5.0),
+  "tiny": dict(model=f"{_FIXTURES}/sd", height=32, width=32, num_inference_steps=3),
+  "tiny-sdxl": dict(
+    model=f"{_FIXTURES}/sdxl", height=32, width=32, num_inference_steps=3, guidance_scale=5.0
+  ),
   "tiny-lightning": dict(
     model=f"{_FIXTURES}/sdxl",
     unet_file=f"{_FIXTURES}/lightning_unet.safetensors",
     height=32,
     width=32,
-    steps=3,
+    num_inference_steps=3,
     guidance_scale=0.0,
     scheduler="EulerDiscreteScheduler",
     timestep_spacing="trailing",
@@ -94,7 +98,7 @@ VARIANTS = {
     control_image=f"{_FIXTURES}/control.png",
     height=32,
     width=32,
-    steps=3,
+    num_inference_steps=3,
   ),
   "tiny-controlnet-sdxl": dict(
     model=f"{_FIXTURES}/sdxl",
@@ -102,7 +106,7 @@ VARIANTS = {
     control_image=f"{_FIXTURES}/control.png",
     height=32,
     width=32,
-    steps=3,
+    num_inference_steps=3,
     guidance_scale=5.0,
   ),
   "tiny-img2img": dict(
@@ -139,7 +143,7 @@ VARIANTS = {
     refiner=f"{_FEATURES}/refiner",
     refiner_start=0.6,
     guidance_scale=5.0,
-    **dict(_TINY, steps=4),
+    **dict(_TINY, num_inference_steps=4),
   ),
 }
 
@@ -171,11 +175,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.num_images_per_prompt = 1
   c.height = 512
   c.width = 512
-  c.steps = 30
+  c.num_inference_steps = 30
   c.guidance_scale = 7.5
   c.guidance_rescale = 0.0
-  # Skip this many final text-encoder layers for the prompt (0: none), as diffusers' clip_skip.
-  c.clip_skip = 0
+  # Skip this many final text-encoder layers for the prompt (None: none), as diffusers' clip_skip.
+  c.clip_skip = placeholder(int)
   c.seed = 0
   # A diffusers scheduler class name ("" keeps the checkpoint's) and its timestep spacing ("" keeps it).
   c.scheduler = ""

@@ -8,6 +8,7 @@ uv run apps/wan_generate --config=apps/configs/wan.py:2.1-flf2v-14b-720p --confi
 uv run apps/wan_generate --config=apps/configs/wan.py:2.2-t2v-a14b --config.mesh.ici_context_parallelism=4
 uv run apps/wan_generate --config=apps/configs/wan.py:2.2-ti2v-5b --config.image=cat.png   # or no image
 uv run apps/wan_generate --config=apps/configs/wan.py:tiny --workdir=/tmp/wan   # the bundled tiny pipeline
+uv run apps/wan_generate --help --config=apps/configs/wan.py:tiny   # the variant's keys and values
 
 Variants: 2.1-t2v-1.3b, 2.1-t2v-14b, 2.1-i2v-14b-480p, 2.1-i2v-14b-720p, 2.1-flf2v-14b-720p,
 2.2-t2v-a14b, 2.2-i2v-a14b, 2.2-ti2v-5b, and tiny, tiny-a14b, tiny-ti2v, tiny-flf2v
@@ -17,6 +18,7 @@ guidance, flow_shift: 3.0 at 480p, 5.0 at 720p, 16 for FLF2V; 16 fps, 24 for TI2
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from md_core import apps as md_apps
 
@@ -51,7 +53,7 @@ VARIANTS = {
     model="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
     height=720,
     width=1280,
-    steps=40,
+    num_inference_steps=40,
     guidance_scale=4.0,
     guidance_scale_2=3.0,
     flow_shift=12.0,
@@ -60,7 +62,7 @@ VARIANTS = {
     model="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
     height=720,
     width=1280,
-    steps=40,
+    num_inference_steps=40,
     guidance_scale=3.5,
     guidance_scale_2=3.5,
     flow_shift=5.0,
@@ -71,16 +73,16 @@ VARIANTS = {
     height=704,
     width=1280,
     num_frames=121,
-    fps=24,
+    frame_rate=24,
     flow_shift=5.0,
   ),
-  "tiny": dict(model=f"{_FIXTURES}/t2v", height=32, width=32, num_frames=9, steps=3),
+  "tiny": dict(model=f"{_FIXTURES}/t2v", height=32, width=32, num_frames=9, num_inference_steps=3),
   "tiny-a14b": dict(
     model=f"{_FIXTURES}/t2v_a14b",
     height=32,
     width=32,
     num_frames=5,
-    steps=3,
+    num_inference_steps=3,
     guidance_scale=4.0,
     guidance_scale_2=3.0,
   ),
@@ -89,11 +91,18 @@ VARIANTS = {
     height=32,
     width=32,
     num_frames=9,
-    steps=3,
+    num_inference_steps=3,
     needs_image=True,
     needs_last_image=True,
   ),
-  "tiny-ti2v": dict(model=f"{_FIXTURES}/ti2v", height=32, width=64, num_frames=5, steps=3, fps=24),
+  "tiny-ti2v": dict(
+    model=f"{_FIXTURES}/ti2v",
+    height=32,
+    width=64,
+    num_frames=5,
+    num_inference_steps=3,
+    frame_rate=24,
+  ),
 }
 
 # The Wan authors' negative prompt (English, as in diffusers' Wan examples).
@@ -115,7 +124,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.variant = name
   # The pipeline: a diffusers folder or hub id; parameter dtype of the transformers and UMT5.
-  c.model = ""
+  c.model = placeholder(str)
   c.dtype = "float32"
   # Attention implementation ("auto", "dot_product", "blockwise", "ring", "ulysses", "ulysses_ring", ...)
   # and the blocks' rematerialisation ("none" for inference).
@@ -128,17 +137,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.height = 480
   c.width = 832
   c.num_frames = 81
-  c.fps = 16
-  c.steps = 50
+  c.frame_rate = 16
+  c.num_inference_steps = 50
   c.guidance_scale = 5.0
-  # The low-noise expert's guidance (Wan 2.2 A14B); -1 uses guidance_scale.
-  c.guidance_scale_2 = -1.0
-  # UniPC's flow_shift; 0 keeps the checkpoint's scheduler_config.json value.
-  c.flow_shift = 0.0
+  # The low-noise expert's guidance (Wan 2.2 A14B); None uses guidance_scale.
+  c.guidance_scale_2 = placeholder(float)
+  # UniPC's flow_shift; None keeps the checkpoint's scheduler_config.json value.
+  c.flow_shift = placeholder(float)
   c.seed = 0
   # Image-to-video: the first frame (and optionally the last), resized to height x width.
-  c.image = ""
-  c.last_image = ""
+  c.image = placeholder(str)
+  c.last_image = placeholder(str)
   c.needs_image = False
   c.needs_last_image = False
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache

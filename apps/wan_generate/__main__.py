@@ -1,56 +1,86 @@
 """wan_generate: Wan 2.1 / 2.2 videos with md-wan; writes MP4s and the settings used.
 
 uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-1.3b --config.prompt="a cat surfing" --workdir=out
+uv run apps/wan_generate --help --config=apps/configs/wan.py:tiny   # the variants, keys and values
 """
 
-import json
-import pathlib
 import time
 
-from absl import app, flags
 from ml_collections import config_flags
+
+from md_core import apps
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "ml-collections config file (apps/configs/wan.py:<variant>)."
 )
-_WORKDIR = flags.DEFINE_string(
-  "workdir", "outputs/wan", "Folder the videos and settings.json go to."
-)
+_WORKDIR, _OVERWRITE = apps.define_output_flags("outputs/wan", "videos")
+_FIXED = ("variant", "needs_image", "needs_last_image")
 
 
-def _check(config) -> None:
-  if not config.model:
-    raise app.UsageError("--config.model is empty: give a diffusers pipeline folder or hub id")
-  if config.needs_image and not config.image:
-    raise app.UsageError(
-      f"variant {config.variant!r} is image-to-video: set --config.image=<first frame image file>"
+def _size_problems(problems, config, model: str) -> None:
+  """Height / width multiples of VAE factor x patch and 4k + 1 frames, from the checkpoint's configs."""
+  try:
+    vae = apps.source_config(model, "vae")
+    transformer = apps.source_config(model, "transformer")
+  except (FileNotFoundError, ValueError) as e:
+    problems.add(f"--config.model: {e}")
+    return
+  spatial = int(vae.get("scale_factor_spatial") or 8)
+  temporal = int(vae.get("scale_factor_temporal") or 4)
+  _, ph, pw = transformer.get("patch_size", (1, 2, 2))
+  for key, multiple in (("height", spatial * ph), ("width", spatial * pw)):
+    value = config[key]
+    if value <= 0 or value % multiple:
+      low = max(multiple, value // multiple * multiple)
+      near = f"{low} or {low + multiple}" if low < value else str(low)
+      problems.add(f"--config.{key}={value} must be a positive multiple of {multiple} → {near}")
+  frames = config.num_frames
+  if frames < 1 or (frames - 1) % temporal:
+    low = max(1, (frames - 1) // temporal * temporal + 1)
+    problems.add(
+      f"--config.num_frames={frames} must be {temporal}k + 1 → {low} or {low + temporal}"
     )
+
+
+def _check(config, folder):
+  """Every check that needs no weights; returns (mesh, model folder, images)."""
+  import md_attention as mda
+
+  problems = apps.Problems(config)
+  model = (apps.check_local(problems, "model") or [""])[0]
+  source = apps.check_source("model", model)
+  if config.needs_image and not config.image:
+    problems.add(f"variant {config.variant!r} is image-to-video: set --config.image=<image file>")
   if config.needs_last_image and not config.last_image:
-    raise app.UsageError(
-      f"variant {config.variant!r} is first/last-frame-to-video: set --config.last_image=<last frame "
-      "image file> (and --config.image=<first frame>)"
+    problems.add(
+      f"variant {config.variant!r} is first/last-frame-to-video: set --config.last_image=<image "
+      "file> (and --config.image=<first frame>)"
     )
   if config.last_image and not config.image:
-    raise app.UsageError("--config.last_image needs --config.image (the first frame) too")
-  if config.fps <= 0:
-    raise app.UsageError(f"--config.fps={config.fps} must be positive")
+    problems.add("--config.last_image needs --config.image (the first frame) too")
+  images = {
+    k: apps.check_local(problems, k, image=True)[0] for k in ("image", "last_image") if config[k]
+  }
+  problems.positive("num_inference_steps", "frame_rate", "num_videos_per_prompt")
+  problems.positive("flow_shift", optional=True)
+  problems.at_least("guidance_scale", 0)
+  problems.at_least("guidance_scale_2", 0, optional=True)
+  problems.dtype("dtype")
+  problems.choice("attention", mda.IMPLEMENTATIONS)
+  if source is None:
+    _size_problems(problems, config, model)
+    apps.scheduler_steps_problem(problems, model)
+  return apps.finish_checks(problems, config, folder), model, images
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(
-      f"unexpected arguments {argv[1:]}; settings go through --config.<key>=<value>"
-    )
-  config = _CONFIG.value
-  if config is None:
-    raise app.UsageError("--config is required, e.g. --config=apps/configs/wan.py:2.1-t2v-1.3b")
-  _check(config)
-  from md_core import apps, media
+  from md_core import media
+  from md_core import progress as md_progress
 
-  try:
-    mesh = apps.start(config)
-  except ValueError as e:  # a mesh that does not fit the devices
-    raise app.UsageError(str(e)) from None
+  config = _CONFIG.value
+  folder = apps.output_folder(_WORKDIR.value, overwrite=_OVERWRITE.value)
+  with md_progress.phase("checking"):
+    mesh, model, images = _check(config, folder)
   print(apps.describe_mesh(mesh))
 
   import jax.numpy as jnp
@@ -59,63 +89,64 @@ def main(argv):
   import md_wan
 
   start = time.perf_counter()
-  try:
+  with md_progress.phase("loading", announce=True):
     pipe = md_wan.load_pipeline(
-      config.model,
+      model,
       mesh=mesh,
       dtype=jnp.dtype(config.dtype),
       attention=config.attention,
       remat=config.remat,
       progress=True,
     )
-  except FileNotFoundError as e:
-    raise app.UsageError(str(e)) from None
   loaded = time.perf_counter() - start
   size = (config.height, config.width)
-  options = {"flow_shift": config.flow_shift} if config.flow_shift else {}
-  kwargs = dict(
-    height=config.height,
-    width=config.width,
-    num_frames=config.num_frames,
-    num_inference_steps=config.steps,
-    guidance_scale=config.guidance_scale,
-    guidance_scale_2=None if config.guidance_scale_2 < 0 else config.guidance_scale_2,
-    num_videos_per_prompt=config.num_videos_per_prompt,
-    seed=config.seed,
-    scheduler_options=options,
-  )
-  if config.image:
-    kwargs["image"] = media.load_image(config.image, size=size)
-  if config.last_image:
-    kwargs["last_image"] = media.load_image(config.last_image, size=size)
+  options = {} if config.flow_shift is None else {"flow_shift": config.flow_shift}
+  pixels = {k: media.load_image(path, size=size) for k, path in images.items()}
   start = time.perf_counter()
-  try:
-    frames = pipe(config.prompt, config.negative_prompt or None, **kwargs)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  frames = np.asarray(frames)
+  with md_progress.phase("generating", announce=True):
+    try:
+      frames = pipe(
+        config.prompt,
+        config.negative_prompt or None,
+        height=config.height,
+        width=config.width,
+        num_frames=config.num_frames,
+        num_inference_steps=config.num_inference_steps,
+        guidance_scale=config.guidance_scale,
+        guidance_scale_2=config.guidance_scale_2,
+        num_videos_per_prompt=config.num_videos_per_prompt,
+        seed=config.seed,
+        scheduler_options=options,
+        **pixels,
+      )
+    except ValueError as e:
+      raise apps.UsageError(str(e)) from None
+    frames = np.asarray(frames)
   seconds = time.perf_counter() - start
 
-  out = pathlib.Path(_WORKDIR.value)
-  paths = [
-    media.save_video(out / f"video_{i:04d}.mp4", video, config.fps)
-    for i, video in enumerate(frames)
-  ]
-  sched = pipe.make_scheduler(**options)
-  settings = dict(
-    config.to_dict(),
-    num_frames_generated=int(frames.shape[1]),
-    scheduler=sched.name,
-    scheduler_config=dict(sched.config),
-    videos=[p.name for p in paths],
-    load_seconds=round(loaded, 2),
-    generate_seconds=round(seconds, 2),
-  )
-  (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str) + "\n")
+  with md_progress.phase("writing"):
+    staging = folder.staging()
+    names = [
+      media.save_video(staging / f"video_{i:04d}.mp4", video, config.frame_rate).name
+      for i, video in enumerate(frames)
+    ]
+    sched = pipe.make_scheduler(**options)
+    folder.commit(
+      apps.settings_of(
+        config,
+        num_frames_generated=int(frames.shape[1]),
+        scheduler=sched.name,
+        scheduler_config=dict(sched.config),
+        videos=names,
+        load_seconds=round(loaded, 2),
+        generate_seconds=round(seconds, 2),
+      )
+    )
   print(
-    f"wrote {len(paths)} video(s) and settings.json to {out} ({seconds:.1f}s, load {loaded:.1f}s)"
+    f"wrote {len(names)} video(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
+    f"{loaded:.1f}s)"
   )
 
 
 if __name__ == "__main__":
-  app.run(main)
+  apps.run(main, doc=__doc__, fixed=_FIXED)

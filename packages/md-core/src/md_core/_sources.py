@@ -100,7 +100,7 @@ def _from_hub(repo_id, subfolder, revision, cache_dir, allow_patterns) -> pathli
   ) as e:
     how = (
       "HF_HUB_OFFLINE=1 is set, so only the local cache is read; download it on a machine with access "
-      "(e.g. `huggingface-cli download " + repo_id + "`) or pass a local folder"
+      "(e.g. `hf download " + repo_id + "`) or pass a local folder"
       if offline
       else "the hub could not provide it"
     )

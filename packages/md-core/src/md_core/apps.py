@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,3 +117,526 @@ def load_checkpoint_onto_mesh(
     f"loaded {len(keys)} tensors ({count:,} values, {nbytes / 2**20:.2f} MiB as {np.dtype(dtype).name}) from "
     f"{ckpt.name} in {seconds:.2f}s; {sharded} split over fsdp={fsdp}, {len(keys) - sharded} replicated"
   )
+
+
+# --- the app runner: flags → config → checks → one library call -------------------------------------------
+
+# Spellings users bring from diffusers / other tools → md's key (suggested when the key is unknown).
+ALIASES = {
+  "steps": "num_inference_steps",
+  "num_steps": "num_inference_steps",
+  "sampling_steps": "num_inference_steps",
+  "fps": "frame_rate",
+  "cfg": "guidance_scale",
+  "cfg_scale": "guidance_scale",
+  "guidance": "guidance_scale",
+  "scale": "guidance_scale",
+  "negative": "negative_prompt",
+  "neg_prompt": "negative_prompt",
+  "num_images": "num_images_per_prompt",
+  "batch_size": "num_images_per_prompt",
+  "num_videos": "num_videos_per_prompt",
+  "frames": "num_frames",
+  "length": "num_frames",
+  "torch_dtype": "dtype",
+  "precision": "dtype",
+  "generator": "seed",
+  "sampler": "scheduler",
+  "pretrained_model_name_or_path": "model",
+  "model_id": "model",
+  "checkpoint": "model",
+  "init_image": "image",
+  "input_image": "image",
+  "attn": "attention",
+  "attention_backend": "attention",
+  "max_length": "max_sequence_length",
+}
+
+DTYPES = ("float32", "bfloat16", "float16")
+_HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "-?")
+
+
+class UsageError(Exception):
+  """A mistake in the command line or the config: the app prints `lines` (one per problem) and exits 2."""
+
+  def __init__(self, lines: str | list[str]):
+    self.lines = [lines] if isinstance(lines, str) else list(lines)
+    super().__init__("\n".join(self.lines))
+
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in config.items():
+    if hasattr(value, "items"):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def suggest(key: str, known: list[str] | tuple[str, ...]) -> str | None:
+  """The known key nearest to a mistyped `key` (also for the diffusers spelling of a key), or None."""
+  import difflib
+
+  leaf = key.rsplit(".", 1)[-1]
+  prefix = key[: len(key) - len(leaf)]
+  alias = ALIASES.get(leaf.lower())
+  if alias is not None and f"{prefix}{alias}" in known:
+    return f"{prefix}{alias}"
+  close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+  if close:
+    return close[0]
+  leaves = {k.rsplit(".", 1)[-1]: k for k in known if k.startswith(prefix)}
+  close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+  return leaves[close[0]] if close else None
+
+
+class Problems:
+  """Collects one-line problems with the settings; `raise_if_any()` raises them together."""
+
+  def __init__(self, config: Any = None):
+    self.config = config
+    self.lines: list[str] = []
+
+  def add(self, line: str) -> None:
+    self.lines.append(line)
+
+  def require(self, ok: bool, line: str) -> bool:
+    if not ok:
+      self.add(line)
+    return ok
+
+  def call(self, fn, *args, prefix: str = "", **kwargs) -> Any:
+    """Runs `fn`; a ValueError / TypeError / FileNotFoundError it raises becomes one problem (None returned)."""
+    try:
+      return fn(*args, **kwargs)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+      self.add(prefix + str(e).strip().splitlines()[0] if str(e).strip() else f"{prefix}{e!r}")
+      return None
+
+  def at_least(self, key: str, low: float, *, optional: bool = False) -> None:
+    """`--config.<key>` must be ≥ `low` (None allowed when `optional`)."""
+    value = self.config[key]
+    if value is None and optional:
+      return
+    self.require(value is not None and value >= low, f"--config.{key}={value} must be ≥ {low}")
+
+  def positive(self, *keys: str, optional: bool = False) -> None:
+    for key in keys:
+      value = self.config[key]
+      if value is None and optional:
+        continue
+      self.require(value is not None and value > 0, f"--config.{key}={value} must be positive")
+
+  def fraction(self, key: str, *, low_open: bool = True, high_open: bool = False) -> None:
+    value = self.config[key]
+    ok = (0 < value if low_open else 0 <= value) and (value < 1 if high_open else value <= 1)
+    a, b = "(" if low_open else "[", ")" if high_open else "]"
+    self.require(ok, f"--config.{key}={value} must be in {a}0, 1{b}")
+
+  def choice(self, key: str, allowed, *, what: str = "") -> None:
+    value = self.config[key]
+    self.require(
+      value in allowed,
+      f"--config.{key}={value!r} is not {what or 'one of'} {', '.join(map(str, allowed))}"
+      if not what
+      else f"--config.{key}={value!r} is not {what}; choose one of {', '.join(map(str, allowed))}",
+    )
+
+  def dtype(self, *keys: str, allowed=DTYPES) -> None:
+    for key in keys:
+      self.choice(key, allowed, what="a parameter dtype")
+
+  def image(self, key: str, path: str | None = None, *, what: str = "image") -> None:
+    """The file at `--config.<key>` (or `path`, one of its comma-separated items) is a readable image."""
+    path = self.config[key] if path is None else path
+    line = check_image_file(path)
+    if line:
+      self.add(f"--config.{key}: {what} {path!r} {line}")
+
+  def raise_if_any(self) -> None:
+    if self.lines:
+      raise UsageError(self.lines)
+
+
+def check_image_file(path: str | os.PathLike) -> str | None:
+  """None when `path` is an image Pillow can read, else what is wrong (mentioning the working folder for a
+  relative path that is missing)."""
+  p = pathlib.Path(path).expanduser()
+  if not p.exists():
+    where = "" if p.is_absolute() else f" (relative to the working directory {os.getcwd()})"
+    return f"does not exist{where}"
+  if not p.is_file():
+    return "is not a file"
+  from PIL import Image
+
+  try:
+    with Image.open(p) as im:
+      im.verify()
+  except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a file that is not an image
+    return f"cannot be read as an image: {e}"
+  return None
+
+
+def repo_path(value: str, config_file: str | os.PathLike | None) -> str:
+  """A relative path from a config file that names a file of the repository (e.g. the tiny fixtures):
+  used as given when it exists from the working directory, else resolved against the folder two levels
+  above the config file (the repository root for `apps/configs/*.py`). Anything else comes back as is."""
+  if not value or pathlib.Path(value).is_absolute() or pathlib.Path(value).exists():
+    return value
+  if config_file:
+    root = pathlib.Path(config_file).resolve().parents[2]
+    candidate = root / value
+    if candidate.exists():
+      return str(candidate)
+  return value
+
+
+def check_source(key: str, value: str) -> str | None:
+  """A problem line for a model source that looks like a local path (3+ parts, or starting with `.`,
+  `/` or `~`) but does not exist; hub ids `org/name` pass."""
+  if not value:
+    return f"--config.{key} is empty: give a diffusers folder or hub id"
+  p = pathlib.Path(value).expanduser()
+  hub = not value.startswith((".", "/", "~")) and (
+    len(p.parts) <= 2 or (len(p.parts) == 3 and bool(p.suffix))
+  )  # org/name or org/name/file
+  if not hub and not p.exists():
+    where = "" if p.is_absolute() else f" (relative to the working directory {os.getcwd()})"
+    return f"--config.{key}={value!r} does not exist{where}"
+  return None
+
+
+def _config_arg(argv: list[str], name: str) -> str | None:
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _load_config_file(spec: str) -> tuple[Any, Any]:
+  """(module, config) for `path.py[:arg]`, raising UsageError with one line when it fails."""
+  import importlib.util
+
+  path, _, arg = spec.partition(":")
+  if not pathlib.Path(path).is_file():
+    raise UsageError(
+      f"--config={spec}: no such config file {path!r} (relative to the working directory "
+      f"{os.getcwd()})"
+    )
+  module_spec = importlib.util.spec_from_file_location("_md_app_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+    config = module.get_config(arg or None)
+  except (ValueError, TypeError) as e:
+    raise UsageError(f"--config={spec}: {e}") from None
+  return module, config
+
+
+def _help(doc: str, argv: list[str], flag_lines: list[str]) -> str:
+  lines = [doc.strip(), "", "Flags:", *flag_lines]
+  spec = _config_arg(argv, "config")
+  if spec is None:
+    lines += ["", "Give --config=<file>.py:<variant> with --help to list the variant's keys."]
+    return "\n".join(lines)
+  try:
+    module, config = _load_config_file(spec)
+  except UsageError as e:
+    return "\n".join([*lines, "", *e.lines])
+  variants = getattr(module, "VARIANTS", None)
+  if variants:
+    lines += ["", f"Variants of {spec.partition(':')[0]}: {', '.join(variants)}"]
+  lines += ["", f"Settings of {spec} (override with --config.<key>=<value>):"]
+  lines += [f"  {k} = {v!r}" for k, v in _flat(config).items()]
+  return "\n".join(lines)
+
+
+def parse_flags(
+  argv: list[str], *, doc: str = "", fixed: tuple[str, ...] = (), config_flag: str = "config"
+) -> list[str]:
+  """absl `flags_parser` for md apps: one line per problem on stderr and exit 2 (no help block, no
+  traceback) for a usage error; `--help` prints the app's doc, its flags and, with `--config=…`, the
+  variants of the file and the keys and values of the chosen one.
+
+  Args:
+    argv: the command line.
+    doc: the app's docstring.
+    fixed: config keys the variant sets (e.g. `variant`, `needs_image`), refused as overrides.
+    config_flag: the name of the `DEFINE_config_file` flag.
+
+  Returns:
+    The arguments absl leaves (program name first).
+  """
+  import sys
+
+  from absl import flags
+
+  prog = pathlib.Path(argv[0]).name if argv else "app"
+  if prog == "__main__.py":
+    prog = pathlib.Path(argv[0]).parent.name
+  FLAGS = flags.FLAGS
+  try:
+    if any(a in _HELP_FLAGS for a in argv[1:]):
+      module = sys.modules.get("__main__")
+      shown = {f.name: f for f in (FLAGS.get_key_flags_for_module(module) if module else [])}
+      shown.update({n: FLAGS[n] for n in ("workdir", "overwrite") if n in FLAGS})
+      flag_lines = [f"  --{f.name}: {f.help} (default: {f.default!r})" for f in shown.values()]
+      flag_lines.append("  --verbosity: -1 quiet (default), 0 INFO, 1 DEBUG")
+      print(_help(doc, argv, flag_lines))
+      sys.exit(0)
+    spec = _config_arg(argv[1:], config_flag)
+    problems = []
+    overrides = [a[2:].split("=", 1)[0] for a in argv[1:] if a.startswith(f"--{config_flag}.")]
+    if overrides and spec is None:
+      raise UsageError(f"--{config_flag}.<key> needs --{config_flag}=<file>.py:<variant>")
+    if spec is not None:
+      _, config = _load_config_file(spec)
+      known = list(_flat(config))
+      for name in overrides:
+        key = name[len(config_flag) + 1 :]
+        if key in fixed:
+          problems.append(
+            f"--{config_flag}.{key} is set by the variant, not a setting; choose another variant "
+            f"(--help --{config_flag}=<file>.py lists them)"
+          )
+        elif key not in known:
+          near = suggest(key, known)
+          hint = f"; did you mean --{config_flag}.{near}?" if near else ""
+          problems.append(f"--{config_flag}.{key} is not a setting of {spec}{hint}")
+    if problems:
+      raise UsageError(problems)
+    try:
+      rest = FLAGS(argv)
+    except flags.Error as e:
+      raise UsageError(str(e).strip().splitlines()[0]) from None
+    except (AttributeError, KeyError, ValueError, TypeError) as e:
+      raise UsageError(str(e).strip().splitlines()[0]) from None
+    if len(rest) > 1:
+      raise UsageError(
+        f"unexpected arguments {rest[1:]}; settings go through --{config_flag}.<key>=<value>"
+      )
+    if spec is None and FLAGS[config_flag].value is None:
+      raise UsageError(f"--{config_flag} is required; --help lists the flags")
+  except UsageError as e:
+    for line in e.lines:
+      print(f"{prog}: {line}", file=sys.stderr)
+    sys.exit(2)
+  return rest
+
+
+def quiet(verbosity: int) -> None:
+  """Below verbosity 0, hides start-up chatter of libraries (INFO logs, transformers' advice, TF/XLA
+  C++ logs). Set before those libraries are imported."""
+  import logging
+
+  if verbosity >= 0:
+    return
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+  for name in ("jax", "jax._src.xla_bridge", "md_attention"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class _Interrupts:
+  """Ctrl-C / SIGTERM: the main thread stops with KeyboardInterrupt where Python runs; when it is held in
+  a compiled program, a watcher thread (woken by the signal through `signal.set_wakeup_fd`) ends the
+  process after `grace` seconds with the same one-line report. Staged outputs are removed either way."""
+
+  def __init__(self, grace: float = 1.0):
+    self.grace = grace
+    self.lock = threading.Lock()
+    self.reported = False
+    self.folder = None  # the RunFolder of the run, when there is one
+    self.prog = "app"
+    self.signum = 2  # SIGINT; SIGTERM's handler sets its own
+
+  def install(self, prog: str) -> None:
+    import signal
+    import socket
+
+    self.prog = prog
+    self.reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    self.writer = writer
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+
+    def on_term(signum, frame):
+      self.signum = signum
+      raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=self._watch, daemon=True, name="md-interrupts").start()
+
+  def message(self, signum: int) -> str:
+    import signal
+
+    from md_core import progress as _progress
+
+    name = signal.Signals(signum).name if signum else "interrupt"
+    where = _progress.where()
+    return f"{self.prog}: interrupted ({name}){' ' + where if where else ''}; nothing written"
+
+  def report(self, signum: int) -> bool:
+    """Prints the one-line report once and cleans the staged files; False when already done."""
+    import sys
+
+    with self.lock:
+      if self.reported:
+        return False
+      self.reported = True
+    if self.folder is not None:
+      self.folder.discard()
+    print(self.message(signum), file=sys.stderr, flush=True)
+    return True
+
+  def _watch(self) -> None:
+    import time
+
+    data = self.reader.recv(1)
+    if not data:
+      return
+    signum = data[0]
+    time.sleep(self.grace)
+    if self.report(signum):
+      os._exit(128 + signum)
+
+
+_interrupts = _Interrupts()
+
+
+def output_folder(workdir: str, *, overwrite: bool = False) -> Any:
+  """The run's `RunFolder` (see md_core._runfolder), registered so Ctrl-C removes its staged files."""
+  from md_core._runfolder import RunFolder
+
+  folder = RunFolder(workdir, overwrite=overwrite)
+  _interrupts.folder = folder
+  return folder
+
+
+def run(main, *, doc: str = "", fixed: tuple[str, ...] = ()) -> None:
+  """Runs an md app: `absl.app.run` with md's flag parsing (see `parse_flags`), quiet start-up, one-line
+  usage errors (`UsageError`, absl's `UsageError`) with exit code 2, and Ctrl-C / SIGTERM reported in one
+  line with exit code 130 / 143.
+
+  Args:
+    main: `main(argv)`, which raises `UsageError` for problems with the settings.
+    doc: the app's docstring (`__doc__`), shown by `--help`.
+    fixed: config keys only the variant sets.
+  """
+  import sys
+
+  from absl import app, flags, logging
+
+  prog = pathlib.Path(sys.argv[0]).name
+  if prog == "__main__.py":
+    prog = pathlib.Path(sys.argv[0]).parent.name
+
+  def wrapped(argv):
+    verbosity = flags.FLAGS.verbosity if flags.FLAGS["verbosity"].present else -1
+    logging.set_verbosity(verbosity)
+    quiet(verbosity)
+    _interrupts.install(prog)
+    try:
+      return main(argv)
+    except (UsageError, app.UsageError) as e:
+      lines = e.lines if isinstance(e, UsageError) else str(e).splitlines()
+      folder = _interrupts.folder
+      if folder is not None:
+        folder.discard()
+      for line in lines:
+        print(f"{prog}: {line}", file=sys.stderr)
+      sys.exit(2)
+    except KeyboardInterrupt:
+      signum = _interrupts.signum
+      if _interrupts.report(signum):
+        sys.exit(128 + signum)
+      import time
+
+      time.sleep(60)  # the watcher is reporting and ends the process
+
+  app.run(wrapped, flags_parser=lambda argv: parse_flags(argv, doc=doc, fixed=fixed))
+
+
+def source_config(source: str, component: str) -> dict:
+  """`<component>/config.json` of a checkpoint source, read before any weights (for a hub id only the
+  JSON files are fetched). Raises FileNotFoundError naming what is missing."""
+  from md_core import _sources
+
+  root = _sources.resolve_source(source, allow_patterns=["*.json"])
+  return _sources.read_json(root / component / "config.json")
+
+
+def settings_of(config: Any, **extra: Any) -> dict:
+  """The dict an app writes to settings.json: the config's values plus what the run adds."""
+  return dict(config.to_dict(), **extra)
+
+
+def config_file() -> str | None:
+  """The config file the `--config` flag named (for `repo_path`)."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  try:
+    return config_flags.get_config_filename(flags.FLAGS["config"])
+  except (KeyError, AttributeError):
+    return None
+
+
+def check_local(problems: Problems, key: str, *, image: bool = False) -> list[str]:
+  """The comma-separated sources / image files of `--config.<key>`, resolved with `repo_path`; a missing
+  local path (or an unreadable image when `image`) becomes a problem."""
+  value = problems.config[key] or ""
+  items = [item.strip() for item in value.split(",") if item.strip()]
+  paths = [repo_path(item, config_file()) for item in items]
+  for path in paths:
+    if image:
+      problems.image(key, path)
+    else:
+      line = check_source(key, path)
+      problems.require(line is None, line or "")
+  return paths
+
+
+def scheduler_steps_problem(
+  problems: Problems, model: str, key: str = "num_inference_steps"
+) -> None:
+  """`--config.<key>` may not exceed the checkpoint scheduler's `num_train_timesteps`."""
+  from md_core import _sources
+
+  try:
+    root = _sources.resolve_source(model, allow_patterns=["*.json"])
+    sched = _sources.read_json(root / "scheduler" / "scheduler_config.json")
+  except (FileNotFoundError, ValueError) as e:
+    problems.add(f"--config.model: {str(e).splitlines()[0]}")
+    return
+  most = sched.get("num_train_timesteps")
+  steps = problems.config[key]
+  if most and steps is not None and steps > most:
+    problems.add(f"--config.{key}={steps} must be ≤ the scheduler's num_train_timesteps={most}")
+
+
+def finish_checks(problems: Problems, config: Any, folder: Any) -> jax.sharding.Mesh | None:
+  """The checks every app ends with: the output folder and the mesh against the devices; then raises
+  every problem collected so far (one line each), or returns the mesh."""
+  for line in folder.problems():
+    problems.add(line)
+  mesh = problems.call(start, config, prefix="--config.mesh: ")
+  problems.raise_if_any()
+  return mesh
+
+
+def define_output_flags(default_workdir: str, what: str = "outputs") -> tuple[Any, Any]:
+  """`--workdir` and `--overwrite`, the same in every app."""
+  from absl import flags
+
+  workdir = flags.DEFINE_string(
+    "workdir", default_workdir, f"Folder the {what} and settings.json go to (must be empty)."
+  )
+  overwrite = flags.DEFINE_bool(
+    "overwrite", False, "Write into a non-empty --workdir, replacing the earlier run's outputs."
+  )
+  return workdir, overwrite

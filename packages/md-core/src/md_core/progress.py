@@ -28,6 +28,10 @@ _OFF_VALUES = ("0", "false", "no", "off")
 # None: follow the environment variable. A bool set by set_progress / progress_disabled wins over
 # it.
 _override: bool | None = None
+# What the process is doing now, for a one-line report when it is stopped (see `where`): the phase
+# named by `phase(...)` and the last step a step callback saw (label, steps done, total).
+_phase: str | None = None
+_last_step: tuple[str | None, int, int] | None = None
 
 
 def progress_enabled() -> bool:
@@ -53,6 +57,41 @@ def progress_disabled() -> Iterator[None]:
     yield
   finally:
     _override = previous
+
+
+@contextlib.contextmanager
+def phase(name: str, *, announce: bool = False, file: IO[str] | None = None) -> Iterator[None]:
+  """Names what the process does inside the `with` block (e.g. "loading", "generating").
+
+  `where()` reports it, e.g. when Ctrl-C stops the run; with `announce` and progress on, the name is
+  also printed (one line on stderr) as the phase starts.
+
+  Args:
+    name: the phase, a gerund or noun phrase.
+    announce: print `name…` when progress is on.
+    file: stream the announcement goes to (default: stderr).
+  """
+  global _phase, _last_step
+  previous = _phase
+  _phase, _last_step = name, None
+  if announce and progress_enabled():
+    import sys
+
+    print(f"{name}…", file=file or sys.stderr, flush=True)
+  yield  # on an exception the phase stays named, so the report says where the run stopped
+  _phase = previous
+
+
+def where() -> str:
+  """Where the process is: the current phase and the last step reported, e.g. "at step 3/900 of
+  denoising (generating)"; "" when nothing was named."""
+  parts = []
+  if _last_step is not None:
+    desc, done, total = _last_step
+    parts.append(f"at step {done}/{total}" + (f" of {desc}" if desc else ""))
+  if _phase:
+    parts.append(f"({_phase})" if parts else f"while {_phase}")
+  return " ".join(parts)
 
 
 def track(
@@ -96,6 +135,7 @@ class _HostBar:
     self.lock = threading.Lock()  # callbacks may run on runtime threads
 
   def __call__(self, step: Any) -> None:
+    global _last_step
     done = int(step) + 1
     with self.lock:
       if self.bar is None or (done == 1 and self.done >= 1):
@@ -106,6 +146,7 @@ class _HostBar:
       if done > self.done:
         self.bar.update(done - self.done)
         self.done = done
+      _last_step = (self.desc, self.done, self.total)
       if self.done >= self.total:
         self.bar.close()
         self.bar = None

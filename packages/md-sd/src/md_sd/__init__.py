@@ -13,6 +13,7 @@ from md_sd._pipeline import (
   load_unet_file,
   rescale_noise_cfg,
 )
+from md_sd._refine import generate_with_refiner
 from md_sd._unet import UNet2DConditionModel
 from md_sd._weights import (
   convert_controlnet_key,
@@ -35,6 +36,7 @@ __all__ = [
   "check_size",
   "convert_controlnet_key",
   "convert_unet_key",
+  "generate_with_refiner",
   "load_controlnet",
   "load_pipeline",
   "load_unet",
