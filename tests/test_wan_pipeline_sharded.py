@@ -74,3 +74,16 @@ def test_sharded_grid_matches_single_device(single, mesh_name, attention):
       pipe(**single[0], **KW)
     return
   _check(single, mesh_name, attention)
+
+
+def test_batch_of_two_splits_over_data(single):
+  """Two videos on (data 2, context 4): the latents are split over `data` and each video equals the
+  single-device one."""
+  inputs, want = single
+  two = {k: np.concatenate([np.asarray(v)] * 2) for k, v in inputs.items()}
+  pipe = md_wan.load_pipeline(ROOT / "t2v", mesh=_mesh(MESHES["d2c4"]), attention="ring")
+  specs = []
+  got = pipe(**two, **KW, callback=lambda i, t, x: specs.append(x.sharding.spec))
+  assert specs and all(s[0] == "data" for s in specs)
+  for video in np.asarray(got):
+    np.testing.assert_allclose(video, want[0], atol=1e-5, rtol=0)

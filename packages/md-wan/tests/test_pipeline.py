@@ -2,7 +2,6 @@
 (tests/fixtures/wan_pipeline, built by tools/fixtures/wan_pipeline.py): same latents and prompts, 3 UniPC
 steps, frames within 1e-3 (measured: below 1e-6). The flf2v/ case is Wan 2.1 FLF2V (first and last frame)."""
 
-import contextlib
 import dataclasses
 import json
 
@@ -15,6 +14,7 @@ import md_schedulers as mdsch
 import md_sharding as mds
 import md_wan
 from md_core import testing
+from md_core.pipeline import SizeError
 
 PROMPT = "a cat surfing a wave at sunset"
 NEGATIVE = "bright colors, overexposed, static, blurred details, worst quality, low quality"
@@ -22,7 +22,7 @@ ROOT = testing.fixture_path("wan_pipeline")
 
 # case → (folder, call settings the fixture used)
 CASES = {
-  "t2v": ("t2v", dict(num_frames=8)),  # rounded to 9 as the reference does
+  "t2v": ("t2v", dict(num_frames=9)),  # the fixture asked 8, which the reference rounds to 9
   "i2v": ("i2v", dict(num_frames=5)),
   "t2v_a14b": ("t2v_a14b", dict(num_frames=5, guidance_scale=4.0, guidance_scale_2=3.0)),
   "i2v_a14b": ("i2v_a14b", dict(num_frames=9, guidance_scale=3.5, guidance_scale_2=2.0)),
@@ -49,8 +49,7 @@ def _run(pipe, ref, case, **extra):
     if f"{case}/{name}" in ref:
       kw[name] = ref[f"{case}/{name}"]
   kw = dict(latents=ref[f"{case}/latents"]) | kw | extra
-  with pytest.warns(UserWarning, match="rounded|4k") if case == "t2v" else contextlib.nullcontext():
-    return pipe(PROMPT, NEGATIVE, **kw)
+  return pipe(PROMPT, NEGATIVE, **kw)
 
 
 def test_t2v_matches_reference(t2v, ref):
@@ -158,12 +157,18 @@ def test_two_expert_switch_is_static():
 
 
 def test_size_errors_name_valid_values(t2v):
-  with pytest.raises(ValueError, match=r"height=40 → 32 or 48"):
+  with pytest.raises(
+    SizeError, match=r"height=40 is not a multiple of 16; the nearest valid: 32 or 48"
+  ):
     t2v(PROMPT, height=40, width=32, num_frames=5)
-  with pytest.raises(ValueError, match=r"width=20 → 16 or 32"):
+  with pytest.raises(
+    SizeError, match=r"width=20 is not a multiple of 16; the nearest valid: 16 or 32"
+  ):
     t2v(PROMPT, height=32, width=20, num_frames=5)
-  with pytest.raises(ValueError, match="num_frames=0 must be >= 1"):
+  with pytest.raises(SizeError, match="num_frames=0 must be >= 1"):
     t2v(PROMPT, height=32, width=32, num_frames=0)
+  with pytest.raises(SizeError, match=r"num_frames=8 is not 4k \+ 1; the nearest valid: 5 or 9"):
+    t2v(PROMPT, height=32, width=32, num_frames=8)
   with pytest.raises(ValueError, match=r"expected \[B, C, F, H, W\] = \(1, 4, 2, 2, 2\)"):
     t2v(PROMPT, height=16, width=16, num_frames=5, latents=np.zeros((1, 4, 3, 2, 2), np.float32))
 
@@ -208,3 +213,24 @@ def test_heads_not_divisible_by_tensor_or_ulysses_degree(t2v):
   pipe = _with(t2v, uly, mds.make_mesh(mds.MeshConfig(ici_context_parallelism=8)))
   with pytest.raises(ValueError, match="attention='ulysses' splits the 4 heads"):
     pipe(PROMPT, height=32, width=32, num_frames=5)
+
+
+def test_latent_output_callback_and_cancel(t2v, ref):
+  """`output_type="latent"` gives the reference-layout latents that decode to the frames; `callback` sees
+  every step with the schedule's timesteps; `cancel` stops at a step boundary."""
+  seen = []
+  z = _run(
+    t2v, ref, "t2v", output_type="latent", callback=lambda i, t, x: seen.append((i, float(t)))
+  )
+  assert z.shape == (1, 4, 3, 4, 4)  # [B, C, F, H, W]
+  frames = t2v.decode(np.transpose(np.asarray(z), (0, 2, 3, 4, 1)))
+  np.testing.assert_allclose(np.asarray(frames), ref["t2v/frames"], atol=1e-3, rtol=0)
+  sched = t2v.make_scheduler()
+  want = np.asarray(sched.init(3, shape=(1, 3, 4, 4, 4)).timesteps, np.float32)
+  assert [i for i, _ in seen] == [0, 1, 2]
+  np.testing.assert_allclose([t for _, t in seen], want)
+  assert t2v.last_calls == 3
+  with pytest.raises(mdsch.Cancelled, match="cancelled at step 1/3"):
+    _run(t2v, ref, "t2v", cancel=lambda: True)
+  with pytest.raises(ValueError, match="output_type='pil': expected 'np' or 'latent'"):
+    _run(t2v, ref, "t2v", output_type="pil")

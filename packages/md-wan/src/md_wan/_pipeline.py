@@ -18,7 +18,6 @@ from __future__ import annotations
 import html
 import os
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -290,40 +289,35 @@ class WanVideoPipeline(mdp.Pipeline):
 
   # --- the call --------------------------------------------------------------------------------------------
   def check_size(self, height: int, width: int, num_frames: int) -> int:
-    """Validates the video size; returns `num_frames` rounded to `4k + 1` as the reference does
-    (`num_frames // 4 * 4 + 1`).
+    """Validates the video size and returns `num_frames`.
 
     Raises:
-      ValueError: a height or width that the VAE and the patching cannot take (naming the nearest valid
-        sizes), or fewer than one frame.
+      md_core.pipeline.SizeError: a height or width that the VAE and the patching cannot take, or a
+        frame count that is not `4k + 1`, naming the nearest valid values. (The reference rounds such a
+        count down with a warning; md refuses it, so a run never makes another length than asked.)
     """
     mh, mw = self.size_multiple
-    bad = [
-      f"{name}={v} → {_nearest(v, m)}"
-      for name, v, m in (("height", height, mh), ("width", width, mw))
-      if v <= 0 or v % m
-    ]
-    if bad:
-      raise ValueError(
-        f"height must be a multiple of {mh} and width of {mw} (VAE factor {self.vae_scale_factor_spatial} "
-        f"x patch {self.transformer.cfg.patch_size[1:]}); got {height}x{width}; nearest valid: "
-        f"{', '.join(bad)}"
-      )
+    for name, value, m in (("height", height, mh), ("width", width, mw)):
+      try:
+        mdp.check_multiple(name, value, m)
+      except mdp.SizeError as e:
+        raise mdp.SizeError(
+          f"{e} (VAE factor {self.vae_scale_factor_spatial} x patch "
+          f"{self.transformer.cfg.patch_size[1:]})"
+        ) from None
     t = self.vae_scale_factor_temporal
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int | np.integer):
+      raise mdp.SizeError(f"num_frames must be an int, got {num_frames!r}")
     if num_frames < 1:
-      raise ValueError(
-        f"num_frames={num_frames} must be >= 1 (valid counts are 4k + 1: 1, 5, 9, ...)"
+      raise mdp.SizeError(
+        f"num_frames={num_frames} must be >= 1 (valid counts are {t}k + 1: 1, {t + 1}, {2 * t + 1}, ...)"
       )
     if num_frames % t != 1:
-      rounded = num_frames // t * t + 1
       below = (num_frames - 1) // t * t + 1
-      warnings.warn(
-        f"num_frames={num_frames} is not {t}k + 1 (nearest valid: {below} or {below + t}); using "
-        f"{rounded} (num_frames // {t} * {t} + 1) as the reference does",
-        stacklevel=3,
+      raise mdp.SizeError(
+        f"num_frames={num_frames} is not {t}k + 1; the nearest valid: {below} or {below + t}"
       )
-      num_frames = rounded
-    return num_frames
+    return int(num_frames)
 
   def __call__(
     self,
@@ -499,8 +493,8 @@ class WanVideoPipeline(mdp.Pipeline):
         condition = cond
       if self.transformer.cfg.image_dim is not None:
         if image_embeds is None:
-          pics = first if last is None else jnp.concatenate([first, last], axis=0)
-          image_embeds = self.encode_image(pics)
+          # As the reference: CLIP sees the images as given (its processor resizes them itself).
+          image_embeds = self.encode_image([image] if last is None else [image, last_image])
         image_tokens = self._video_image_tokens(image_embeds, batch)
     channels = x.shape[-1] + (0 if mode != "concat" else condition.shape[-1])
     if channels != self.transformer.cfg.in_channels:
