@@ -1,4 +1,5 @@
-"""T5 / UMT5 encoders against transformers' outputs (tests/fixtures/umt5), key maps, manifests, errors."""
+"""T5 / UMT5 encoders against transformers' outputs (tests/fixtures/umt5; every layer's hidden states:
+tests/fixtures/t5_hidden_states), key maps, manifests, errors."""
 
 import json
 
@@ -41,6 +42,21 @@ def test_matches_transformers(io, kind):
   chex.assert_trees_all_close(out, io[f"{kind}_out"], atol=1e-5, rtol=0)
   out = _run(model, io["input_ids"], None)
   chex.assert_trees_all_close(out, io[f"{kind}_out_nomask"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hidden_states_match_transformers(io, kind):
+  """`output_hidden_states=True`: embeddings, each layer's output, the final normed one, as transformers."""
+  ref = load_arrays(fixture_path("t5_hidden_states") / "io.npz")[f"{kind}_hidden_states"]
+  model = md_text.load_t5_encoder(fixture_path("umt5") / kind)
+  graphdef, state = nnx.split(model)
+  fn = jax.jit(lambda s, i, m: nnx.merge(graphdef, s)(i, m, output_hidden_states=True))
+  out = fn(state, jnp.asarray(io["input_ids"]), jnp.asarray(io["attention_mask"]))
+  assert isinstance(out, md_text.T5EncoderOutput)
+  chex.assert_shape(out.hidden_states, (model.cfg.num_layers + 1, 3, 24, 32))
+  chex.assert_trees_all_close(out.hidden_states, ref, atol=1e-5, rtol=0)
+  chex.assert_trees_all_close(out.last_hidden_state, io[f"{kind}_out"], atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(out.hidden_states[-1], out.last_hidden_state)
 
 
 def test_padding_changes_only_what_it_should(io):
@@ -130,6 +146,9 @@ def test_half_precision_follows_transformers(io):
   assert half.blocks.wo.kernel[...].dtype == jnp.float32
   out = _run(half, io["input_ids"], io["attention_mask"])
   assert out.dtype == jnp.float16
+  # The float32 `wo` widens the residual stream: the stack of hidden states keeps float32.
+  states = half(jnp.asarray(io["input_ids"]), output_hidden_states=True).hidden_states
+  assert states.dtype == jnp.float32
   assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - io["umt5_out"]))) < 0.02
 
 

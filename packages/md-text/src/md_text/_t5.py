@@ -6,6 +6,7 @@ Otherwise they are the same pre-norm encoder: RMS layer norm in float32 without 
 without `1/sqrt(d)` scaling plus the bucketed relative bias, and a (gated) feed-forward.
 
 The layers are scanned: one block is compiled and its parameters are stacked on a leading `layers` axis.
+`output_hidden_states=True` also returns every layer's output, indexed as transformers' `hidden_states`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,6 @@ from flax import nnx
 
 import md_core
 from md_core import nn, stack_layers
-from md_core import remat as _remat
 
 _F32 = jnp.float32
 
@@ -37,8 +37,6 @@ _ACTIVATIONS = {
   "silu": jax.nn.silu,
   "swish": jax.nn.silu,
 }
-
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
 # Config keys that only concern the decoder, training or the tokenizer: they do not change the encoder.
 _IGNORED_KEYS = {
@@ -88,8 +86,8 @@ class T5Config:
 
   def __post_init__(self):
     _ = self.activation  # raises for an unknown feed_forward_proj
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"T5Config.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.remat not in md_core.REMAT_POLICIES:
+      raise ValueError(f"T5Config.remat={self.remat!r} is not one of {md_core.REMAT_POLICIES}")
     if self.relative_attention_num_buckets < 4 or self.relative_attention_num_buckets % 2:
       raise ValueError(
         f"relative_attention_num_buckets={self.relative_attention_num_buckets} must be an even "
@@ -269,8 +267,23 @@ class _Block(nnx.Module):
     return h + x.astype(h.dtype)
 
 
+class T5EncoderOutput(NamedTuple):
+  """What `T5Encoder(..., output_hidden_states=True)` returns.
+
+  Attributes:
+    last_hidden_state: `[B, S, d_model]` after the final norm.
+    hidden_states: `[L + 1, B, S, d_model]` as transformers' `output_hidden_states`: 0 the token embeddings,
+      `i` the output of layer `i` (before the final norm), `L` the final normed output (equal to
+      `last_hidden_state`; the reference returns no un-normed output of the last layer).
+  """
+
+  last_hidden_state: jax.Array
+  hidden_states: jax.Array
+
+
 class T5Encoder(nnx.Module):
-  """T5 / UMT5 encoder: token ids `[B, S]` → last hidden state `[B, S, d_model]`.
+  """T5 / UMT5 encoder: token ids `[B, S]` → last hidden state `[B, S, d_model]` (and, when asked, those of
+  every layer).
 
   Activations follow the weights' dtype as in transformers (bf16 weights → bf16 matmuls and residual
   stream); norm statistics, attention scores and softmax are float32.
@@ -286,16 +299,25 @@ class T5Encoder(nnx.Module):
     self.blocks = stack_layers(lambda r: _Block(cfg, rngs=r), cfg.num_layers, rngs)
     self.final_layer_norm = _T5LayerNorm(cfg.d_model, eps=cfg.layer_norm_epsilon, rngs=rngs)
 
-  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    output_hidden_states: bool = False,
+  ) -> jax.Array | T5EncoderOutput:
     """Encodes token ids.
 
     Args:
       input_ids: `[B, S]` integer token ids.
       attention_mask: optional `[B, S]`, nonzero for real tokens; padded keys get no attention (padded
         query positions are still computed, as in the reference).
+      output_hidden_states: also return every layer's hidden states (see `T5EncoderOutput`).
 
     Returns:
-      `[B, S, d_model]` in the final norm weight's dtype (float32 for float32 weights).
+      `[B, S, d_model]` in the final norm weight's dtype (float32 for float32 weights); with
+      `output_hidden_states=True` a `T5EncoderOutput` holding it and the `[L + 1, B, S, d_model]` stack of
+      all hidden states (in the wider of the residual stream's and the final norm's dtypes).
     """
     cfg = self.cfg
     if input_ids.ndim != 2:
@@ -328,13 +350,21 @@ class T5Encoder(nnx.Module):
       shared_bias = jnp.take(self.relative_attention_bias.embedding[...], buckets, axis=0)
       shared_bias = shared_bias.transpose(2, 0, 1)[None].astype(_F32)  # [1, H, S, S]
 
-    graphdef, params = nnx.split(self.blocks)
+    embeddings = h
 
-    def body(h, layer):
-      return nnx.merge(graphdef, layer)(h, shared_bias, buckets, key_bias), None
+    def body(block, h, _):
+      h = block(h, shared_bias, buckets, key_bias)
+      return h, (h if output_hidden_states else None)
 
-    h, _ = jax.lax.scan(_remat(body, cfg.remat), h, params)
-    return self.final_layer_norm(h)
+    h, per_layer = md_core.scan_layers(self.blocks, body, h, remat=cfg.remat, hookable=False)
+    last = self.final_layer_norm(h)
+    if not output_hidden_states:
+      return last
+    # One stack in the wider of the residual stream's and the final norm's dtypes (they differ when a
+    # float16 checkpoint keeps `wo` in float32); transformers returns each in its own.
+    dtype = jnp.promote_types(h.dtype, last.dtype)
+    states = [embeddings[None], per_layer[:-1], last[None]]
+    return T5EncoderOutput(last, jnp.concatenate([x.astype(dtype) for x in states]))
 
 
 def _block_target(name: str) -> tuple[str, ...] | None:
