@@ -123,10 +123,10 @@ def test_context_parallel_matches_one_device(io, implementation):
 
 @pytest.mark.slow
 def test_remat_keeps_gradients(io):
-  """Recomputing blocks in the backward pass ("full", "dots") changes no gradient."""
+  """Recomputing blocks in the backward pass (every `md_core.REMAT_POLICIES`) changes no gradient."""
   kw = inputs(io)
   grads = []
-  for policy in ("none", "full", "dots"):
+  for policy in md_core.REMAT_POLICIES:
     model = md_flux.load_flux(fixture_path("flux_transformer") / "dev", remat=policy)
     graphdef, state = nnx.split(model)
 
@@ -135,8 +135,8 @@ def test_remat_keeps_gradients(io):
 
     grads.append(jax.jit(jax.grad(loss))(state, kw))
   chex.assert_tree_all_finite(grads[0])
-  chex.assert_trees_all_close(grads[1], grads[0], atol=1e-6, rtol=0)
-  chex.assert_trees_all_close(grads[2], grads[0], atol=1e-6, rtol=0)
+  for g in grads[1:]:
+    chex.assert_trees_all_close(g, grads[0], atol=1e-6, rtol=0)
 
 
 def test_input_errors(io, dev):

@@ -1,4 +1,7 @@
-"""Pieces both Flux transformers share: stacked blocks, the output norm, attention over heads, checks."""
+"""Pieces both Flux transformers share: stacked blocks, the output norm, attention over heads, checks.
+
+The stacks run through `md_core.scan_layers` (one block compiled, `md_core.REMAT_POLICIES`).
+"""
 
 from __future__ import annotations
 
@@ -34,29 +37,6 @@ def stack_blocks(make: Callable[[nnx.Rngs], nnx.Module], num: int, rngs: nnx.Rng
     ndim = (var.get_value() if hasattr(var, "get_value") else var.value).ndim
     var.set_metadata(logical_axes=("layers",) + (axes or (None,) * (ndim - 1)))
   return stacked
-
-
-def remat(fn, policy: str):
-  """`fn` wrapped in `jax.checkpoint` with the named policy ("none" leaves it alone)."""
-  if policy == "none":
-    return fn
-  policies = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-  return jax.checkpoint(fn, policy=policies[policy])
-
-
-def scan_blocks(stack: nnx.Module, body, carry, *xs, per_layer=None, policy: str = "none"):
-  """Runs `body(block, carry, layer_input, *xs) -> (carry, per_layer_out)` over stacked blocks.
-
-  One block is compiled; `per_layer` (a pytree with a leading layers axis, or None) is sliced per
-  block into `layer_input`; `xs` are the same for every block.
-  """
-  graphdef, state = nnx.split(stack)
-
-  def step(c, layer):
-    layer_state, layer_input = layer
-    return body(nnx.merge(graphdef, layer_state), c, layer_input, *xs)
-
-  return jax.lax.scan(remat(step, policy), carry, (state, per_layer))
 
 
 def constrain(x: jax.Array) -> jax.Array:

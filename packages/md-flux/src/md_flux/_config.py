@@ -10,8 +10,6 @@ from typing import Any
 import md_attention as mda
 import md_core
 
-_REMAT = ("none", "full", "dots")
-
 
 def _from_dict(cls, d: Mapping[str, Any], *, where: str, defaults_for_null: tuple[str, ...] = ()):
   """Builds `cls` from reference config keys; `_`-prefixed keys are metadata and are skipped."""
@@ -46,8 +44,8 @@ def _check_common(cfg, where: str) -> None:
       f"{where}: axes_dims_rope={cfg.axes_dims_rope} must sum to attention_head_dim="
       f"{cfg.attention_head_dim}"
     )
-  if cfg.remat not in _REMAT:
-    raise ValueError(f"{where}: remat={cfg.remat!r} is not one of {_REMAT}")
+  if cfg.remat not in md_core.REMAT_POLICIES:
+    raise ValueError(f"{where}: remat={cfg.remat!r} is not one of {md_core.REMAT_POLICIES}")
   if not isinstance(cfg.attention, mda.AttentionConfig):
     raise TypeError(
       f"{where}: attention must be an md_attention.AttentionConfig, got {cfg.attention!r}"
@@ -60,8 +58,9 @@ class FluxConfig:
 
   The reference keys are those of `transformer/config.json`; `attention` (an
   `md_attention.AttentionConfig`, e.g. `AttentionConfig(implementation="ulysses")` for context
-  parallelism) and `remat` ("none", "full" or "dots": what the scanned blocks recompute in the
-  backward pass) are md's own and never read from the file.
+  parallelism) and `remat` (a name from `md_core.REMAT_POLICIES`: "none", "full", "dots" keeps every
+  matmul output, "dots_no_batch" those without a batch dimension; what the scanned blocks recompute
+  in the backward pass) are md's own and never read from the file.
   """
 
   patch_size: int = 1

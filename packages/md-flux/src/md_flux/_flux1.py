@@ -2,7 +2,7 @@
 
 Parameter paths follow diffusers' `FluxTransformer2DModel` so its key map is a rename, except that the
 19 double and 38 single blocks are stacked (`transformer_blocks/...`, `single_transformer_blocks/...`
-with a leading `layers` axis) and run by one `jax.lax.scan` each, and the output norm keeps its scale
+with a leading `layers` axis) and run by one `md_core.scan_layers` each, and the output norm keeps its scale
 and shift projections apart (`norm_out/scale`, `norm_out/shift`).
 """
 
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import md_core
 from md_core import nn
 from md_flux import _common as cm
 from md_flux._config import FluxConfig
@@ -268,8 +269,10 @@ class FluxTransformer(nnx.Module):
       img, txt, kv = block(img, txt, temb, rope, attention)
       return (cm.constrain(img), cm.constrain(txt)), (kv if return_kv else None)
 
-    (x, c), double_kv = cm.scan_blocks(
-      self.transformer_blocks, double, (x, c), temb, rope, policy=cfg.remat
+    # A block hook may take over the stacks unless their per-block keys and values are returned.
+    hookable = not return_kv
+    (x, c), double_kv = md_core.scan_layers(
+      self.transformer_blocks, double, (x, c), temb, rope, remat=cfg.remat, hookable=hookable
     )
 
     def single(block, h, _, temb, rope):
@@ -277,8 +280,8 @@ class FluxTransformer(nnx.Module):
       return cm.constrain(h), (kv if return_kv else None)
 
     h = jnp.concatenate([c, x], axis=1)
-    h, single_kv = cm.scan_blocks(
-      self.single_transformer_blocks, single, h, temb, rope, policy=cfg.remat
+    h, single_kv = md_core.scan_layers(
+      self.single_transformer_blocks, single, h, temb, rope, remat=cfg.remat, hookable=hookable
     )
     out = self.proj_out(self.norm_out(h[:, s_txt:], temb))
     if return_kv:

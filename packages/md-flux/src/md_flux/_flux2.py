@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import md_core
 from md_core import nn
 from md_flux import _common as cm
 from md_flux._config import Flux2Config
@@ -335,14 +336,17 @@ class Flux2Transformer(nnx.Module):
     if kv_cache is not None:
       cache_d = (kv_cache.double_k, kv_cache.double_v)
       cache_s = (kv_cache.single_k, kv_cache.single_v)
-    (x, c), kv_d = cm.scan_blocks(
+    # A block hook may take over the stacks unless they return per-block keys and values (the
+    # extract step, `return_kv`); the cached steps are hookable.
+    hookable = not (ref or keep)
+    (x, c), kv_d = md_core.scan_layers(
       self.transformer_blocks, double, (x, c), mod_img, mod_txt, rope,
-      per_layer=cache_d, policy=cfg.remat,
+      per_layer=cache_d, remat=cfg.remat, hookable=hookable,
     )  # fmt: skip
     h = jnp.concatenate([c, x], axis=1)
-    h, kv_s = cm.scan_blocks(
+    h, kv_s = md_core.scan_layers(
       self.single_transformer_blocks, single, h, mod_single, rope,
-      per_layer=cache_s, policy=cfg.remat,
+      per_layer=cache_s, remat=cfg.remat, hookable=hookable,
     )  # fmt: skip
     out = self.proj_out(self.norm_out(h[:, s_txt + ref :], temb))
     if ref or keep:

@@ -1,6 +1,7 @@
 """md-ltx: LTX-Video and LTX-2 for md (transformers, latent upsamplers, weights, pipelines)."""
 
-from md_ltx._config import REMAT_POLICIES, VARIANTS, LTXConfig
+from md_core import REMAT_POLICIES
+from md_ltx._config import VARIANTS, LTXConfig
 
 # LTX-2 (audio + video) transformer.
 from md_ltx._ltx2_config import LTX2_VARIANTS, LTX2Config
@@ -31,6 +32,12 @@ from md_ltx._ltx2_weights import (
   ltx2_original_to_diffusers,
 )
 from md_ltx._pipeline import LTXCondition, LTXVideoPipeline, guidance_windows, load_pipeline
+from md_ltx._recipes import (
+  MultiscaleOutput,
+  check_ltx2_size,
+  generate_multiscale,
+  ltx2_size_rules,
+)
 from md_ltx._transformer import (
   LTXAttention,
   LTXBlock,
@@ -65,6 +72,10 @@ from md_ltx._weights import (
 )
 
 __all__ = [
+  "MultiscaleOutput",
+  "check_ltx2_size",
+  "generate_multiscale",
+  "ltx2_size_rules",
   "LTX2_IMAGE_CRF",
   "LTX2_PIPELINE_CLASSES",
   "LTX2Output",

@@ -11,8 +11,6 @@ from typing import Any
 import md_attention as mda
 import md_core
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-
 # Keys diffusers writes that do not change the model.
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
 
@@ -98,8 +96,8 @@ class LTXConfig:
       raise ValueError(
         f"LTXConfig.attention={self.attention!r} is not one of {', '.join(mda.IMPLEMENTATIONS)}"
       )
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"LTXConfig.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.remat not in md_core.REMAT_POLICIES:
+      raise ValueError(f"LTXConfig.remat={self.remat!r} is not one of {md_core.REMAT_POLICIES}")
     if self.dim // 6 < 1:
       raise ValueError(
         f"model width {self.dim} is too small for the 3-axis rotary embedding (>= 6)"

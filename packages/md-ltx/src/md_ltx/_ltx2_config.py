@@ -11,7 +11,6 @@ from typing import Any
 import md_attention as mda
 import md_core
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 LTX2_ROPE_TYPES = ("interleaved", "split")
 
 # Keys diffusers writes that do not change the model.
@@ -185,8 +184,8 @@ class LTX2Config:
       raise ValueError(
         f"LTX2Config.attention={self.attention!r} is not one of {', '.join(mda.IMPLEMENTATIONS)}"
       )
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"LTX2Config.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.remat not in md_core.REMAT_POLICIES:
+      raise ValueError(f"LTX2Config.remat={self.remat!r} is not one of {md_core.REMAT_POLICIES}")
 
   @property
   def dim(self) -> int:

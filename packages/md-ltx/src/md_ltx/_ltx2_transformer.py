@@ -26,9 +26,9 @@ import numpy as np
 from flax import nnx
 
 import md_attention as mda
+import md_core
 import md_sharding as mds
 from md_core import nn, stack_layers
-from md_core import remat as _remat
 from md_ltx._ltx2_config import LTX2Config
 
 _F32 = jnp.float32
@@ -729,22 +729,22 @@ class LTX2Transformer(nnx.Module):
       ca_gate, audio_ca_gate, prompt_temb, audio_prompt_temb, rope, audio_rope, ca_rope,
       audio_ca_rope, perturb,
     )  # fmt: skip
-    graphdef, params = nnx.split(self.blocks)
 
-    def body(carry, xs):
+    def body(block, carry, flag):
       v, a = carry
-      layer, flag = xs
       ins = inputs
       if use_stg:
         ins = inputs._replace(
           perturb=jnp.where(flag, inputs.perturb, jnp.ones_like(inputs.perturb))
         )
-      v, a = nnx.merge(graphdef, layer)(v, a, ins, cross_modal=not isolate_modalities)
+      v, a = block(v, a, ins, cross_modal=not isolate_modalities)
       v = mds.with_logical_constraint(v, _TOKENS)
       a = mds.with_logical_constraint(a, _TOKENS)
       return (v, a), None
 
-    (h, ha), _ = jax.lax.scan(_remat(body, cfg.remat), (h, ha), (params, stg_flags))
+    (h, ha), _ = md_core.scan_layers(
+      self.blocks, body, (h, ha), per_layer=stg_flags, remat=cfg.remat
+    )
 
     def head(hidden, table, embedded, norm, proj):
       table = table[...].astype(_F32)  # [2, D]

@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 
 import md_attention as mda
+import md_core
 import md_sharding as mds
 from md_core import nn, stack_layers
-from md_core import remat as _remat
 from md_ltx import _config
 from md_ltx._config import LTXConfig
 
@@ -358,8 +358,6 @@ class LTXTransformer(nnx.Module):
 
     context = self.caption_projection(text.astype(dtype))  # [B, S_text, D]
 
-    graphdef, params = nnx.split(self.blocks)
-
     if skip_layer_mask is not None:
       if skip_layer_strategy not in SKIP_LAYER_STRATEGIES:
         raise ValueError(
@@ -371,12 +369,11 @@ class LTXTransformer(nnx.Module):
           f"{skip_layer_mask.shape}"
         )
 
-    def body(h, xs):
-      layer, skip = xs
-      h = nnx.merge(graphdef, layer)(h, context, mask, temb, rope, skip, skip_layer_strategy)
+    def body(block, h, skip):
+      h = block(h, context, mask, temb, rope, skip, skip_layer_strategy)
       return mds.with_logical_constraint(h, _TOKENS), None
 
-    h, _ = jax.lax.scan(_remat(body, cfg.remat), h, (params, skip_layer_mask))
+    h, _ = md_core.scan_layers(self.blocks, body, h, per_layer=skip_layer_mask, remat=cfg.remat)
 
     table = self.scale_shift_table[...].astype(_F32)  # [2, D]
     shift = (table[0][None, None] + emb.astype(_F32)).astype(dtype)  # [B, 1|S, D]

@@ -267,12 +267,11 @@ class LatentUpsampler(nnx.Module):
   def _blocks(stack: nnx.Module | None, x: jax.Array) -> jax.Array:
     if stack is None:
       return x
-    graphdef, params = nnx.split(stack)
 
-    def body(h, layer):
-      return nnx.merge(graphdef, layer)(h), None
+    def body(block, h, _):
+      return block(h), None
 
-    return jax.lax.scan(body, x, params)[0]
+    return md_core.scan_layers(stack, body, x, hookable=False)[0]
 
   def __call__(self, latents: jax.Array) -> jax.Array:
     cfg = self.config
