@@ -119,5 +119,5 @@ def test_load_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="no model_index.json"):
     md_flux.load_pipeline(tmp_path)
   (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-  with pytest.raises(ValueError, match="not a Flux pipeline"):
+  with pytest.raises(ValueError, match="is not one md loads here"):
     md_flux.load_pipeline(tmp_path)

@@ -3,20 +3,15 @@
 from md_flux._config import FLUX2_VARIANTS, FLUX_VARIANTS, Flux2Config, FluxConfig
 from md_flux._flux1 import BlockKV, FluxTransformer
 from md_flux._flux2 import Flux2Transformer
-from md_flux._pipeline import (
-  FluxPipeline,
-  check_size,
-  image_ids,
-  load_pipeline,
-  pack_latents,
-  unpack_latents,
-)
+from md_flux._load import load_pipeline
+from md_flux._pipeline import FluxPipeline
 from md_flux._pipeline2 import (
   MAX_REFERENCE_IMAGES,
   Flux2KleinPipeline,
   prepare_reference_image,
   text_ids,
 )
+from md_flux._pipeline_common import check_size, image_ids, pack_latents, unpack_latents
 from md_flux._weights1 import (
   bfl_view,
   bfl_virtual_names,

@@ -10,7 +10,9 @@ prediction is used). In KV-cache mode (`Flux2KleinKVPipeline`) the references ru
 step, which returns their keys/values, reused by the later steps that see the target tokens alone.
 
 Three kinds of jitted programs per shape: text encoding, image encoding (one per reference size), the
-denoising loop (one `fori_loop`), and decoding. Behaviour follows the reference: 4-axis ids
+denoising loop (the shared `md_schedulers.run_steps` with this module's denoiser; in KV-cache mode step 0
+is a program of its own that also returns the references' K/V, and the later steps read them from the
+loop's conditioning), and decoding. Behaviour follows the reference: 4-axis ids
 `(t, row, col, 0)` for image tokens and `(0, 0, 0, l)` for text, sigmas `linspace(1, 1/n, n)` shifted
 with Flux.2's empirical `mu`, and classifier-free guidance (`neg + s * (pos - neg)`, the negative prompt
 "" by default) when `guidance_scale > 1` and the model is not distilled.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,17 +33,11 @@ import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
-from md_core import progress as md_progress
+from md_core import pipeline as mdp
+from md_flux import _pipeline_common as pc
 from md_flux._flux2 import Flux2Transformer
-from md_flux._pipeline import (
-  _as_list,
-  _place,
-  _Split,
-  _using,
-  check_size,
-  image_ids,
-  unpack_latents,
-)
+from md_flux._pipeline_common import check_size, image_ids, unpack_latents
+from md_flux._weights2 import load_flux2
 
 MAX_REFERENCE_IMAGES = 4
 # The reference image processor's limits (diffusers' Flux2ImageProcessor).
@@ -130,7 +126,7 @@ def prepare_reference_image(
   return 2.0 * pixels - 1.0
 
 
-class Flux2KleinPipeline:
+class Flux2KleinPipeline(mdp.Pipeline):
   """A loaded Flux.2 Klein pipeline (see `load_pipeline`); call it to generate or edit images.
 
   Attributes:
@@ -142,6 +138,7 @@ class Flux2KleinPipeline:
     is_distilled: guidance-distilled checkpoints never run classifier-free guidance.
     use_kv_cache: the default of `kv_cache` (True for `Flux2KleinKVPipeline` checkpoints).
     bn_mean, bn_std: the VAE's batch-norm statistics over patchified channels `[4C]`.
+    last_calls: the transformer calls the last generation made (a step cache may skip some).
   """
 
   def __init__(
@@ -178,21 +175,15 @@ class Flux2KleinPipeline:
     self.is_distilled = bool(is_distilled)
     self.use_kv_cache = bool(use_kv_cache)
     self.vae_scale_factor = int(vae_scale_factor or 8)
-    self.mesh, self.source = mesh, source
-    self._tr = _Split.of(transformer)
-    self._vae, self._te = _Split.of(vae), _Split.of(text_encoder)
-    self._compiled: dict[Any, Any] = {}
+    self.last_calls = 0
+    self._init_scaffold(mesh, source)
+    self._tr = mdp.Split.of(transformer)
+    self._vae, self._te = mdp.Split.of(vae), mdp.Split.of(text_encoder)
 
   @property
   def default_size(self) -> int:
     """The reference's default pixel size without reference images (128 × the VAE factor: 1024)."""
     return 128 * self.vae_scale_factor
-
-  def _jit(self, key, make):
-    fn = self._compiled.get(key)
-    if fn is None:
-      fn = self._compiled[key] = make()
-    return fn
 
   # --- text ---------------------------------------------------------------------------------------------
   def encode_prompt(
@@ -223,8 +214,8 @@ class Flux2KleinPipeline:
 
       return jax.jit(encode)
 
-    fn = self._jit(("encode", layers), make)
-    with _using(self.mesh):
+    fn = self.jit(("encode", layers), make)
+    with self.context():
       return fn(self._te.state, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
 
   # --- images -------------------------------------------------------------------------------------------
@@ -240,8 +231,8 @@ class Flux2KleinPipeline:
       vae = self._vae
       return jax.jit(lambda state, x: vae.merge(state).encode_latents(x).astype(jnp.float32))
 
-    fn = self._jit(("encode_image", pixels.shape), make)
-    with _using(self.mesh):
+    fn = self.jit(("encode_image", pixels.shape), make)
+    with self.context():
       return fn(self._vae.state, jnp.asarray(pixels, jnp.float32)[None])
 
   def decode(self, latents: jax.Array, rows: int, cols: int) -> jax.Array:
@@ -262,8 +253,8 @@ class Flux2KleinPipeline:
 
       return jax.jit(decode)
 
-    fn = self._jit(("decode", rows, cols), make)
-    with _using(self.mesh):
+    fn = self.jit(("decode", rows, cols), make)
+    with self.context():
       return fn(self._vae.state, latents)
 
   def _reference_latents(self, images: Sequence[Any]) -> tuple[list[jax.Array], tuple[int, int]]:
@@ -277,50 +268,61 @@ class Flux2KleinPipeline:
     return latents, size
 
   # --- the loop -----------------------------------------------------------------------------------------
-  def _loop_fn(self, sched, *, steps: int, cfg: bool, kv: bool, s_img: int, show: bool):
+  def _denoiser(self, mode: str, s_img: int):
+    """The family part of sampling: the transformer on every guidance row (text states stacked in the
+    loop's row order in `cond`).
+
+    `mode`: "plain" (the target tokens alone), "append" (the references appended after the target on
+    every row; only the target's prediction is kept) or "cached" (the target alone, attending over the
+    references' keys/values in `cond["kv"]`).
+    """
     tr = self._tr
 
-    def loop(state, x, refs, sched_state, ctx, img_ids, ref_ids, txt, scale):
-      model = tr.merge(state)
-      tick = md_progress.make_step_callback(steps, desc="denoising") if show else None
-      b = x.shape[0]
-      start, carry, cache = 0, (x, sched_state), None
-      if kv and refs is not None:
-        # Flux2KleinKVPipeline: the first step runs [references; target] and returns the references'
-        # keys/values (modulated at the fixed reference timestep); later steps see the target only.
-        x, st = carry
-        t = jnp.full((b,), mdsch.current_timestep(st) / 1000)
-        ids = jnp.concatenate([ref_ids, img_ids])
-        v, cache = model(
-          jnp.concatenate([refs, x], axis=1), ctx, t, ids, txt, num_ref_tokens=refs.shape[1]
-        )
-        carry = sched.step(st, v.astype(jnp.float32), x)
-        if tick is not None:
-          tick(0)
-        start = 1
-      ids = img_ids if refs is None or kv else jnp.concatenate([img_ids, ref_ids])
+    def denoise(params, x, t, cond, *, step):
+      del step
+      model, t = tr.merge(params), t / 1000
+      if mode == "cached":
+        return model(x, cond["context"], t, cond["img_ids"], cond["txt_ids"], kv_cache=cond["kv"])
+      if mode == "append":
+        refs = cond["refs"]  # [B, R, C]: the same references for every guidance branch
+        x = jnp.concatenate([x, jnp.concatenate([refs] * (x.shape[0] // refs.shape[0]))], axis=1)
+      return model(x, cond["context"], t, cond["ids"], cond["txt_ids"])[:, :s_img]
 
-      def body(i, carry):
-        x, st = carry
-        t = mdsch.current_timestep(st) / 1000
-        if cache is not None:
-          v = model(x, ctx, jnp.full((b,), t), img_ids, txt, kv_cache=cache)
-        else:
-          xin = x if refs is None else jnp.concatenate([x, refs], axis=1)
-          if cfg:
-            xin = jnp.concatenate([xin, xin], axis=0)
-          v = model(xin, ctx, jnp.full((xin.shape[0],), t), ids, txt)[:, :s_img]
-        v = v.astype(jnp.float32)
-        if cfg:
-          v = v[b:] + scale * (v[:b] - v[b:])
-        x, st = sched.step(st, v, x)
-        if tick is not None:
-          tick(i)
-        return x, st
+    return denoise
 
-      return jax.lax.fori_loop(start, steps, body, carry)[0]
+  def _run_fn(self, sched, guide, *, mode: str, s_img: int, cache):
+    """One jitted chunk of steps `[lo, hi)` (traced bounds: one program whatever the chunk)."""
+    denoise = self._denoiser(mode, s_img)
 
-    return jax.jit(loop)
+    def run(params, carry, lo, hi, cond, scales):
+      return mdsch.run_steps(
+        denoise, sched, carry, lo, hi, cond, params=params, guidance=guide, scales=scales,
+        cache=cache,
+      )  # fmt: skip
+
+    return jax.jit(run)
+
+  def _first_step_fn(self, sched, cache):
+    """Step 0 of the KV-cache mode (`Flux2KleinKVPipeline`), its own program: the transformer over
+    `[references; target]` (references modulated at the fixed timestep, attending to themselves)
+    gives the target's prediction and the references' K/V; the shared loop's step 0 then takes that
+    prediction. Returns the carry after step 0 and the cache."""
+    tr = self._tr
+
+    def given(params, x, t, prediction, *, step):
+      del params, x, t, step
+      return prediction
+
+    def first(params, carry, cond):
+      st, x, refs = carry.scheduler, carry.latents, cond["refs"]
+      t = jnp.full((x.shape[0],), mdsch.current_timestep(st) / 1000)
+      xin = jnp.concatenate([refs, sched.scale_model_input(st, x)], axis=1)
+      v, kv = tr.merge(params)(
+        xin, cond["context"], t, cond["ids"], cond["txt_ids"], num_ref_tokens=refs.shape[1]
+      )
+      return mdsch.run_steps(given, sched, carry, 0, 1, v, cache=cache), kv
+
+    return jax.jit(first)
 
   def _embeddings(self, prompts, embeds, what, text_kw) -> jax.Array:
     if embeds is not None:
@@ -356,7 +358,11 @@ class Flux2KleinPipeline:
     sigmas: Sequence[float] | None = None,
     max_sequence_length: int = md_text.FLUX2_KLEIN_MAX_LENGTH,
     text_encoder_out_layers: Sequence[int] = md_text.FLUX2_KLEIN_LAYERS,
-    output_type: str = "image",
+    output_type: str = "np",
+    callback: Callable[[int, jax.Array, jax.Array], Any] | None = None,
+    cancel: Callable[[], bool] | None = None,
+    cache: mdsch.StepCache | None = None,
+    chunk: int | None = 1,
     progress: bool = True,
   ) -> jax.Array:
     """Generates images from text, optionally conditioned on up to 4 reference images.
@@ -384,20 +390,29 @@ class Flux2KleinPipeline:
       sigmas: custom sigmas (default `linspace(1, 1/n, n)`).
       max_sequence_length: Qwen3 tokens per prompt (512 in the reference).
       text_encoder_out_layers: the Qwen3 hidden states stacked into the prompt embeddings.
-      output_type: "image": images `[B, H, W, 3]` in [0, 1]; "latent": the reference's
+      output_type: "np": images `[B, H, W, 3]` in [0, 1]; "latent": the reference's
         `output_type="latent"` (denormalised, unpatchified latents `[B, H/8, W/8, C]`, channels-last).
-      progress: show a progress bar.
+      callback: `callback(step, timestep, latents)` after each step (packed latents `[B, S, 4C]`);
+        returning False stops like `cancel`.
+      cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
+      cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction (in
+        KV-cache mode step 0 always runs: it makes the references' K/V).
+      chunk: steps per host dispatch (None: the whole loop in one call, after step 0's own program in
+        KV-cache mode; progress, callback and cancel act at chunk boundaries).
+      progress: show a progress bar over the steps.
 
     Returns:
-      Images `[B * num_images_per_prompt, height, width, 3]` in [0, 1] (float32), or latents.
+      Images `[B * num_images_per_prompt, height, width, 3]` in [0, 1] (float32), or latents. The
+      transformer calls made are in `self.last_calls`.
 
     Raises:
-      ValueError: sizes that do not pack, more than 4 reference images, an image that cannot be read
-        (named) or is too small, missing or conflicting prompt inputs, inputs of the wrong shape.
+      md_core.pipeline.SizeError: sizes that do not pack (naming the nearest valid ones).
+      ValueError: more than 4 reference images, an image that cannot be read (named) or is too small,
+        missing or conflicting prompt inputs, inputs of the wrong shape.
       FileNotFoundError: a reference image path that does not exist.
+      md_schedulers.Cancelled: `cancel()` returned True (or `callback` returned False).
     """
-    if output_type not in ("image", "latent"):
-      raise ValueError(f"output_type={output_type!r}; expected 'image' or 'latent'")
+    pc.check_output_type(output_type)
     if image is not None and images is not None:
       raise ValueError("pass reference images as image= or images=, not both")
     refs_in = image if image is not None else images
@@ -426,7 +441,7 @@ class Flux2KleinPipeline:
     text_kw = dict(
       max_sequence_length=max_sequence_length, text_encoder_out_layers=text_encoder_out_layers
     )
-    prompts = _as_list(prompt)
+    prompts = mdp.as_prompts(prompt)
     embeds = self._embeddings(prompts, prompt_embeds, "prompt", text_kw)
     reps = int(num_images_per_prompt)
     if reps < 1:
@@ -439,7 +454,7 @@ class Flux2KleinPipeline:
             f"guidance_scale={guidance_scale} > 1 runs classifier-free guidance: pass "
             "negative_prompt_embeds (the reference encodes the empty prompt), or guidance_scale=1"
           )
-        negs = _as_list(negative_prompt if negative_prompt is not None else "")
+        negs = mdp.as_prompts(negative_prompt if negative_prompt is not None else "")
         if len(negs) not in (1, embeds.shape[0]):
           raise ValueError(
             f"{len(negs)} negative prompts for {embeds.shape[0]} prompts; give one or one per prompt"
@@ -456,7 +471,7 @@ class Flux2KleinPipeline:
           f"negative prompt embeddings have shape {neg.shape}; the prompt's {ctx.shape}; they must "
           "match (same max_sequence_length, one negative per prompt)"
         )
-      ctx = jnp.concatenate([ctx, neg], axis=0)
+      ctx = jnp.concatenate([neg, ctx], axis=0)  # the loop's row order: [negative, positive]
     batch = embeds.shape[0] * reps
 
     ref_size = None
@@ -469,7 +484,7 @@ class Flux2KleinPipeline:
     rows, cols = height // (2 * f), width // (2 * f)
     ch = self.transformer.cfg.in_channels
     if latents is None:
-      noise = jax.random.normal(jax.random.key(int(seed)), (batch, rows, cols, ch), jnp.float32)
+      noise = jax.random.normal(mdp.seed_key(seed), (batch, rows, cols, ch), jnp.float32)
     else:
       noise = jnp.asarray(latents, jnp.float32)
       if noise.shape != (batch, ch, rows, cols):
@@ -495,32 +510,59 @@ class Flux2KleinPipeline:
         packed.append(jnp.broadcast_to(ref, (batch, h_r, w_r, ch)).reshape(batch, h_r * w_r, ch))
         ids.append(image_ids(h_r, w_r, time=10.0 * (i + 1), axes=4))
       refs = jnp.concatenate(packed, axis=1)
-    sched = mdsch.from_config(self.scheduler_config)
-    mu = mdsch.flux2_empirical_mu(rows * cols, n)
-    if sigmas is None:
-      sigmas = np.linspace(1.0, 1.0 / n, n)
-    if self.scheduler_config.get("use_flow_sigmas"):
-      sigmas = None  # as the reference: the scheduler's own flow sigmas win
-    st = sched.init(n, sigmas=sigmas, mu=mu)
-    steps = len(st.timesteps)
-    show = bool(progress) and md_progress.progress_enabled()
-    loop = self._jit(
-      ("loop", repr(sorted(sched.config.items())), steps, cfg_on, kv, rows * cols, show),
-      lambda: self._loop_fn(sched, steps=steps, cfg=cfg_on, kv=kv, s_img=rows * cols, show=show),
+    sched, st = pc.schedule(
+      self.scheduler_config, n, sigmas, mdsch.flux2_empirical_mu(rows * cols, n)
     )
-    place = lambda a: _place(self.mesh, a)  # noqa: E731
-    with _using(self.mesh):
-      z = loop(
-        self._tr.state,
-        place(x),
-        None if refs is None else place(refs),
-        st,
-        place(ctx),
-        jnp.asarray(image_ids(rows, cols, axes=4)),
-        jnp.asarray(np.concatenate(ids)) if ids else None,
-        jnp.asarray(text_ids(ctx.shape[1])),
-        jnp.float32(guidance_scale),
+    guide = mdsch.guidance.Guidance(cfg=cfg_on)
+    scales = mdsch.guidance.per_step(
+      mdsch.num_calls(st), {"guidance": guidance_scale} if cfg_on else {}
+    )
+    s_img = rows * cols
+    img_ids = jnp.asarray(image_ids(rows, cols, axes=4))
+    ref_ids = jnp.asarray(np.concatenate(ids)) if ids else None
+    cond = dict(context=self.place(ctx), txt_ids=jnp.asarray(text_ids(ctx.shape[1])))
+    kv = kv and refs is not None  # without references the KV mode is plain text-to-image
+    mode = "cached" if kv else "plain" if refs is None else "append"
+    if mode == "cached":
+      cond["img_ids"] = img_ids
+    else:
+      cond["ids"] = img_ids if refs is None else jnp.concatenate([img_ids, ref_ids])
+      cond["refs"] = None if refs is None else self.place(refs)
+    sched_key = repr(sorted(sched.config.items()))
+    run = self.jit(
+      ("loop", sched_key, guide, mode, s_img, cache),
+      lambda: self._run_fn(sched, guide, mode=mode, s_img=s_img, cache=cache),
+    )
+    params = self._tr.state
+    if kv:
+      first = self.jit(("first", sched_key, cache), lambda: self._first_step_fn(sched, cache))
+      first_cond = dict(
+        context=cond["context"],
+        txt_ids=cond["txt_ids"],
+        refs=self.place(refs),
+        ids=jnp.concatenate([ref_ids, img_ids]),
       )
+      kv_cache = []
+
+      def chunk_fn(carry, lo, hi):
+        if lo == 0:  # step 0 returns the references' K/V; the later steps read them from cond
+          carry, cache_kv = first(params, carry, first_cond)
+          kv_cache.append(cache_kv)
+          lo = np.int32(1)
+        if lo < hi:
+          carry = run(params, carry, lo, hi, {**cond, "kv": kv_cache[0]}, scales)
+        return carry
+    else:
+
+      def chunk_fn(carry, lo, hi):
+        return run(params, carry, lo, hi, cond, scales)
+
+    carry = pc.run_loop(
+      self, chunk_fn, x, st,
+      cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
+    )  # fmt: skip
+    self.last_calls = int(carry.calls)
+    z = carry.latents
     if output_type == "latent":
       z = (
         z * jnp.asarray(self.bn_std)[None, None] + jnp.asarray(self.bn_mean)[None, None]
@@ -533,30 +575,26 @@ def load_klein(
   root: os.PathLike,
   index: Mapping[str, Any],
   *,
-  mesh=None,
-  dtype=None,
-  text_dtype=None,
-  rules=None,
-  attention=None,
-  progress=False,
-  source="",
+  mesh: jax.sharding.Mesh | None = None,
+  dtype: Any = None,
+  text_dtype: Any = None,
+  rules: Any = None,
+  attention: Any = None,
+  progress: bool = False,
+  source: str = "",
 ) -> Flux2KleinPipeline:
   """Loads a Flux.2 Klein folder: transformer, VAE, scheduler, and the Qwen3 text encoder and its
   tokenizer where model_index.json lists them (a folder without them runs from prompt embeddings)."""
-  from md_flux._pipeline import _component
-  from md_flux._weights2 import load_flux2
-
   kv = index.get("_class_name") == "Flux2KleinKVPipeline"
-  folders = {n: _component(root, n, index) for n in ("transformer", "vae", "scheduler")}
+  folders = {n: mdp.component(root, n, index) for n in ("transformer", "vae", "scheduler")}
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   transformer = load_flux2(folders["transformer"], dtype=dtype, attention=attention, **kw)
   vae = md_vae.load_vae_flux2(folders["vae"], subfolder=None, **kw)
-  listed = lambda name: bool((index.get(name) or [None])[0])  # noqa: E731
   text_encoder = tokenizer = None
-  if listed("text_encoder") or listed("tokenizer"):
+  if mdp.listed(index, "text_encoder") or mdp.listed(index, "tokenizer"):
     te_folder, tok_folder = (
-      _component(root, "text_encoder", index),
-      _component(root, "tokenizer", index),
+      mdp.component(root, "text_encoder", index),
+      mdp.component(root, "tokenizer", index),
     )
     text_encoder = md_text.load_qwen3_encoder(te_folder, subfolder=None, dtype=text_dtype, **kw)
     tokenizer = md_text.load_tokenizer(tok_folder, subfolder=None)
