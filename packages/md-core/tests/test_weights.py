@@ -225,6 +225,61 @@ def test_dtype_policy_keeps_f32_where_asked():
   )
 
 
+def test_dtype_none_and_stored(tmp_path):
+  """A bfloat16 file with float32 norms (mixed, as the real LTX-2 transformer): dtype=None gives the model's
+  own float32; dtype="stored" keeps each tensor's dtype and value; stacked layers take their common type."""
+  src = md_core.open_checkpoint(fixture_path("core") / "stack.safetensors")
+  half = {
+    k: np.asarray(src[k]) if k.startswith(("norm.", "gn.")) else src[k].astype(ml_dtypes.bfloat16)
+    for k in src.keys()
+  }
+  md_core.save_safetensors(tmp_path / "model.safetensors", half)
+  ckpt = md_core.open_checkpoint(tmp_path)
+  upcast = md_core.load_weights(make_stack, ckpt, STACK_MAP, progress=False)
+  assert {v.dtype for v in jax.tree.leaves(nnx.state(upcast))} == {jnp.dtype(jnp.float32)}
+  stored = md_core.load_weights(make_stack, ckpt, STACK_MAP, dtype="stored", progress=False)
+  assert (
+    stored.proj.kernel[...].dtype == jnp.bfloat16 and stored.conv3.bias[...].dtype == jnp.bfloat16
+  )
+  assert stored.embed.embedding[...].dtype == jnp.bfloat16
+  assert stored.norm.scale[...].dtype == jnp.float32 and stored.gn.bias[...].dtype == jnp.float32
+  np.testing.assert_array_equal(stored.proj.kernel[...], half["proj.weight"].T)
+  chex.assert_trees_all_equal(
+    jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(stored)), nnx.state(upcast)
+  )
+  # keep_f32 still wins.
+  kept = md_core.load_weights(
+    make_stack, ckpt, STACK_MAP, dtype="stored", keep_f32=[r"^proj/"], progress=False
+  )
+  assert kept.proj.kernel[...].dtype == jnp.float32 and kept.conv1.kernel[...].dtype == jnp.bfloat16
+
+  class Scanned(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = nnx.Param(jnp.zeros((2, 3)), logical_axes=("layers", None))
+      self.steps = nnx.Param(jnp.zeros((2,), jnp.int32), logical_axes=(None,))
+
+  layers = {
+    "blocks.0.w": np.ones(3, ml_dtypes.bfloat16),
+    "blocks.1.w": np.ones(3, np.float32),
+    "steps": np.arange(2, dtype=np.int64),
+  }
+
+  def convert(name):
+    if name == "steps":
+      return md_core.Target(("steps",))
+    return md_core.Target(("layers",), layer=int(name.split(".")[1]))
+
+  model = md_core.load_weights(
+    lambda: Scanned(nnx.Rngs(0)), layers, convert, dtype="stored", progress=False
+  )
+  assert model.layers[...].dtype == jnp.float32 and model.steps[...].dtype == jnp.int32
+  only_half = {**layers, "blocks.1.w": layers["blocks.1.w"].astype(ml_dtypes.bfloat16)}
+  model = md_core.load_weights(
+    lambda: Scanned(nnx.Rngs(0)), only_half, convert, dtype="stored", progress=False
+  )
+  assert model.layers[...].dtype == jnp.bfloat16
+
+
 def test_placement_follows_logical_axes():
   mesh = mds.make_mesh(
     mds.MeshConfig(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2)

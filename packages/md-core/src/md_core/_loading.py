@@ -82,15 +82,27 @@ def placement(
   return mds.logical_to_sharding(axes, mesh, rules=rules, shape=shape)
 
 
-def target_dtype(path: Path, current: Any, dtype: Any, keep_f32: Sequence[str]) -> np.dtype:
-  """Floats take `dtype` (if given) unless their path matches a `keep_f32` pattern; others keep theirs."""
+def target_dtype(
+  path: Path, current: Any, dtype: Any, keep_f32: Sequence[str], stored: Any = None
+) -> np.dtype:
+  """A floating parameter's dtype: float32 if its path matches a `keep_f32` pattern; else `dtype` if given;
+  with `dtype="stored"` the checkpoint's `stored` floating dtype; else (None, or nothing stored) the model's
+  `current` one. Other parameters keep theirs."""
   current = np.dtype(current)
   if not jnp.issubdtype(current, jnp.floating):
     return current
   text = _keymap.path_str(path)
   if any(re.search(p, text) for p in keep_f32):
     return np.dtype(np.float32)
-  return np.dtype(dtype) if dtype is not None else current
+  if _is_stored(dtype):
+    if stored is not None and jnp.issubdtype(np.dtype(stored), jnp.floating):
+      return np.dtype(stored)
+    return current
+  return current if dtype is None else np.dtype(dtype)
+
+
+def _is_stored(dtype: Any) -> bool:
+  return isinstance(dtype, str) and dtype == "stored"
 
 
 def load_weights(
@@ -118,7 +130,10 @@ def load_weights(
     factory: a function building the model (called under `nnx.eval_shape`) or an abstract model.
     checkpoint: tensor name → array mapping, e.g. from `open_checkpoint` (`file_of(key)` is used in errors).
     convert_key: the family's key map: tensor name → `Target`, several targets, or None for unknown names.
-    dtype: dtype for floating parameters (default: the model's own).
+    dtype: dtype for floating parameters. None: the model's own (float32 for md's modules: a bfloat16
+      file is upcast, as diffusers loads without `torch_dtype`). `"stored"`: each tensor's own floating
+      dtype (per tensor, so a file mixing bfloat16 and float32 keeps both; stacked layers take their common
+      type; parameters filled without a tensor take the model's own).
     keep_f32: regexes over parameter paths (`"blocks/0/norm/scale"`) that stay float32 whatever `dtype` is.
     mesh: place parameters on this mesh with shardings from their logical axis names (md-sharding rules).
     rules: md-sharding logical axis rules (default rules when None).
@@ -149,16 +164,20 @@ def load_weights(
   for path, var in items:
     abstract = variable_value(var)
     shape = tuple(abstract.shape)
-    out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32)
     pieces = plan.get(path)
     if not pieces:
+      out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32)
       value = fill_missing(path, shape, out_dtype) if fill_missing else np.zeros(shape, out_dtype)
-    elif pieces[0][1].layer is not None:
-      ordered = sorted(pieces, key=lambda p: p[1].layer)
-      value = np.stack([_keymap.convert(checkpoint[k], t).astype(out_dtype) for k, t in ordered])
     else:
-      key, target = pieces[0]
-      value = _keymap.convert(checkpoint[key], target)
+      ordered = sorted(pieces, key=lambda p: p[1].layer or 0)
+      # Memory-mapped views: nothing is read until converted.
+      arrays = [(np.asarray(checkpoint[k]), t) for k, t in ordered]
+      stored = np.result_type(*(a.dtype for a, _ in arrays))
+      out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32, stored)
+      if pieces[0][1].layer is not None:
+        value = np.stack([_keymap.convert(a, t).astype(out_dtype) for a, t in arrays])
+      else:
+        value = _keymap.convert(*arrays[0])
     value = np.asarray(value).astype(out_dtype, copy=False)
     sharding = placement(var, shape, mesh, rules)
     set_variable_value(

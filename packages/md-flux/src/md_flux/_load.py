@@ -36,8 +36,8 @@ def load_pipeline(
     mesh: place every parameter on this mesh by its logical axes (and split the batch over data ×
       fsdp).
     dtype: parameter dtype of the transformer (default float32; bfloat16 on accelerators).
-    text_dtype: parameter dtype of the T5 encoder (default float32) or of Klein's Qwen3 encoder (default:
-      as stored); CLIP and the VAEs stay float32.
+    text_dtype: parameter dtype of the T5 encoder or of Klein's Qwen3 encoder (default float32: a
+      bfloat16 file is upcast); CLIP and the VAEs stay float32.
     rules: md-sharding logical axis rules (default: `md_sharding.DEFAULT_RULES`).
     attention: an `md_attention.AttentionConfig` for the transformer (e.g. context parallelism
       `AttentionConfig(implementation="ulysses")` over the mesh's `context` axis).

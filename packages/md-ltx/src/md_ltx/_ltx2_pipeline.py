@@ -16,18 +16,22 @@ first latent frame, keeps it fixed (its tokens get timestep 0 and are not steppe
 The video is decoded by the LTX-2 video VAE (a timestep-conditioned one blends in `decode_noise_scale` of
 noise first), the audio by the audio VAE to a mel spectrogram and the vocoder to a waveform.
 
-Programs per shape: the prompt encoding, one denoising loop (`fori_loop`; the negative / positive /
-perturbed predictions are one batch, the modality-isolated one a second call) and the decodings.
+Sampling runs on md-schedulers' shared loop (`run_steps`, host-driven chunks): the sample is the pair
+`(video, audio)`, the video as its token grid `[B, f', h', w', C']` (the packed tokens, reshaped) so the
+image-to-video mask of `md_schedulers.ltx_token_euler` fits it alone; the family part is `_denoiser`
+(the negative / positive / perturbed rows in one transformer call, the modality-isolated rows in a second).
+
+Programs per shape: the prompt encoding, one jitted chunk of denoising steps and the decodings.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import math
 import os
 import pathlib
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,7 +42,7 @@ from flax import nnx
 import md_core
 import md_schedulers as mdsch
 import md_text
-from md_core import progress as md_progress
+from md_core import pipeline as mdp
 from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
 from md_ltx._ltx2_weights import load_ltx2_transformer
 from md_ltx._video_tokens import check_video_size, pack_tokens, unpack_tokens
@@ -73,37 +77,59 @@ class LTX2Output:
     return iter((self.frames, self.audio))
 
 
-@dataclasses.dataclass
-class _Split:
-  graphdef: Any
-  state: Any
-
-  @classmethod
-  def of(cls, module: nnx.Module) -> _Split:
-    return cls(*nnx.split(module))
-
-  def merge(self, state: Any) -> nnx.Module:
-    return nnx.merge(self.graphdef, state)
+# LTX-2's sizes when no folder says otherwise: 32x spatial and 8x temporal VAE compression, patch 1.
+_LTX2_FACTORS = dict(spatial=32, temporal=8, patch_size=1, patch_size_t=1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Guide:
-  """Which predictions and terms the loop computes (static: part of the compiled program's key)."""
-
-  cfg: bool
-  stg: bool
-  modality: bool
-  rescale: bool
-  audio_rescale: bool
-  stg_blocks: tuple[int, ...]
-  cross_timestep: bool
-  i2v: bool
+def _size_rules(spatial: int, temporal: int, patch: int, patch_t: int) -> tuple[int, int]:
+  return math.lcm(32, spatial * patch), temporal * patch_t
 
 
-def _as_list(prompt: str | Sequence[str] | None) -> list[str] | None:
-  if prompt is None:
-    return None
-  return [prompt] if isinstance(prompt, str) else list(prompt)
+def ltx2_size_rules(
+  source: str | os.PathLike | None = None, *, transformer: Any = None
+) -> tuple[int, int]:
+  """The sizes an LTX-2 pipeline takes, without loading it: `(multiple, frame_step)` — height and width
+  multiples of `multiple`, `num_frames = 1 + frame_step * k`.
+
+  Read from a local diffusers folder's `vae/config.json` and `transformer/config.json` (the latter only
+  when `transformer` is None: another transformer brings its own patch sizes, LTX-2's 1); for a hub id
+  or no source, LTX-2's (32x spatial, 8x temporal compression, patch 1: 32 and 8).
+  """
+  f = dict(_LTX2_FACTORS)
+  root = None if source is None else pathlib.Path(source)
+  if root is not None and (root / "vae" / "config.json").is_file():
+    vae = md_core.read_json(root / "vae" / "config.json")
+    f["spatial"] = int(vae.get("spatial_compression_ratio", f["spatial"]))
+    f["temporal"] = int(vae.get("temporal_compression_ratio", f["temporal"]))
+  if root is not None and transformer is None and (root / "transformer" / "config.json").is_file():
+    tr = md_core.read_json(root / "transformer" / "config.json")
+    f["patch_size"] = int(tr.get("patch_size", f["patch_size"]))
+    f["patch_size_t"] = int(tr.get("patch_size_t", f["patch_size_t"]))
+  return _size_rules(f["spatial"], f["temporal"], f["patch_size"], f["patch_size_t"])
+
+
+def check_ltx2_size(
+  height: int,
+  width: int,
+  num_frames: int,
+  *,
+  source: str | os.PathLike | None = None,
+  transformer: Any = None,
+) -> None:
+  """Checks a size against `ltx2_size_rules(source, transformer=...)` before anything is loaded.
+
+  Raises:
+    md_core.pipeline.SizeError: (a ValueError) naming each bad value with the nearest valid ones, e.g.
+      `height=40 → 32 or 64`.
+  """
+  _check_size(height, width, num_frames, *ltx2_size_rules(source, transformer=transformer))
+
+
+def _check_size(height: int, width: int, num_frames: int, multiple: int, frame_step: int) -> None:
+  try:
+    check_video_size("LTX-2 VAE", height, width, num_frames, multiple, frame_step)
+  except ValueError as e:
+    raise mdp.SizeError(str(e)) from None
 
 
 # H.264 quality the LTX-2 / 2.3 (Gemma 3) checkpoints were trained with for conditioning images.
@@ -161,16 +187,40 @@ def _image_array(image: Any, height: int, width: int, crf: int = 0) -> np.ndarra
   return np.asarray(image, np.float32) / 255.0 * 2.0 - 1.0
 
 
-def _rescale(guided, cond, phi):
-  """Guidance rescale (Lin et al. 2023, 3.4): blend in the guided prediction scaled to the conditional
-  one's std (over everything but the batch, unbiased)."""
-  axes = tuple(range(1, guided.ndim))
-  std_cond = jnp.std(cond, axis=axes, keepdims=True, ddof=1)
-  std_guided = jnp.std(guided, axis=axes, keepdims=True, ddof=1)
-  return phi * (guided * (std_cond / std_guided)) + (1 - phi) * guided
+def _guided(
+  denoise: Callable[..., Any], spec: mdsch.guidance.Guidance, rescale: tuple[bool, bool]
+) -> Callable[..., Any]:
+  """LTX-2's guidance around the family denoiser, as one denoiser of the positive rows.
+
+  Each branch's prediction becomes `x0 = x - sigma * v`; `md_schedulers.guidance.combine` adds the CFG,
+  STG and modality terms with the per-modality scales of this step; the sum is rescaled toward the
+  positive x0's std (`rescale[j]` for video / audio) and turned back into a velocity. This is
+  `run_steps(guidance=Guidance(..., space="x0"))` except for two things the shared loop lacks today:
+  per-modality scales (a tuple per scale) and LTX-2's order (the rescale after every term, not after CFG).
+  `cond["scales"]` holds the `[steps]` scale arrays per modality, `cond["sigmas"]` the schedule's sigmas.
+  """
+  n = spec.num_branches
+  pos = spec.branches.index("positive")
+
+  def run(params, x, t, cond, *, step):
+    sigma = cond["sigmas"][step]
+    rows = jax.tree.map(lambda a: jnp.concatenate([a] * n, axis=0), x)
+    out = denoise(params, rows, jnp.concatenate([t] * n, axis=0), cond, step=step)
+    x0 = jax.tree.map(lambda a, o: a - o.astype(_F32) * sigma, rows, out)
+    scales = {k: tuple(s[step] for s in v) for k, v in cond["scales"].items()}
+    guided = mdsch.guidance.combine(spec, x0, {k: v for k, v in scales.items() if k != "rescale"})
+    b = jax.tree.leaves(x)[0].shape[0]
+    parts = []
+    for j, (g, x0_j) in enumerate(zip(guided, x0)):
+      if rescale[j]:
+        g = mdsch.guidance.rescale(g, x0_j[pos * b : (pos + 1) * b], scales["rescale"][j])
+      parts.append(g)
+    return tuple((a - g) / sigma for a, g in zip(x, parts))
+
+  return run
 
 
-class LTX2VideoPipeline:
+class LTX2VideoPipeline(mdp.Pipeline):
   """A loaded LTX-2 pipeline (see `load_ltx2_pipeline`); call it to generate videos with sound.
 
   Attributes:
@@ -211,11 +261,11 @@ class LTX2VideoPipeline:
     self.text_encoder, self.connectors, self.tokenizer = text_encoder, connectors, tokenizer
     self.scheduler_config = dict(scheduler_config)
     self.image_to_video = image_to_video
-    self.mesh, self.source = mesh, source
-    self._tr, self._vae = _Split.of(transformer), _Split.of(vae)
-    self._audio = _Split.of(nnx.Dict(vae=audio_vae, vocoder=vocoder))
-    self._text = _Split.of(nnx.Dict(encoder=text_encoder, connectors=connectors))
-    self._compiled: dict[Any, Any] = {}
+    self._init_scaffold(mesh, source)
+    self._tr, self._vae = mdp.Split.of(transformer), mdp.Split.of(vae)
+    self._audio = mdp.Split.of(nnx.Dict(vae=audio_vae, vocoder=vocoder))
+    self._text = mdp.Split.of(nnx.Dict(encoder=text_encoder, connectors=connectors))
+    self.last_calls = 0
 
   # --- facts --------------------------------------------------------------------------------------------
   @property
@@ -231,15 +281,6 @@ class LTX2VideoPipeline:
     """The waveform's samples per second."""
     return int(self.vocoder.sample_rate)
 
-  def _context(self):
-    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-  def _jit(self, key, make):
-    fn = self._compiled.get(key)
-    if fn is None:
-      fn = self._compiled[key] = make()
-    return fn
-
   # --- text ----------------------------------------------------------------------------------------------
   def prompt_embeds(
     self, prompts: str | Sequence[str], max_sequence_length: int = 1024
@@ -252,9 +293,9 @@ class LTX2VideoPipeline:
     def encode(state, ids, mask):
       return md_text.ltx2_prompt_embeds(split.merge(state)["encoder"], ids, mask)
 
-    fn = self._jit(("gemma", max_sequence_length), lambda: jax.jit(encode))
+    fn = self.jit(("gemma", max_sequence_length), lambda: jax.jit(encode))
     mask = jnp.asarray(tokens.mask, jnp.int32)
-    with self._context():
+    with self.context():
       return fn(self._text.state, jnp.asarray(tokens.ids), mask), mask
 
   def connect(self, embeds: jax.Array, mask: jax.Array) -> md_text.LTX2TextEmbeds:
@@ -265,18 +306,21 @@ class LTX2VideoPipeline:
     def run(state, e, m):
       return split.merge(state)["connectors"](e, m, padding_side=side)
 
-    fn = self._jit(("connectors", side), lambda: jax.jit(run))
-    with self._context():
+    fn = self.jit(("connectors", side), lambda: jax.jit(run))
+    with self.context():
       return fn(self._text.state, jnp.asarray(embeds, _F32), jnp.asarray(mask, jnp.int32))
 
   # --- sizes ---------------------------------------------------------------------------------------------
   def check_size(self, height: int, width: int, num_frames: int) -> None:
-    """Raises ValueError (naming the nearest valid values) for sizes the VAE and the packing cannot take:
-    height and width multiples of 32 (and of the VAE's factor × patch), `num_frames = 1 + 8k`."""
+    """Raises `md_core.pipeline.SizeError` (a ValueError naming the nearest valid values) for sizes the
+    VAE and the packing cannot take: height and width multiples of 32 (and of the VAE's factor × patch),
+    `num_frames = 1 + 8k` (see `ltx2_size_rules`)."""
     tc = self.transformer.cfg
-    m = int(np.lcm(32, self.vae_spatial_compression_ratio * tc.patch_size))
-    t = self.vae_temporal_compression_ratio * tc.patch_size_t
-    check_video_size("LTX-2 VAE", height, width, num_frames, m, t)
+    rules = _size_rules(
+      self.vae_spatial_compression_ratio, self.vae_temporal_compression_ratio, tc.patch_size,
+      tc.patch_size_t,
+    )  # fmt: skip
+    _check_size(height, width, num_frames, *rules)
 
   # --- packing ---------------------------------------------------------------------------------------------
   def _pack(self, x):
@@ -299,8 +343,8 @@ class LTX2VideoPipeline:
       std = model.latents_std[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       return (z - mean) * 1.0 / std  # the i2v pipeline normalises the image with scaling factor 1
 
-    fn = self._jit(("encode_image", pixels.shape), lambda: jax.jit(encode))
-    with self._context():
+    fn = self.jit(("encode_image", pixels.shape), lambda: jax.jit(encode))
+    with self.context():
       return fn(self._vae.state, pixels)
 
   def prepare_image_latents(
@@ -397,8 +441,8 @@ class LTX2VideoPipeline:
       if noise.shape != want:
         raise ValueError(f"decode_noise must be [B, C, F, H, W] = {want}, got {noise.shape}")
       noise = jnp.transpose(noise, (0, 2, 3, 4, 1))
-    fn = self._jit("decode_video", self._decode_video_fn)
-    with self._context():
+    fn = self.jit("decode_video", self._decode_video_fn)
+    with self.context():
       return fn(self._vae.state, latents, timestep, scale, noise, key_vae)
 
   def decode_audio(self, packed: jax.Array) -> jax.Array:
@@ -412,77 +456,58 @@ class LTX2VideoPipeline:
       wave = parts["vocoder"](parts["vae"].decode(z))  # [B, samples, channels]
       return jnp.transpose(wave, (0, 2, 1))
 
-    fn = self._jit("decode_audio", lambda: jax.jit(decode))
-    with self._context():
+    fn = self.jit("decode_audio", lambda: jax.jit(decode))
+    with self.context():
       return fn(self._audio.state, packed)
 
   # --- the loop ----------------------------------------------------------------------------------------------
-  def _loop_fn(self, *, total: int, guide: _Guide, show: bool):
-    tr = self._tr
+  def _denoiser(self, spec: mdsch.guidance.Guidance, stg_blocks: tuple[int, ...], cross: bool):
+    """The family part of sampling: the transformer on every guidance row (`[negative, positive,
+    perturbed]` in one call, the `isolated` rows in a second one without audio<->video attention)."""
+    tr, n = self._tr, spec.num_branches
+    joint = n - spec.modality  # rows of the first call, in branches
 
-    def loop(state, x, a, sigmas, ts, text, audio_text, mask, vcoords, acoords, cond, scales):
-      model = tr.merge(state)
-      tick = md_progress.make_step_callback(total, desc="denoising") if show else None
-      b = x.shape[0]
-      pos = slice(b, 2 * b) if guide.cfg else slice(0, b)
-      n = (2 if guide.cfg else 1) + guide.stg
-      # Text rows: [negative, positive] with CFG; the perturbed pass reuses the positive rows.
-      txt = jnp.concatenate([text] + [text[pos]] * guide.stg, axis=0)
-      atxt = jnp.concatenate([audio_text] + [audio_text[pos]] * guide.stg, axis=0)
-      msk = jnp.concatenate([mask] + [mask[pos]] * guide.stg, axis=0)
-      perturb = None
-      if guide.stg:
-        perturb = jnp.concatenate([jnp.ones(((n - 1) * b,), _F32), jnp.zeros((b,), _F32)])
+    def denoise(params, x, t, cond, *, step):
+      del step
+      model = tr.merge(params)
+      video, audio = x
+      rows = video.shape[0]
+      b = rows // n
+      tokens = video.reshape(rows, -1, video.shape[-1])  # the token grid → packed tokens
+      t = t.astype(_F32)
+      mask = cond["conditioning"]
+      tv = t if mask is None else mdsch.ltx_token_timesteps(t, jnp.concatenate([mask] * n))
 
-      def run(xv, xa, t, t_video, tx, atx, m, **kw):
-        v, va = model(
-          xv, xa, tx, atx, t_video, audio_timestep=t, sigma=t, encoder_attention_mask=m,
-          audio_encoder_attention_mask=m, video_coords=vcoords, audio_coords=acoords,
-          use_cross_timestep=guide.cross_timestep, **kw,
+      def call(rs, **kw):
+        v, a = model(
+          tokens[rs], audio[rs], cond["text"][rs], cond["audio_text"][rs], tv[rs],
+          audio_timestep=t[rs], sigma=t[rs], encoder_attention_mask=cond["mask"][rs],
+          audio_encoder_attention_mask=cond["mask"][rs], video_coords=cond["video_coords"],
+          audio_coords=cond["audio_coords"], use_cross_timestep=cross, **kw,
         )  # fmt: skip
-        return v.astype(_F32), va.astype(_F32)
+        return v.astype(_F32), a.astype(_F32)
 
-      def step(i, carry):
-        x, a = carry
-        sigma, sigma_next, t = sigmas[i], sigmas[i + 1], ts[i]
-        tb = jnp.full((b,), t, _F32)
-        tv = tb if not guide.i2v else t * (1 - cond)  # per-token: the image's tokens at 0
-        v, va = run(
-          jnp.concatenate([x] * n), jnp.concatenate([a] * n), jnp.concatenate([tb] * n),
-          jnp.concatenate([tv] * n), txt, atxt, msk,
-          spatio_temporal_guidance_blocks=guide.stg_blocks if guide.stg else (),
-          perturbation_mask=perturb,
-        )  # fmt: skip
-        vs, vas = jnp.split(v, n), jnp.split(va, n)
-        x0 = lambda s, out: s - out * sigma  # noqa: E731
-        vpos, apos = x0(x, vs[n - 1 - guide.stg]), x0(a, vas[n - 1 - guide.stg])
-        gv, ga = vpos, apos
-        if guide.cfg:
-          gv = gv + (scales["g"] - 1) * (vpos - x0(x, vs[0]))
-          ga = ga + (scales["ag"] - 1) * (apos - x0(a, vas[0]))
-        if guide.stg:
-          gv = gv + scales["stg"] * (vpos - x0(x, vs[-1]))
-          ga = ga + scales["astg"] * (apos - x0(a, vas[-1]))
-        if guide.modality:
-          mv, ma = run(x, a, tb, tv, text[pos], audio_text[pos], mask[pos], isolate_modalities=True)
-          gv = gv + (scales["mod"] - 1) * (vpos - x0(x, mv))
-          ga = ga + (scales["amod"] - 1) * (apos - x0(a, ma))
-        if guide.rescale:
-          gv = _rescale(gv, vpos, scales["phi"])
-        if guide.audio_rescale:
-          ga = _rescale(ga, apos, scales["aphi"])
-        vel, avel = (x - gv) / sigma, (a - ga) / sigma
-        moved = x + (sigma_next - sigma) * vel
-        if guide.i2v:
-          moved = jnp.where(cond[..., None] > 0.5, x, moved)
-        a = a + (sigma_next - sigma) * avel
-        if tick is not None:
-          tick(i)
-        return moved, a
+      kw = {}
+      if spec.stg:  # the last row block of the first call skips the STG blocks' self-attention
+        perturb = jnp.concatenate([jnp.ones(((joint - 1) * b,), _F32), jnp.zeros((b,), _F32)])
+        kw = dict(spatio_temporal_guidance_blocks=stg_blocks, perturbation_mask=perturb)
+      outs = [call(slice(0, joint * b), **kw)]
+      if spec.modality:
+        outs.append(call(slice(joint * b, rows), isolate_modalities=True))
+      v = jnp.concatenate([o[0] for o in outs], axis=0)
+      return v.reshape(video.shape), jnp.concatenate([o[1] for o in outs], axis=0)
 
-      return jax.lax.fori_loop(0, total, step, (x.astype(_F32), a.astype(_F32)))
+    return denoise
 
-    return jax.jit(loop)
+  def _run_fn(self, sched, *, spec, rescale, stg_blocks, cross, cache):
+    """One jitted chunk of steps `[lo, hi)` (traced bounds)."""
+    denoise = _guided(self._denoiser(spec, stg_blocks, cross), spec, rescale)
+
+    def run(params, carry, lo, hi, cond, sigmas, scales):
+      cond = dict(cond, sigmas=sigmas, scales=scales)
+      return mdsch.run_steps(denoise, sched, carry, lo, hi, cond, params=params, cache=cache)
+
+    return jax.jit(run)
 
   # --- call ----------------------------------------------------------------------------------------------------
   def __call__(
@@ -523,6 +548,10 @@ class LTX2VideoPipeline:
     use_cross_timestep: bool = True,
     max_sequence_length: int = 1024,
     output_type: str = "np",
+    callback: Callable[[int, jax.Array, Any], Any] | None = None,
+    cancel: Callable[[], bool] | None = None,
+    cache: mdsch.StepCache | None = None,
+    chunk: int | None = 1,
     progress: bool = True,
   ) -> LTX2Output:
     """Generates videos with sound (diffusers' LTX2Pipeline / LTX2ImageToVideoPipeline call, same names
@@ -557,18 +586,29 @@ class LTX2VideoPipeline:
       use_cross_timestep: the audio<->video modulation follows the other stream's timestep (the reference
         default, True).
       max_sequence_length: Gemma's token count (1024).
-      output_type: "np" (frames and waveform) or "latent" (denormalised latents in the reference layouts).
+      output_type: "np" (frames and waveform) or "latent" (the final latents before the VAEs,
+        denormalised, in the reference's layouts: video `[B, C, f, h, w]`, audio `[B, C, L, M]`).
+      callback: `callback(step, timestep, latents)` after each step, `latents` the normalised packed
+        `(video [B, S, C], audio [B, L, C * M])` (the reference's callback layout); returning False
+        stops like `cancel`.
+      cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
+      cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction.
+      chunk: steps per host dispatch (None: the whole loop in one call; progress, callback and cancel
+        act at chunk boundaries).
       progress: a progress bar over the steps.
 
     Returns:
-      `LTX2Output(frames, audio, sample_rate, frame_rate)`.
+      `LTX2Output(frames, audio, sample_rate, frame_rate)`. The denoiser calls made are in
+      `self.last_calls`.
 
     Raises:
-      ValueError: sizes the VAE cannot take (with the nearest valid ones), an unreadable image, latents
-        or embeddings of the wrong shape, an image-to-video call without image or latents.
+      ValueError: sizes the VAE cannot take (`md_core.pipeline.SizeError`, with the nearest valid ones),
+        an unreadable image, latents or embeddings of the wrong shape, an image-to-video call without
+        image or latents, an unknown `output_type`.
+      md_schedulers.Cancelled: `cancel()` returned True (or `callback` returned False).
     """
     if output_type not in ("np", "latent"):
-      raise ValueError(f"output_type must be 'np' or 'latent', got {output_type!r}")
+      raise ValueError(f"output_type={output_type!r}: expected 'np' or 'latent'")
     if motion_speed <= 0:
       raise ValueError(f"motion_speed must be positive, got {motion_speed}")
     audio_guidance_scale = audio_guidance_scale or guidance_scale
@@ -616,7 +656,7 @@ class LTX2VideoPipeline:
     tokens = (f // tc.patch_size_t) * (h // tc.patch_size) * (w // tc.patch_size)
 
     # Text.
-    prompts = _as_list(prompt)
+    prompts = mdp.as_prompts(prompt)
     if (prompts is None) == (prompt_embeds is None):
       raise ValueError("pass exactly one of prompt and prompt_embeds")
     if prompts is not None:
@@ -636,7 +676,7 @@ class LTX2VideoPipeline:
         nembeds = jnp.asarray(negative_prompt_embeds, _F32)
         nmask = jnp.asarray(negative_prompt_attention_mask, jnp.int32)
       else:
-        neg = _as_list(negative_prompt or "")
+        neg = mdp.as_prompts(negative_prompt or "", "negative_prompt")
         neg = neg * batch if len(neg) == 1 else neg
         if len(neg) != batch:
           raise ValueError(f"{len(neg)} negative prompts for {batch} prompts")
@@ -719,45 +759,80 @@ class LTX2VideoPipeline:
       eps = jax.random.normal(keys[1], (b, ac.latent_channels, fa, mel), _F32)
       a = pack_audio_latents(jnp.transpose(eps, (0, 2, 3, 1)))
 
-    # Schedule (the audio stream uses the same one).
-    sched = mdsch.from_config(self.scheduler_config)
+    # Schedule (the audio stream uses the same one): flow-match Euler, the image's tokens kept.
+    base = mdsch.from_config(self.scheduler_config)
+    if base.name != "FlowMatchEulerDiscreteScheduler":
+      raise ValueError(
+        f"LTX-2 samples with flow-match Euler; the folder's scheduler is {base.name}"
+      )
+    sched = mdsch.ltx_token_euler(**base.config)
     mu = mdsch.ltx_mu(tokens, self.scheduler_config)
     given = mdsch.ltx_uniform_sigmas(num_inference_steps) if sigmas is None else list(sigmas)
-    st = sched.init(sigmas=given, mu=mu)
-    ts = jnp.asarray(np.asarray(st.timesteps, np.float32))
-    sig = jnp.asarray(np.asarray(st.sigmas, np.float32))
-    total = int(ts.shape[0])
+    grid = (b, f // tc.patch_size_t, h // tc.patch_size, w // tc.patch_size)
+    xg = x.reshape(grid + (x.shape[-1],))  # the token grid: only the video fits the mask
+    st = sched.init(
+      sigmas=given, mu=mu, conditioning=None if cond is None else np.asarray(cond).reshape(grid),
+      shape=(xg.shape, a.shape),
+    )  # fmt: skip
+    total = mdsch.num_calls(st)
 
-    fps = float(frame_rate) / float(motion_speed)
-    vcoords = jnp.asarray(ltx2_video_coords(tc, f, h, w, fps))
-    acoords = jnp.asarray(ltx2_audio_coords(tc, fa))
-    guide = _Guide(
+    # Guidance: the rows [negative, positive, perturbed, isolated] of the enabled branches.
+    spec = mdsch.guidance.Guidance(
       cfg=do_cfg,
       stg=want_stg and tc.perturbed_attn,
       modality=modality_scale > 1.0 or audio_modality_scale > 1.0,
-      rescale=guidance_rescale > 0,
-      audio_rescale=audio_guidance_rescale > 0,
-      stg_blocks=blocks,
-      cross_timestep=bool(use_cross_timestep),
-      i2v=cond is not None,
     )
+    rescale = (guidance_rescale > 0, audio_guidance_rescale > 0)
+    video_scales = mdsch.guidance.per_step(
+      total, dict(guidance=guidance_scale, stg=stg_scale, modality=modality_scale,
+                  rescale=guidance_rescale),
+    )  # fmt: skip
+    audio_scales = mdsch.guidance.per_step(
+      total, dict(guidance=audio_guidance_scale, stg=audio_stg_scale,
+                  modality=audio_modality_scale, rescale=audio_guidance_rescale),
+    )  # fmt: skip
     scales = {
-      k: jnp.float32(v)
-      for k, v in dict(
-        g=guidance_scale, ag=audio_guidance_scale, stg=stg_scale, astg=audio_stg_scale,
-        mod=modality_scale, amod=audio_modality_scale, phi=guidance_rescale,
-        aphi=audio_guidance_rescale,
-      ).items()
-    }  # fmt: skip
-    show = bool(progress) and md_progress.progress_enabled()
-    loop = self._jit(
-      ("loop", total, guide, show), lambda: self._loop_fn(total=total, guide=guide, show=show)
+      k: (jnp.asarray(video_scales[k]), jnp.asarray(audio_scales[k]))
+      for k in spec.scale_names + (("rescale",) if any(rescale) else ())
+    }
+    pos = slice(b, 2 * b) if spec.cfg else slice(0, b)
+    extra = (pos,) * (spec.stg + spec.modality)  # the perturbed and isolated rows take the prompt
+    fps = float(frame_rate) / float(motion_speed)
+    cond_in = dict(
+      text=jnp.concatenate([text.video] + [text.video[r] for r in extra]),
+      audio_text=jnp.concatenate([text.audio] + [text.audio[r] for r in extra]),
+      mask=jnp.concatenate([text.mask] + [text.mask[r] for r in extra]),
+      video_coords=jnp.asarray(ltx2_video_coords(tc, f, h, w, fps)),
+      audio_coords=jnp.asarray(ltx2_audio_coords(tc, fa)),
+      conditioning=cond,
     )
-    with self._context():
-      x, a = loop(
-        self._tr.state, x, a, sig, ts, text.video, text.audio, text.mask, vcoords, acoords,
-        cond if cond is not None else jnp.zeros((b, tokens), _F32), scales,
+    blocks = blocks if spec.stg else ()
+    key = ("loop", repr(sorted(base.config.items())), total, spec, rescale, blocks,
+           bool(use_cross_timestep), cond is not None, cache)  # fmt: skip
+    run = self.jit(
+      key,
+      lambda: self._run_fn(
+        sched, spec=spec, rescale=rescale, stg_blocks=blocks, cross=bool(use_cross_timestep),
+        cache=cache,
+      ),
+    )  # fmt: skip
+    report = None
+    if callback is not None:
+
+      def report(i, t, latents):
+        v, au = latents
+        return callback(i, t, (v.reshape(b, tokens, -1), au))
+
+    with self.context():
+      carry = mdsch.init_state(self.place((xg, a)), st, cache=cache)
+      cond_in, sig = self.place(cond_in), jnp.asarray(st.sigmas)
+      carry = mdsch.drive(
+        lambda c, lo, hi: run(self._tr.state, c, lo, hi, cond_in, sig, scales), carry, 0, total,
+        chunk=chunk, callback=report, cancel=cancel, progress=bool(progress),
       )  # fmt: skip
+    self.last_calls = int(carry.calls)
+    xg, a = carry.latents
+    x = xg.reshape(b, tokens, -1)
     z = self._unpack(x, f, h, w)
     if output_type == "latent":
       video = jnp.transpose(self.vae.denormalize_latents(z), (0, 4, 1, 2, 3))
@@ -808,17 +883,6 @@ def save_ltx2_video(
 # --- loading ---------------------------------------------------------------------------------------------------
 
 
-def _folder(root, name: str, index: Mapping[str, Any]):
-  folder = root / name
-  if not folder.is_dir():
-    have = sorted(k for k, v in index.items() if isinstance(v, list) and v and v[0])
-    raise FileNotFoundError(
-      f"{root}: pipeline component {name!r} is missing (no folder {folder}); model_index.json lists "
-      f"{have}. Download the whole pipeline, or pass a complete diffusers folder"
-    )
-  return folder
-
-
 def load_ltx2_pipeline(
   source: str | os.PathLike,
   *,
@@ -842,8 +906,8 @@ def load_ltx2_pipeline(
     image_to_video: require an image (default: when the folder is an `LTX2ImageToVideoPipeline`); any
       pipeline conditions on `image=` when one is given.
     mesh: place parameters on this mesh by their logical axes.
-    dtype: parameter dtype of the transformer, Gemma 3 and the connectors (default: as stored); the VAEs
-      and the vocoder stay float32.
+    dtype: parameter dtype of the transformer, Gemma 3 and the connectors (default float32: bfloat16
+      files are upcast); the VAEs and the vocoder stay float32.
     rules: md-sharding logical axis rules.
     attention, attention_config, remat: the transformer's md-attention implementation, its settings and
       the rematerialisation policy.
@@ -855,19 +919,12 @@ def load_ltx2_pipeline(
     ValueError: a pipeline class this loader does not implement.
   """
   root = md_core.resolve_source(source, revision=revision)
-  index_file = root / "model_index.json"
-  if not index_file.is_file():
-    raise FileNotFoundError(
-      f"{root}: no model_index.json; pass a diffusers LTX-2 pipeline folder (transformer/, vae/, "
-      "audio_vae/, vocoder/, text_encoder/, connectors/, tokenizer/, scheduler/) or its hub id"
-    )
-  index = md_core.read_json(index_file)
-  cls = index.get("_class_name", "")
-  if cls not in LTX2_PIPELINE_CLASSES:
-    raise ValueError(
-      f"{index_file}: pipeline class {cls!r} is not one load_ltx2_pipeline loads; known: "
-      f"{LTX2_PIPELINE_CLASSES}"
-    )
+  index, cls = mdp.read_index(
+    root,
+    LTX2_PIPELINE_CLASSES,
+    "LTX-2 pipeline (transformer/, vae/, audio_vae/, vocoder/, text_encoder/, connectors/, "
+    "tokenizer/, scheduler/)",
+  )
   overrides = {}
   if attention is not None:
     overrides["attention"] = attention
@@ -879,19 +936,19 @@ def load_ltx2_pipeline(
   if isinstance(transformer, LTX2Transformer):
     model = transformer
   else:
-    where = _folder(root, "transformer", index) if transformer is None else transformer
+    where = mdp.component(root, "transformer", index) if transformer is None else transformer
     model = load_ltx2_transformer(where, subfolder=None, dtype=dtype, **kw, **overrides)
-  vae = load_vae_ltx2(_folder(root, "vae", index), subfolder=None, **kw)
-  audio_vae = load_vae_ltx2_audio(_folder(root, "audio_vae", index), subfolder=None, **kw)
-  vocoder = load_vocoder_ltx2(_folder(root, "vocoder", index), subfolder=None, **kw)
+  vae = load_vae_ltx2(mdp.component(root, "vae", index), subfolder=None, **kw)
+  audio_vae = load_vae_ltx2_audio(mdp.component(root, "audio_vae", index), subfolder=None, **kw)
+  vocoder = load_vocoder_ltx2(mdp.component(root, "vocoder", index), subfolder=None, **kw)
   te = md_text.load_gemma3_encoder(
-    _folder(root, "text_encoder", index), subfolder=None, dtype=dtype, **kw
+    mdp.component(root, "text_encoder", index), subfolder=None, dtype=dtype, **kw
   )
   connectors = md_text.load_ltx2_connectors(
-    _folder(root, "connectors", index), subfolder=None, dtype=dtype, **kw
+    mdp.component(root, "connectors", index), subfolder=None, dtype=dtype, **kw
   )
-  tok = md_text.load_tokenizer(_folder(root, "tokenizer", index), subfolder=None)
-  sched_cfg = mdsch.read_config(_folder(root, "scheduler", index))
+  tok = md_text.load_tokenizer(mdp.component(root, "tokenizer", index), subfolder=None)
+  sched_cfg = mdsch.read_config(mdp.component(root, "scheduler", index))
   mdsch.from_config(sched_cfg)  # fail now, not at the first call
   return LTX2VideoPipeline(
     transformer=model,

@@ -990,8 +990,8 @@ def load_pipeline(
       `image=` as LTXImageToVideoPipeline); needed for `denoise_strength < 1`. A call's `mode=`
       chooses per call.
     mesh: place parameters on this mesh by their logical axes (FSDP over `fsdp`, heads over `tensor`).
-    dtype: parameter dtype of the transformer and the text encoder (default: as stored); the VAE stays
-      float32.
+    dtype: parameter dtype of the transformer and the text encoder (default float32: bfloat16 files are
+      upcast); the VAE stays float32.
     rules: md-sharding logical axis rules.
     attention, attention_config, remat: the transformer's md-attention implementation and settings and
       its rematerialisation policy.

@@ -175,7 +175,8 @@ def load_latent_upsampler(
     subfolder: the component folder in a pipeline (ignored for a single file, or when `source` is already
       the upsampler's folder).
     mesh: place parameters on this mesh (replicated: the convs' logical axes map to no mesh axis by default).
-    dtype: floating dtype of the parameters (default: as stored); the blur kernel stays float32.
+    dtype: floating dtype of the parameters (default float32: the bfloat16 files are upcast); the blur
+      kernel stays float32.
     rules: md-sharding logical axis rules.
     progress: show a progress bar over tensors.
     **overrides: `LatentUpsamplerConfig` fields (e.g. `rational_spatial_scale=1.5` for an ambiguous file).

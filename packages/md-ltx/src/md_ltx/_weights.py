@@ -181,7 +181,8 @@ def load_transformer(
       `ltxv-13b-0.9.7-dev.safetensors`; its config is read from the tensor shapes, see `original_config`).
     subfolder: the component folder (ignored for a single file).
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
-    dtype: floating dtype of the parameters (default: as stored); the modulation tables stay float32.
+    dtype: floating dtype of the parameters (default float32: a bfloat16 file is upcast); the
+      modulation tables stay float32.
     rules: md-sharding logical axis rules.
     progress: show a progress bar over tensors.
     **overrides: `LTXConfig` run-time settings, e.g. `attention="ring"`, `remat="full"`.

@@ -634,7 +634,7 @@ def load_gemma3_encoder(
       own folder with `subfolder=None` (e.g. google/gemma-3-12b-it).
     subfolder: the component, "text_encoder" in the LTX-2 repos.
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
-    dtype: floating dtype of the parameters (default: as stored, bfloat16 on the hub).
+    dtype: floating dtype of the parameters (default float32: the hub's bfloat16 files are upcast).
     rules: md-sharding logical axis rules.
     remat: override `Gemma3Config.remat`.
     progress: show a progress bar.

@@ -129,7 +129,7 @@ def load_ltx2_connectors(
       component's own folder with `subfolder=None`.
     subfolder: the component, "connectors".
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
-    dtype: floating dtype of the parameters (default: as stored).
+    dtype: floating dtype of the parameters (default float32: a bfloat16 file is upcast).
     rules: md-sharding logical axis rules.
     attention: the md-attention implementation and its settings.
     progress: show a progress bar.

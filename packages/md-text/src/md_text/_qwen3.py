@@ -531,7 +531,7 @@ def load_qwen3_encoder(
       `subfolder`, or the model's own folder with `subfolder=None`.
     subfolder: the component, "text_encoder" in the FLUX.2 [klein] repos.
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
-    dtype: floating dtype of the parameters (default: as stored, bfloat16 on the hub).
+    dtype: floating dtype of the parameters (default float32: the hub's bfloat16 files are upcast).
     rules: md-sharding logical axis rules.
     remat: override `Qwen3Config.remat`.
     attention: override `Qwen3Config.attention`.

@@ -449,8 +449,8 @@ def load_t5_encoder(
       `subfolder`, or a hub id (`"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"`, `subfolder="text_encoder"`).
     subfolder: the component, e.g. "text_encoder" (Wan, LTX) or "text_encoder_2" (Flux).
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
-    dtype: floating dtype of the parameters (default: as stored); with float16 `wo` stays float32, as
-      transformers does.
+    dtype: floating dtype of the parameters (default float32: a bfloat16 file is upcast); with float16
+      `wo` stays float32, as transformers does.
     rules: md-sharding logical axis rules.
     remat: override `T5Config.remat`.
     progress: show a progress bar.

@@ -46,8 +46,8 @@ def load_vae_flux2(
       folder with `subfolder=None`.
     subfolder: the component folder holding `config.json` and `diffusion_pytorch_model.safetensors`.
     mesh: place parameters on this mesh (conv output channels over `tensor` with the default rules).
-    dtype: parameter dtype (default: as stored); the batch-norm statistics stay float32 and with
-      `force_upcast` (the default) the VAE computes in float32.
+    dtype: parameter dtype (default float32: a bfloat16 file is upcast); the batch-norm statistics stay
+      float32 and with `force_upcast` (the default) the VAE computes in float32.
     rules: md-sharding logical axis rules (default rules when None).
     progress: show a progress bar while loading.
 

@@ -74,7 +74,7 @@ def load_vae_wan(
       `subfolder` inside.
     subfolder: the VAE component of a pipeline (None: `source` is the VAE folder).
     mesh: place parameters on this mesh (md-sharding logical axis rules).
-    dtype: parameter dtype (default: as stored, float32 for the released VAEs).
+    dtype: parameter dtype (default float32, as the released VAEs store it; other files are cast).
     rules: md-sharding logical axis rules (default rules when None).
     progress: show a progress bar over tensors.
 

@@ -590,8 +590,8 @@ def load_pipeline(
       (`"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"`, `"Wan-AI/Wan2.2-I2V-A14B-Diffusers"`, ...).
     mesh: place parameters on this mesh by their logical axes (FSDP over `fsdp`, heads over `tensor`);
       the token sequence is split over `context` when `attention` is a context-parallel scheme.
-    dtype: parameter dtype of the transformers and the text encoder (default: as stored); the VAE and
-      the CLIP encoder stay float32 as the reference runs them.
+    dtype: parameter dtype of the transformers and the text encoder (default float32: bfloat16 files are
+      upcast); the VAE and the CLIP encoder stay float32 as the reference runs them.
     rules: md-sharding logical axis rules.
     attention: md-attention implementation of the transformers ("auto", "blockwise", "ring",
       "ulysses", "ulysses_ring", ...).

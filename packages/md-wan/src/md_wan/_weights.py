@@ -124,8 +124,8 @@ def load_transformer(
       folder with `subfolder=None`.
     subfolder: the component: "transformer", or "transformer_2" for Wan 2.2's low-noise expert.
     mesh: place parameters on this mesh (md-sharding rules over their logical axes).
-    dtype: floating dtype of the parameters (default: as stored); the reference's float32 tables stay
-      float32.
+    dtype: floating dtype of the parameters (default float32: a bfloat16 file is upcast); the
+      reference's float32 tables stay float32.
     rules: md-sharding logical axis rules.
     progress: show a progress bar over tensors.
     **overrides: `WanConfig` run-time settings, e.g. `attention="ulysses"`, `remat="full"`.
