@@ -132,3 +132,56 @@ def test_errors():
     mdsch.ltx_token_euler(stochastic_sampling=True)
   with pytest.raises(TypeError, match="unknown options"):
     mdsch.ltx_token_euler(eta=1.0)
+
+
+def test_conditioning_noise_equals_ltx_video_reinjection():
+  """LTX-Video's `image_cond_noise_scale`: before each model call the hard-conditioned tokens become
+  `clean + s * eps_i * (t_i / 1000)^2`. The scheduler does it at the end of the previous call (and
+  `ltx_token_noised` before the first), which is the inline loop's order exactly."""
+  x = jax.random.normal(jax.random.key(5), (2, 6, 3))
+  clean = jax.random.normal(jax.random.key(6), (2, 6, 3))
+  c = np.asarray([[1.0, 1.0, 0.6, 0.0, 0.0, 0.0]] * 2, np.float32)
+  eps = jax.random.normal(jax.random.key(7), (4, 2, 6, 3))
+  sched = mdsch.ltx_token_euler(rule="per_token", **CONFIG)
+  st = sched.init(
+    sigmas=mdsch.ltx_uniform_sigmas(4), mu=1.0, conditioning=c, cond_latents=clean, cond_noise=eps,
+    cond_noise_scale=0.15,
+  )  # fmt: skip
+
+  def denoise(params, x, t, cond, *, step):
+    del params, t, cond
+    return _velocity(step, x)
+
+  got = mdsch.sample(denoise, sched, mdsch.ltx_token_noised(st, x), st, None).latents
+
+  # The inline loop (the pipeline before the shared loop).
+  ts, sig = st.timesteps, st.sigmas
+  cm = jnp.asarray(c)
+
+  def body(i, x):
+    t = ts[i]
+    hard = (cm > 1.0 - 1e-6)[..., None]
+    x = jnp.where(hard, clean + jnp.float32(0.15) * eps[i] * (t / 1000.0) ** 2, x)
+    timestep = jnp.minimum(jnp.broadcast_to(t, (2, 1)), (1 - cm) * 1000.0)
+    out = _velocity(i, x)
+    current = timestep / 1000.0
+    lower = sig[:, None, None] < current[None] - 1e-6
+    nxt = jnp.max(lower * sig[:, None, None], axis=0)
+    moved = x + (current - nxt)[..., None] * (-out)
+    keep = (t / 1000.0 - 1e-6 < (1.0 - cm))[..., None]
+    return jnp.where(keep, moved, x)
+
+  want = jax.jit(lambda x: jax.lax.fori_loop(0, 4, body, x))(x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  last = clean + 0.15 * eps[3] * (float(ts[3]) / 1000.0) ** 2
+  np.testing.assert_allclose(np.asarray(got)[:, :2], np.asarray(last)[:, :2], atol=1e-6)
+  # Without conditioning noise the first call sees the sample as given.
+  plain = sched.init(sigmas=mdsch.ltx_uniform_sigmas(4), mu=1.0, conditioning=c)
+  assert mdsch.ltx_token_noised(plain, x) is x
+  with pytest.raises(ValueError, match="needs both cond_latents and cond_noise"):
+    sched.init(sigmas=mdsch.ltx_uniform_sigmas(4), mu=1.0, conditioning=c, cond_noise=eps)
+  with pytest.raises(ValueError, match=r"cond_noise must be \[num_calls, B, \*tokens, C\]"):
+    sched.init(
+      sigmas=mdsch.ltx_uniform_sigmas(4), mu=1.0, conditioning=c, cond_latents=clean,
+      cond_noise=eps[:3],
+    )  # fmt: skip

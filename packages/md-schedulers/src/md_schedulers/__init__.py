@@ -31,7 +31,7 @@ from md_schedulers._ltx import (
   ltx_mu,
   ltx_uniform_sigmas,
 )
-from md_schedulers._ltx_token import ltx_token_euler, ltx_token_timesteps
+from md_schedulers._ltx_token import ltx_token_euler, ltx_token_noised, ltx_token_timesteps
 from md_schedulers._pndm import pndm
 from md_schedulers._sample import (
   Cancelled,
@@ -106,6 +106,7 @@ __all__ = [
   "ltx_euler_ancestral_rf",
   "ltx_mu",
   "ltx_token_euler",
+  "ltx_token_noised",
   "ltx_token_timesteps",
   "ltx_uniform_sigmas",
   "min_snr_weight",

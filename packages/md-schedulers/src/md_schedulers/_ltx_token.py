@@ -12,7 +12,13 @@ Conditioning tokens (an image as the first latent frame, keyframes, a video pref
   reference's unconditioned path (sigmas from the timesteps, `T = num_train_timesteps`).
 
 The mask rides in the state (`tables["conditioning"]`, `[B, *tokens]`) and applies to the sample whose
-leading axes are `[B, *tokens]` with one trailing channel axis. Other leaves of a multi-modality sample
+leading axes are `[B, *tokens]` with one trailing channel axis.
+
+Conditioning noise (LTX-Video's `image_cond_noise_scale`): before each model call the reference resets the
+hard-conditioned tokens (`c = 1`) to their clean latents plus fresh noise, `clean + s * eps_i * (t_i /
+1000)^2`. Given `init(..., cond_latents=, cond_noise=, cond_noise_scale=)`, `step` does this at the end of
+each call for the next one (the last call adds none), and `ltx_token_noised(state, sample)` does it for
+the first call, before the loop. Other leaves of a multi-modality sample
 (LTX-2's audio, a different rank) take the plain Euler step; pass `init(..., shape=...)` with every leaf's
 shape to have a mask that fits no leaf, or several, refused.
 """
@@ -52,6 +58,28 @@ def ltx_token_timesteps(
   raise ValueError(f"rule={rule!r}: expected one of {LTX_TOKEN_RULES}")
 
 
+def _noised(tables: dict, timesteps: jax.Array, i, sample: jax.Array) -> jax.Array:
+  """The sample with its hard-conditioned tokens set to call `i`'s noised clean latents."""
+  c = tables["conditioning"]
+  hard = (c > 1.0 - 1e-6)[..., None]
+  t = timesteps[i].astype(jnp.float32)
+  # The reference's order of operations: clean + scale * eps * (t / 1000)^2.
+  noised = (
+    tables["cond_latents"]
+    + tables["cond_noise_scale"][i] * tables["cond_noise"][i] * (t / 1000.0) ** 2
+  )
+  return jnp.where(hard, noised.astype(sample.dtype), sample)
+
+
+def ltx_token_noised(state: _base.SchedulerState, sample: jax.Array) -> jax.Array:
+  """The sample the first model call sees: with conditioning noise (`init(..., cond_noise=...)`), the
+  hard-conditioned tokens (`c = 1`) set to `clean + s * eps * (t / 1000)^2` of the state's current call;
+  otherwise `sample` unchanged. Later calls get theirs from `step`."""
+  if "cond_noise" not in state.tables:
+    return sample
+  return _noised(state.tables, state.timesteps, state.step, sample)
+
+
 def ltx_token_euler(*, rule: str = "keep", **config: Any) -> _base.Scheduler:
   """Flow-match Euler where conditioning tokens keep their value or move at their own noise level.
 
@@ -62,8 +90,11 @@ def ltx_token_euler(*, rule: str = "keep", **config: Any) -> _base.Scheduler:
 
   Returns:
     A Scheduler; `init(num_inference_steps=None, *, sigmas=None, timesteps=None, mu=None,
-    conditioning=None, shape=None)`: `conditioning` `[B, *tokens]` (None: every token moves, plain
-    flow-match Euler), `shape` the sample's shape or a pytree of the leaves' shapes to check it against.
+    conditioning=None, shape=None, cond_latents=None, cond_noise=None, cond_noise_scale=0.0)`:
+    `conditioning` `[B, *tokens]` (None: every token moves, plain flow-match Euler), `shape` the sample's
+    shape or a pytree of the leaves' shapes to check it against; `cond_latents` `[B, *tokens, C]` the
+    clean conditioning latents and `cond_noise` `[num_calls, B, *tokens, C]` the standard-normal noise of
+    each call, for the conditioning noise (see the module docstring; with a `cond_noise_scale`).
   """
   name = "LTXTokenEulerScheduler"
   if rule not in LTX_TOKEN_RULES:
@@ -83,6 +114,9 @@ def ltx_token_euler(*, rule: str = "keep", **config: Any) -> _base.Scheduler:
     mu=None,
     conditioning=None,
     shape=None,
+    cond_latents=None,
+    cond_noise=None,
+    cond_noise_scale=0.0,
     dtype=jnp.float32,
   ):
     del dtype
@@ -103,6 +137,24 @@ def ltx_token_euler(*, rule: str = "keep", **config: Any) -> _base.Scheduler:
             f"the leaves are {[tuple(v) for v in leaves]}"
           )
       tables["conditioning"] = c
+    if (cond_latents is None) != (cond_noise is None):
+      raise ValueError(f"{name}: conditioning noise needs both cond_latents and cond_noise")
+    if cond_noise is not None:
+      if conditioning is None:
+        raise ValueError(f"{name}: conditioning noise needs the conditioning mask")
+      clean, eps = np.asarray(cond_latents, np.float32), np.asarray(cond_noise, np.float32)
+      if not _fits(tables["conditioning"].shape, clean.shape):
+        raise ValueError(
+          f"{name}: cond_latents {clean.shape} must be [B, *tokens, C] for the conditioning mask "
+          f"{tables['conditioning'].shape}"
+        )
+      if eps.shape != (len(ts), *clean.shape):
+        raise ValueError(
+          f"{name}: cond_noise must be [num_calls, B, *tokens, C] = {(len(ts), *clean.shape)}, got "
+          f"{eps.shape}"
+        )
+      tables["cond_latents"], tables["cond_noise"] = clean, eps
+      tables["cond_noise_scale"] = np.full((len(ts),), cond_noise_scale, np.float32)
     return _base.make_state(timesteps=ts, sigmas=s, tables=tables)
 
   def step(state, model_output, sample, key=None, *, noise=None):
@@ -125,6 +177,11 @@ def ltx_token_euler(*, rule: str = "keep", **config: Any) -> _base.Scheduler:
       moved = x + (current - nxt)[..., None] * (-v)
       reached = (t / n_train - 1e-6 < (1 - c))[..., None]
       moved = jnp.where(reached, moved, x)
+    if "cond_noise" in state.tables and c is not None and _fits(c.shape, sample.shape):
+      # The next call's conditioning noise (none after the last call).
+      last = state.timesteps.shape[0] - 1
+      nxt = jnp.minimum(i + 1, last)
+      moved = jnp.where(i < last, _noised(state.tables, state.timesteps, nxt, moved), moved)
     return moved.astype(dtype), state._replace(step=i + 1)
 
   return _base.Scheduler(name, cfg, init, step, _base.identity_scale, False, None)
