@@ -12,15 +12,15 @@ Conditioning tokens (an image as the first latent frame, keyframes, a video pref
   reference's unconditioned path (sigmas from the timesteps, `T = num_train_timesteps`).
 
 The mask rides in the state (`tables["conditioning"]`, `[B, *tokens]`) and applies to the sample whose
-leading axes are `[B, *tokens]` with one trailing channel axis.
+leading axes are `[B, *tokens]` with one trailing channel axis. Other leaves of a multi-modality sample
+(LTX-2's audio, a different rank) take the plain Euler step; pass `init(..., shape=...)` with every leaf's
+shape to have a mask that fits no leaf, or several, refused.
 
 Conditioning noise (LTX-Video's `image_cond_noise_scale`): before each model call the reference resets the
 hard-conditioned tokens (`c = 1`) to their clean latents plus fresh noise, `clean + s * eps_i * (t_i /
 1000)^2`. Given `init(..., cond_latents=, cond_noise=, cond_noise_scale=)`, `step` does this at the end of
 each call for the next one (the last call adds none), and `ltx_token_noised(state, sample)` does it for
-the first call, before the loop. Other leaves of a multi-modality sample
-(LTX-2's audio, a different rank) take the plain Euler step; pass `init(..., shape=...)` with every leaf's
-shape to have a mask that fits no leaf, or several, refused.
+the first call, before the loop.
 """
 
 from __future__ import annotations
