@@ -1,6 +1,6 @@
 """CLIP text and vision encoders (OpenAI CLIP, OpenCLIP H / bigG) as transformers' `CLIP*Model` classes.
 
-Pre-LN transformers whose layers are stacked on a leading `layers` axis and run with `jax.lax.scan` (one layer
+Pre-LN transformers whose layers are stacked on a leading `layers` axis and run with `md_core.scan_layers` (one layer
 compiled). The text encoder is causal and pools at the end-of-text token; the vision encoder embeds patches with
 a strided conv, prepends a class token and pools it. Every hidden state is returned stacked (`[L + 1, B, S, D]`),
 so SDXL's penultimate layer, `clip_skip` and Wan I2V's `hidden_states[-2]` are one index away.
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import md_attention as mda
+import md_core
 import md_sharding as mds
 from md_core import nn
 
@@ -436,15 +437,13 @@ class CLIPEncoder(nnx.Module):
     self, x: jax.Array, *, mask: jax.Array | None, causal: bool, keep_all: bool
   ) -> tuple[jax.Array, jax.Array | None]:
     """Runs the stack over `x [B, S, D]`; returns the output and, with `keep_all`, `[L + 1, B, S, D]`."""
-    graphdef, state = nnx.split(self.layers)
 
-    def body(h, layer_state):
-      h = nnx.merge(graphdef, layer_state)(h, mask=mask, causal=causal)
+    def body(layer, h, _):
+      h = layer(h, mask=mask, causal=causal)
       return h, (h if keep_all else None)
 
-    if self.remat:
-      body = jax.checkpoint(body)
-    out, per_layer = jax.lax.scan(body, x, state)
+    remat = "full" if self.remat else "none"
+    out, per_layer = md_core.scan_layers(self.layers, body, x, remat=remat, hookable=False)
     if not keep_all:
       return out, None
     return out, jnp.concatenate([x[None], per_layer], axis=0)

@@ -380,13 +380,12 @@ class LTX2Connector(nnx.Module):
     cos, sin = connector_rope_tables(self.cfg, self.heads, self.head_dim, s)
     cos, sin = jnp.asarray(cos), jnp.asarray(sin)
     interleaved = self.cfg.rope_type == "interleaved"
-    graphdef, params = nnx.split(self.blocks)
 
-    def body(h, layer):
-      return nnx.merge(graphdef, layer)(h, cos, sin, key_mask, interleaved, self.attention), None
+    def body(block, h, _):
+      return block(h, cos, sin, key_mask, interleaved, self.attention), None
 
     if self.num_layers:
-      h, _ = jax.lax.scan(body, h, params)
+      h, _ = md_core.scan_layers(self.blocks, body, h, hookable=False)
     return self.norm_out(h)
 
 

@@ -26,8 +26,7 @@ from flax import nnx
 
 import md_attention as mda
 import md_core
-from md_core import nn
-from md_text._t5 import REMAT_POLICIES, _remat, stack_layers
+from md_core import nn, stack_layers
 from md_text._tokenizer import Tokens
 
 _F32 = jnp.float32
@@ -81,8 +80,8 @@ class Qwen3Config:
   attention: mda.AttentionConfig = dataclasses.field(default_factory=mda.AttentionConfig)
 
   def __post_init__(self):
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"Qwen3Config.remat={self.remat!r} is not one of {REMAT_POLICIES}")
+    if self.remat not in md_core.REMAT_POLICIES:
+      raise ValueError(f"Qwen3Config.remat={self.remat!r} is not one of {md_core.REMAT_POLICIES}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
         f"num_key_value_heads={self.num_key_value_heads} must divide "
@@ -337,23 +336,24 @@ class Qwen3Encoder(nnx.Module):
     slot_of = np.full((n,), len(inner), np.int32)
     for j, i in enumerate(inner):
       slot_of[i - 1] = j
-    graphdef, params = nnx.split(self.layers)
     run = depth if depth < n else n
-    if run < n:
-      params = jax.tree.map(lambda p: p[:run], params)
+    layers = self.layers
+    if run < n:  # only the layers up to the deepest one asked for
+      graphdef, params = nnx.split(layers)
+      layers = nnx.merge(graphdef, jax.tree.map(lambda p: p[:run], params))
 
-    def body(carry, xs):
+    def body(layer, carry, slot):
       h, buf = carry
-      layer, slot = xs
-      h = nnx.merge(graphdef, layer)(h, cos, sin, mask)
+      h = layer(h, cos, sin, mask)
       buf = jax.lax.dynamic_update_index_in_dim(buf, h.astype(buf.dtype), slot, 0)
       return (h, buf), None
 
     buf = jnp.zeros((len(inner) + 1, b, s, cfg.hidden_size), h.dtype)
     if run:
-      (h, buf), _ = jax.lax.scan(
-        _remat(body, cfg.remat), (h, buf), (params, jnp.asarray(slot_of[:run]))
-      )
+      (h, buf), _ = md_core.scan_layers(
+        layers, body, (h, buf), per_layer=jnp.asarray(slot_of[:run]), remat=cfg.remat,
+        hookable=False,
+      )  # fmt: skip
     last = self.norm(h) if run == n else None
     picked = []
     for i in wanted:
