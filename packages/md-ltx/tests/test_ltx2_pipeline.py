@@ -11,7 +11,9 @@ import pytest
 
 import md_core
 import md_ltx
+import md_schedulers as mdsch
 import md_sharding as mds
+import md_vae
 from md_core import testing
 from md_ltx._ltx2_pipeline import LTX2Output, load_ltx2_pipeline, save_ltx2_video
 
@@ -110,7 +112,7 @@ def test_image_latents_match_reference(pipe, ref):
 
 
 def test_size_errors_name_nearest_valid(pipe):
-  with pytest.raises(ValueError, match=r"num_frames=10 → 9 or 17"):
+  with pytest.raises(md_core.pipeline.SizeError, match=r"num_frames=10 → 9 or 17"):
     pipe(PROMPTS[0], **dict(ERR, num_frames=10))
   with pytest.raises(ValueError, match=r"height=40 → 32 or 64"):
     pipe(PROMPTS[0], **dict(ERR, height=40))
@@ -177,3 +179,70 @@ def test_load_pipeline_dispatches_ltx2_folders():
   assert isinstance(pipe, md_ltx.LTX2VideoPipeline)
   with pytest.raises(ValueError, match="condition"):
     md_ltx.load_pipeline(ROOT / "pipe", condition=True)
+
+
+# --- the shared loop's call contract: latent output, callback, cancel ----------------------------------------
+
+T2V_IN = dict(T2V, **KW)
+
+
+@pytest.fixture(scope="module")
+def t2v_latent(pipe, ref):
+  return pipe(
+    PROMPTS, NEGATIVE, latents=ref["t2v_latents"], audio_latents=ref["t2v_audio_latents"],
+    output_type="latent", chunk=None, **T2V_IN,
+  )  # fmt: skip
+
+
+def test_latent_output_decodes_to_the_frames(pipe, ref, t2v_out, t2v_latent):
+  """output_type="latent": denormalised video `[B, C, f, h, w]` and audio `[B, C, L, M]` latents (the
+  reference's layouts) that the VAEs decode to the "np" call's frames and waveform."""
+  assert t2v_latent.frames.shape == ref["t2v_latents"].shape
+  assert t2v_latent.audio.shape == ref["t2v_audio_latents"].shape
+  assert pipe.last_calls == 3
+  z = pipe.vae.normalize_latents(np.transpose(np.asarray(t2v_latent.frames), (0, 2, 3, 4, 1)))
+  frames = pipe.decode_video(
+    z, decode_timestep=0.05, decode_noise_scale=0.025, decode_noise=ref["t2v_decode_noise"]
+  )
+  assert _max_diff(frames, np.asarray(t2v_out.frames)) < 1e-5
+  packed = md_vae.pack_audio_latents(np.transpose(np.asarray(t2v_latent.audio), (0, 2, 3, 1)))
+  audio = pipe.decode_audio(pipe.audio_vae.normalize_latents(packed))
+  assert _max_diff(audio, np.asarray(t2v_out.audio)) < 1e-5
+  with pytest.raises(ValueError, match="output_type='pil'"):
+    pipe(PROMPTS, NEGATIVE, output_type="pil", **T2V_IN)
+
+
+def test_callback_sees_every_step(pipe, ref, t2v_latent):
+  """Steps 0, 1, 2 with the schedule's timesteps (flow-match Euler, sigmas shifted by the 64 tokens'
+  mu); the last latents are the result's (normalised, packed); chunked runs equal one fori_loop."""
+  seen = []
+  out = pipe(
+    PROMPTS, NEGATIVE, latents=ref["t2v_latents"], audio_latents=ref["t2v_audio_latents"],
+    output_type="latent", callback=lambda i, t, lat: seen.append((i, float(t), lat)), **T2V_IN,
+  )  # fmt: skip
+  cfg = pipe.scheduler_config
+  want = mdsch.from_config(cfg).init(sigmas=mdsch.ltx_uniform_sigmas(3), mu=mdsch.ltx_mu(64, cfg))
+  assert [i for i, _, _ in seen] == [0, 1, 2]
+  np.testing.assert_allclose([t for _, t, _ in seen], np.asarray(want.timesteps), rtol=0, atol=0)
+  video, audio = seen[-1][2]
+  assert video.shape == (2, 64, 8) and audio.shape == (2, 5, 8)
+  z = pipe.vae.denormalize_latents(np.asarray(video).reshape(2, 2, 4, 8, 8))
+  np.testing.assert_array_equal(np.transpose(np.asarray(z), (0, 4, 1, 2, 3)), out.frames)
+  np.testing.assert_array_equal(np.asarray(out.frames), np.asarray(t2v_latent.frames))
+  np.testing.assert_array_equal(np.asarray(out.audio), np.asarray(t2v_latent.audio))
+
+
+def test_cancel_stops_at_a_step_boundary(pipe, ref):
+  polls = []
+
+  def cancel():
+    polls.append(1)
+    return len(polls) >= 2
+
+  with pytest.raises(mdsch.Cancelled) as err:
+    pipe(
+      PROMPTS, NEGATIVE, latents=ref["t2v_latents"], audio_latents=ref["t2v_audio_latents"],
+      output_type="latent", cancel=cancel, **T2V_IN,
+    )  # fmt: skip
+  assert (err.value.step, err.value.total, int(err.value.state.calls)) == (2, 3, 2)
+  assert len(polls) == 2

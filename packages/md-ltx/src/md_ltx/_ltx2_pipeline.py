@@ -77,61 +77,6 @@ class LTX2Output:
     return iter((self.frames, self.audio))
 
 
-# LTX-2's sizes when no folder says otherwise: 32x spatial and 8x temporal VAE compression, patch 1.
-_LTX2_FACTORS = dict(spatial=32, temporal=8, patch_size=1, patch_size_t=1)
-
-
-def _size_rules(spatial: int, temporal: int, patch: int, patch_t: int) -> tuple[int, int]:
-  return math.lcm(32, spatial * patch), temporal * patch_t
-
-
-def ltx2_size_rules(
-  source: str | os.PathLike | None = None, *, transformer: Any = None
-) -> tuple[int, int]:
-  """The sizes an LTX-2 pipeline takes, without loading it: `(multiple, frame_step)` — height and width
-  multiples of `multiple`, `num_frames = 1 + frame_step * k`.
-
-  Read from a local diffusers folder's `vae/config.json` and `transformer/config.json` (the latter only
-  when `transformer` is None: another transformer brings its own patch sizes, LTX-2's 1); for a hub id
-  or no source, LTX-2's (32x spatial, 8x temporal compression, patch 1: 32 and 8).
-  """
-  f = dict(_LTX2_FACTORS)
-  root = None if source is None else pathlib.Path(source)
-  if root is not None and (root / "vae" / "config.json").is_file():
-    vae = md_core.read_json(root / "vae" / "config.json")
-    f["spatial"] = int(vae.get("spatial_compression_ratio", f["spatial"]))
-    f["temporal"] = int(vae.get("temporal_compression_ratio", f["temporal"]))
-  if root is not None and transformer is None and (root / "transformer" / "config.json").is_file():
-    tr = md_core.read_json(root / "transformer" / "config.json")
-    f["patch_size"] = int(tr.get("patch_size", f["patch_size"]))
-    f["patch_size_t"] = int(tr.get("patch_size_t", f["patch_size_t"]))
-  return _size_rules(f["spatial"], f["temporal"], f["patch_size"], f["patch_size_t"])
-
-
-def check_ltx2_size(
-  height: int,
-  width: int,
-  num_frames: int,
-  *,
-  source: str | os.PathLike | None = None,
-  transformer: Any = None,
-) -> None:
-  """Checks a size against `ltx2_size_rules(source, transformer=...)` before anything is loaded.
-
-  Raises:
-    md_core.pipeline.SizeError: (a ValueError) naming each bad value with the nearest valid ones, e.g.
-      `height=40 → 32 or 64`.
-  """
-  _check_size(height, width, num_frames, *ltx2_size_rules(source, transformer=transformer))
-
-
-def _check_size(height: int, width: int, num_frames: int, multiple: int, frame_step: int) -> None:
-  try:
-    check_video_size("LTX-2 VAE", height, width, num_frames, multiple, frame_step)
-  except ValueError as e:
-    raise mdp.SizeError(str(e)) from None
-
-
 # H.264 quality the LTX-2 / 2.3 (Gemma 3) checkpoints were trained with for conditioning images.
 LTX2_IMAGE_CRF = 33
 
@@ -314,13 +259,11 @@ class LTX2VideoPipeline(mdp.Pipeline):
   def check_size(self, height: int, width: int, num_frames: int) -> None:
     """Raises `md_core.pipeline.SizeError` (a ValueError naming the nearest valid values) for sizes the
     VAE and the packing cannot take: height and width multiples of 32 (and of the VAE's factor × patch),
-    `num_frames = 1 + 8k` (see `ltx2_size_rules`)."""
+    `num_frames = 1 + 8k`."""
     tc = self.transformer.cfg
-    rules = _size_rules(
-      self.vae_spatial_compression_ratio, self.vae_temporal_compression_ratio, tc.patch_size,
-      tc.patch_size_t,
-    )  # fmt: skip
-    _check_size(height, width, num_frames, *rules)
+    m = math.lcm(32, self.vae_spatial_compression_ratio * tc.patch_size)
+    t = self.vae_temporal_compression_ratio * tc.patch_size_t
+    check_video_size("LTX-2 VAE", height, width, num_frames, m, t)
 
   # --- packing ---------------------------------------------------------------------------------------------
   def _pack(self, x):
