@@ -34,7 +34,7 @@ def test_sharded_pipeline_matches_single_device():
   prompts = ["a photo of a cat", "an astronaut riding a horse"]
   want = np.asarray(single(prompts, **kw))
   # 4 images: the batch splits over data × fsdp (2 × 2), the parameters over fsdp × tensor.
-  assert sharded._place(jax.numpy.zeros((4, 1))).sharding.spec[0] == ("data", "fsdp")
+  assert sharded.place(jax.numpy.zeros((4, 1))).sharding.spec[0] == ("data", "fsdp")
   got = sharded(prompts, **kw)
   assert got.shape[0] == 4 and len(got.sharding.device_set) == 8
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)

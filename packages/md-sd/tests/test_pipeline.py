@@ -2,12 +2,15 @@
 
 Each case repeats the reference's call (the settings below) on md's loaded pipeline and compares the float
 images (output_type="np") within 1e-3. Pipelines load once per module; each distinct shape and setting
-compiles once.
+compiles once. The default suite covers every feature path once (SD 1.x with and without CFG, SD 2
+v-prediction, SDXL, an SDXL-Lightning UNet file without CFG, SD and SDXL ControlNet); other schedulers and
+combinations are under `-m slow`.
 """
 
 import numpy as np
 import pytest
 
+import md_schedulers as mdsch
 import md_sd
 from md_core import testing
 
@@ -57,10 +60,16 @@ def sdxl(root):
   return md_sd.load_pipeline(root / "sdxl")
 
 
+@pytest.fixture(scope="module")
+def sd2(root):
+  return md_sd.load_pipeline(root / "sd2")
+
+
 def check(images, want):
   images = np.asarray(images)
   assert images.shape == want.shape and images.dtype == np.float32
   err = float(np.abs(images - want).max())
+  print(f"max abs error {err:.2e}")  # shown with pytest -rP
   assert err < ATOL, f"max abs error {err:.2e}"
 
 
@@ -116,7 +125,6 @@ def test_sd_images_per_prompt_and_negative(sd, outputs):
   check(images, case["images"])
 
 
-@pytest.mark.slow
 def test_sd_without_guidance(sd, outputs):
   case = outputs["sd_nocfg"]
   check(sd(PROMPTS, latents=case["latents"], guidance_scale=1.0, **COMMON), case["images"])
@@ -126,7 +134,10 @@ def test_sd_without_guidance(sd, outputs):
   "sched,strength", [("ddim", 0.7), pytest.param("euler", 0.5, marks=pytest.mark.slow)]
 )
 def test_sd_image_to_image(sd, outputs, sched, strength):
+  """Also: the run starts part-way (3 steps at strength 0.7 or 0.5: calls 1 and 2), which the callback
+  sees with the scheduler's timesteps."""
   case = outputs[f"img2img_{sched}"]
+  seen = []
   images = sd(
     PROMPTS,
     image=case["image"],
@@ -135,15 +146,17 @@ def test_sd_image_to_image(sd, outputs, sched, strength):
     encode_noise=case["encode_noise"],
     guidance_scale=5.0,
     scheduler=SCHEDULER[sched],
+    callback=lambda i, t, x: seen.append((i, float(t))),
     **COMMON,
   )
   check(images, case["images"])
+  state = sd.make_scheduler(SCHEDULER[sched]).init(3, shape=(2, 4, 4, 4))
+  assert [i for i, _ in seen] == [1, 2] and sd.last_calls == 2
+  np.testing.assert_array_equal([t for _, t in seen], np.asarray(state.timesteps[1:], np.float32))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sched", ["ddim", "dpm"])
-def test_sd2_v_prediction(root, outputs, sched):
-  sd2 = md_sd.load_pipeline(root / "sd2")
+@pytest.mark.parametrize("sched", ["ddim", pytest.param("dpm", marks=pytest.mark.slow)])
+def test_sd2_v_prediction(sd2, outputs, sched):
   case = outputs[f"sd2_{sched}"]
   images = sd2(
     PROMPTS,
@@ -220,7 +233,6 @@ def test_sdxl_embeds(sdxl, outputs):
   check(images, case["images"])
 
 
-@pytest.mark.slow
 def test_sdxl_lightning_unet_file(root, outputs):
   pipe = md_sd.load_pipeline(root / "sdxl", unet_file=root / "lightning_unet.safetensors")
   case = outputs["sdxl_lightning"]
@@ -249,7 +261,6 @@ def test_controlnet_sd(root, outputs):
   check(images, case["images"])
 
 
-@pytest.mark.slow
 def test_controlnet_sdxl(root, outputs):
   pipe = md_sd.load_pipeline(root / "sdxl", controlnet=root / "controlnet_sdxl")
   case = outputs["controlnet_sdxl"]
@@ -273,3 +284,29 @@ def test_same_seed_same_images(sd):
   np.testing.assert_array_equal(a, b)
   assert np.abs(a - c).max() > 1e-3
   assert a.min() >= 0.0 and a.max() <= 1.0
+
+
+def test_callback_latent_output_and_cancel(sd, outputs):
+  """`callback` sees every step with the scheduler's timesteps; `output_type="latent"` gives the
+  reference-layout latents that decode to the images; `chunk=None` runs the same steps in one call;
+  `cancel` stops at a step boundary. Same program as test_sd_text_to_image[ddim] (no new compile)."""
+  case = outputs["sd_ddim"]
+  kw = dict(latents=case["latents"], guidance_scale=5.0, scheduler="DDIMScheduler", **COMMON)
+  seen = []
+  z = sd(PROMPTS, output_type="latent", callback=lambda i, t, x: seen.append((i, float(t))), **kw)
+  assert z.shape == (2, 4, 4, 4)  # [B, C, H/8, W/8]
+  assert sd.last_calls == 3
+  want_t = np.asarray(sd.make_scheduler("DDIMScheduler").init(3, shape=(2, 4, 4, 4)).timesteps)
+  assert [i for i, _ in seen] == [0, 1, 2]
+  np.testing.assert_array_equal([t for _, t in seen], want_t.astype(np.float32))
+  check(sd.decode(np.transpose(np.asarray(z), (0, 2, 3, 1))), case["images"])
+  whole = sd(PROMPTS, output_type="latent", chunk=None, **kw)
+  np.testing.assert_allclose(np.asarray(whole), np.asarray(z), atol=1e-6, rtol=0)
+  with pytest.raises(mdsch.Cancelled, match="cancelled at step 1/3"):
+    sd(PROMPTS, cancel=lambda: True, **kw)
+  stops = []
+  with pytest.raises(mdsch.Cancelled, match="cancelled at step 2/3"):
+    sd(PROMPTS, callback=lambda i, t, x: stops.append(i) or i < 1, **kw)
+  assert stops == [0, 1]
+  with pytest.raises(ValueError, match="output_type='pil': expected 'np' or 'latent'"):
+    sd(PROMPTS, output_type="pil", **kw)

@@ -1,9 +1,12 @@
 """Stable Diffusion pipelines (SD 1.x / 2.x / XL): text-to-image, image-to-image and ControlNet.
 
-Three jitted programs per shape: text encoding, the denoising loop (one `fori_loop` over scheduler calls with
-classifier-free guidance and the ControlNet inside) and VAE decoding. The models are split once into a
-graph definition (static) and their state (a jit argument), so calling a pipeline again with the same
-shapes and settings reuses the compiled programs.
+Three kinds of jitted programs per shape: text encoding, the denoising steps and VAE decoding. The
+steps run on md's one sampling loop (`md_schedulers.run_steps`, driven from the host in chunks by
+`md_schedulers.drive`): the loop owns classifier-free guidance (rows `[negative, positive]`),
+guidance rescale, the scheduler step, starting and stopping part-way and the step-cache hook; this
+module only supplies the denoiser (ControlNet residuals, SDXL's added conditioning, the UNet call). The
+models are split once into a graph definition (static) and their state (a jit argument), so calling a
+pipeline again with the same shapes and settings reuses the compiled programs.
 
 Behaviour follows diffusers' `StableDiffusionPipeline`, `StableDiffusionImg2ImgPipeline`,
 `StableDiffusionXLPipeline`, `StableDiffusionXLImg2ImgPipeline` (also as the SDXL refiner) and their
@@ -16,10 +19,9 @@ with any scheduler (`md_schedulers.strength_start` / `start_at`), SDXL's `denois
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,7 +33,7 @@ import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
-from md_core import progress as md_progress
+from md_core import pipeline as mdp
 from md_sd._config import UNetConfig
 from md_sd._controlnet import ControlNetModel
 from md_sd._unet import UNet2DConditionModel
@@ -49,59 +51,32 @@ _KINDS = {
 }
 
 
-@dataclasses.dataclass
-class _Split:
-  """A module split once: the static graph definition and the state passed to jitted functions."""
+def check_size(height: int | None, width: int | None, factor: int = 8) -> None:
+  """Checks an image size: height and width must be positive multiples of `factor` (None: the default size).
 
-  graphdef: Any
-  state: Any
-
-  @classmethod
-  def of(cls, module: nnx.Module | None) -> _Split | None:
-    if module is None:
-      return None
-    graphdef, state = nnx.split(module)
-    return cls(graphdef, state)
-
-  def merge(self, state: Any) -> nnx.Module:
-    return nnx.merge(self.graphdef, state)
-
-
-def nearest_multiples(value: int, factor: int) -> tuple[int, int]:
-  """The multiples of `factor` just below and above `value` (the lower one at least `factor`)."""
-  low = max(factor, value // factor * factor)
-  return low, low + factor if low < value else low
-
-
-def check_size(height: int, width: int, factor: int = 8) -> None:
-  """Raises a ValueError naming the nearest valid sizes when height or width is not a multiple of `factor`."""
-  bad = [(name, v) for name, v in (("height", height), ("width", width)) if v % factor or v <= 0]
+  Raises:
+    md_core.pipeline.SizeError: naming each bad value and the nearest valid ones.
+  """
+  bad = []
+  for name, v in (("height", height), ("width", width)):
+    if v is None:
+      continue
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+      raise mdp.SizeError(f"{name} must be an int, got {v!r}")
+    if v % factor or v <= 0:
+      bad.append(f"{name}={v} → {' or '.join(map(str, mdp.nearest_multiples(int(v), factor)))}")
   if bad:
-    hints = ", ".join(
-      f"{name}={v} → {' or '.join(map(str, nearest_multiples(v, factor)))}" for name, v in bad
-    )
-    raise ValueError(
+    raise mdp.SizeError(
       f"height and width must be positive multiples of {factor} (the VAE's factor); got height={height}, "
-      f"width={width}; nearest valid: {hints}"
+      f"width={width}; nearest valid: {', '.join(bad)}"
     )
 
 
 def rescale_noise_cfg(
   noise_cfg: jax.Array, noise_pred_text: jax.Array, guidance_rescale: jax.Array
-):
-  """Guidance rescale (Lin et al. 2023, §3.4): match the guided prediction's per-example std to the
-  text-conditioned one's, then mix by `guidance_rescale`. Unbiased std, as the reference's `torch.std`."""
-  axes = tuple(range(1, noise_cfg.ndim))
-  std_text = jnp.std(noise_pred_text, axis=axes, keepdims=True, ddof=1)
-  std_cfg = jnp.std(noise_cfg, axis=axes, keepdims=True, ddof=1)
-  rescaled = noise_cfg * (std_text / std_cfg)
-  return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg
-
-
-def _as_list(prompt: str | Sequence[str] | None) -> list[str] | None:
-  if prompt is None:
-    return None
-  return [prompt] if isinstance(prompt, str) else list(prompt)
+) -> jax.Array:
+  """diffusers' name for guidance rescale: `md_schedulers.guidance.rescale` (which the loop runs)."""
+  return mdsch.guidance.rescale(noise_cfg, noise_pred_text, guidance_rescale)
 
 
 def _nchw_to_nhwc(x) -> jax.Array:
@@ -111,7 +86,7 @@ def _nchw_to_nhwc(x) -> jax.Array:
   return jnp.transpose(x, (0, 2, 3, 1))
 
 
-class StableDiffusionPipeline:
+class StableDiffusionPipeline(mdp.Pipeline):
   """A loaded SD 1.x / 2.x / XL pipeline (see `load_pipeline`); call it to generate images.
 
   Attributes:
@@ -123,7 +98,10 @@ class StableDiffusionPipeline:
     scheduler_config: the checkpoint's `scheduler_config.json` dict.
     force_zeros_for_empty_prompt: SDXL: zero negative embeddings when no negative prompt is given.
     requires_aesthetics_score: SDXL refiner: `time_ids` hold an aesthetic score instead of the target size.
+    last_calls: the denoiser calls the last call made (a step reused by a step cache makes none).
   """
+
+  last_calls: int = 0
 
   def __init__(
     self,
@@ -150,7 +128,8 @@ class StableDiffusionPipeline:
       raise ValueError("an SD pipeline needs text_encoder and tokenizer")
     if (text_encoder is None) != (tokenizer is None):
       raise ValueError("text_encoder and tokenizer come together (both or neither)")
-    self.kind, self.source, self.mesh = kind, source, mesh
+    self.kind = kind
+    self._init_scaffold(mesh, source)
     self.unet, self.vae, self.controlnet = unet, vae, controlnet
     if controlnet is None:
       nets = []
@@ -166,10 +145,9 @@ class StableDiffusionPipeline:
     self.scheduler_config = dict(scheduler_config)
     self.force_zeros_for_empty_prompt = force_zeros_for_empty_prompt
     self.requires_aesthetics_score = bool(requires_aesthetics_score)
-    self._unet, self._vae = _Split.of(unet), _Split.of(vae)
-    self._te, self._te2 = _Split.of(text_encoder), _Split.of(text_encoder_2)
-    self._cns = [_Split.of(n) for n in nets]
-    self._compiled: dict[Any, Any] = {}
+    self._unet, self._vae = mdp.Split.of(unet), mdp.Split.of(vae)
+    self._te, self._te2 = mdp.Split.of(text_encoder), mdp.Split.of(text_encoder_2)
+    self._cns = [mdp.Split.of(n) for n in nets]
 
   # --- facts --------------------------------------------------------------------------------------------
   @property
@@ -193,25 +171,10 @@ class StableDiffusionPipeline:
 
   def replace_unet(self, unet: UNet2DConditionModel) -> None:
     """Swaps the UNet (e.g. a distilled one with the same config); compiled programs are rebuilt."""
-    self.unet, self._unet = unet, _Split.of(unet)
-    self._compiled.clear()
+    self.unet, self._unet = unet, mdp.Split.of(unet)
+    self._memo.clear()
 
   # --- jitted pieces -----------------------------------------------------------------------------------
-  def _jit(self, key, make):
-    fn = self._compiled.get(key)
-    if fn is None:
-      fn = self._compiled[key] = make()
-    if self.mesh is None:
-      return fn
-    mesh = self.mesh
-
-    def under_mesh(*args, **kwargs):
-      # The UNet pins its activations' shardings by logical names, which needs the mesh in context.
-      with jax.set_mesh(mesh):
-        return fn(*args, **kwargs)
-
-    return under_mesh
-
   def _encode_fn(self, clip_skip: int | None):
     te, te2, kind = self._te, self._te2, self.kind
 
@@ -250,18 +213,19 @@ class StableDiffusionPipeline:
         raise ValueError(
           f"clip_skip={clip_skip} is out of range for a {layers}-layer text encoder ({self.kind})"
         )
-    prompts = _as_list(prompts)
+    prompts = mdp.as_prompts(prompts)
     ids = None if self.tokenizer is None else md_text.tokenize(self.tokenizer, prompts).ids
     ids2 = md_text.tokenize(self.tokenizer_2, prompts).ids if self.kind == "sdxl" else None
-    fn = self._jit(("encode", clip_skip), lambda: self._encode_fn(clip_skip))
+    fn = self.jit(("encode", clip_skip), lambda: self._encode_fn(clip_skip))
     te_state = None if self._te is None else self._te.state
     te2_state = None if self._te2 is None else self._te2.state
-    return fn(
-      te_state,
-      te2_state,
-      None if ids is None else jnp.asarray(ids),
-      None if ids2 is None else jnp.asarray(ids2),
-    )
+    with self.context():
+      return fn(
+        te_state,
+        te2_state,
+        None if ids is None else jnp.asarray(ids),
+        None if ids2 is None else jnp.asarray(ids2),
+      )
 
   def _decode_fn(self):
     vae = self._vae
@@ -283,7 +247,8 @@ class StableDiffusionPipeline:
 
   def decode(self, latents: jax.Array) -> jax.Array:
     """The denoiser's latents `[B, h, w, C]` (channels-last) → images `[B, H, W, 3]` in [0, 1]."""
-    return self._jit("decode", self._decode_fn)(self._vae.state, latents)
+    with self.context():
+      return self.jit("decode", self._decode_fn)(self._vae.state, latents)
 
   def _image_latents_fn(self):
     vae = self._vae
@@ -301,79 +266,55 @@ class StableDiffusionPipeline:
 
     return jax.jit(encode)
 
-  def _loop_fn(self, sched, *, start, stop, cfg_on, rescale_on, guess_mode, show):
+  # --- the loop -------------------------------------------------------------------------------------------
+  def _denoiser(self, branches: int, guess_mode: bool):
+    """The family part of sampling: the ControlNets' residuals, then the UNet, on every guidance row.
+
+    `x` holds `branches × B` rows (`[negative, positive]` with classifier-free guidance); `cond` the
+    text states and SDXL's added conditioning in that row order, the control images (B rows in guess
+    mode, else one per row), the per-net scales `[nets]` and guidance-window table `[calls, nets]`.
+    """
     unet, nets = self._unet, self._cns
-    kind = self.kind
 
-    def loop(
-      unet_state,
-      cn_states,
-      latents,
-      sched_state,
-      context,
-      added,
-      conds,
-      guidance,
-      rescale,
-      cscales,
-      keep,
-      key,
-    ):
-      model = unet.merge(unet_state)
-      cns = [] if conds is None else [n.merge(st) for n, st in zip(nets, cn_states)]
-      tick = md_progress.make_step_callback(stop - start, desc="denoising") if show else None
+    def denoise(params, x, t, cond, *, step):
+      unet_state, cn_states = params
+      context, added = cond["context"], cond["added"]
+      residuals = {}
+      if nets:
+        # Guess mode: the ControlNets see only the conditional rows; the others get no residuals.
+        lo = x.shape[0] - x.shape[0] // branches if guess_mode else 0
+        net_added = None if added is None else {k: v[lo:] for k, v in added.items()}
+        down = mid = None
+        for j, (net, state) in enumerate(zip(nets, cn_states)):
+          # The reference's guidance window: a net outside its share of the run has scale 0.
+          scale = cond["control_scales"][j] * cond["control_keep"][step, j]
+          d, m = net.merge(state)(
+            x[lo:], t[lo:], context[lo:], cond["control_images"][j], conditioning_scale=scale,
+            guess_mode=guess_mode, added_cond_kwargs=net_added,
+          )  # fmt: skip
+          down = list(d) if down is None else [a + b for a, b in zip(down, d)]
+          mid = m if mid is None else mid + m
+        if lo:
+          down = [jnp.concatenate([jnp.zeros((lo, *r.shape[1:]), r.dtype), r]) for r in down]
+          mid = jnp.concatenate([jnp.zeros((lo, *mid.shape[1:]), mid.dtype), mid])
+        residuals = dict(down_block_additional_residuals=down, mid_block_additional_residual=mid)
+      return unet.merge(unet_state)(x, t, context, added_cond_kwargs=added, **residuals)
 
-      def body(i, carry):
-        x, st = carry
-        t = mdsch.current_timestep(st)
-        xin = sched.scale_model_input(st, x)
-        if cfg_on:
-          xin = jnp.concatenate([xin, xin], axis=0)
-        added_kw = None if kind == "sd" else added
-        residuals = {}
-        if cns:
-          c_in, c_ctx, c_added = xin, context, added_kw
-          if cfg_on and guess_mode:
-            # Guess mode: the ControlNets see only the conditional half.
-            half = x.shape[0]
-            c_in, c_ctx = xin[half:], context[half:]
-            c_added = None if added_kw is None else {k: v[half:] for k, v in added_kw.items()}
-          down = mid = None
-          for j, (net, cond) in enumerate(zip(cns, conds)):
-            # The reference's guidance window: a net outside its [start, end] share runs at scale 0.
-            d, m = net(
-              c_in,
-              t,
-              c_ctx,
-              cond,
-              conditioning_scale=cscales[j] * keep[i, j],
-              guess_mode=guess_mode,
-              added_cond_kwargs=c_added,
-            )
-            if down is None:
-              down, mid = list(d), m
-            else:
-              down, mid = [a + b for a, b in zip(down, d)], mid + m
-          if cfg_on and guess_mode:
-            down = [jnp.concatenate([jnp.zeros_like(d), d]) for d in down]
-            mid = jnp.concatenate([jnp.zeros_like(mid), mid])
-          residuals = dict(down_block_additional_residuals=down, mid_block_additional_residual=mid)
-        out = model(xin, t, context, added_cond_kwargs=added_kw, **residuals)
-        if cfg_on:
-          uncond, text = jnp.split(out, 2, axis=0)
-          out = uncond + guidance * (text - uncond)
-          if rescale_on:
-            out = rescale_noise_cfg(out, text, rescale)
-        step_key = None if not sched.stochastic else jax.random.fold_in(key, i)
-        x, st = sched.step(st, out.astype(x.dtype), x, step_key)
-        if tick is not None:
-          tick(i - start)
-        return x, st
+    return denoise
 
-      x, _ = jax.lax.fori_loop(start, stop, body, (latents, sched_state))
-      return x
+  def _run_fn(
+    self, sched: mdsch.Scheduler, guide: mdsch.guidance.Guidance, guess_mode: bool, cache
+  ):
+    """One jitted chunk of steps `[lo, hi)` (traced bounds: one program whatever the chunk)."""
+    denoise = self._denoiser(guide.num_branches, guess_mode)
 
-    return jax.jit(loop)
+    def run(params, carry, lo, hi, cond, scales, key):
+      return mdsch.run_steps(
+        denoise, sched, carry, lo, hi, cond, params=params, guidance=guide, scales=scales,
+        cache=cache, key=key,
+      )  # fmt: skip
+
+    return jax.jit(run)
 
   # --- the call --------------------------------------------------------------------------------------------
   def _embeddings(
@@ -388,7 +329,7 @@ class StableDiffusionPipeline:
     clip_skip: int | None = None,
   ):
     """(positive, negative) embeddings and pooled embeddings for the batch of prompts."""
-    prompts = _as_list(prompt)
+    prompts = mdp.as_prompts(prompt)
     if prompt_embeds is None:
       if not prompts:
         raise ValueError("pass prompt (a string or a list) or prompt_embeds")
@@ -405,7 +346,7 @@ class StableDiffusionPipeline:
     b = embeds.shape[0]
     if not cfg_on:
       return embeds, pooled, None, None
-    negs = _as_list(negative_prompt)
+    negs = mdp.as_prompts(negative_prompt, "negative_prompt")
     if negative_prompt_embeds is not None:
       neg = jnp.asarray(negative_prompt_embeds, jnp.float32)
       neg_pooled = (
@@ -475,6 +416,10 @@ class StableDiffusionPipeline:
     aesthetic_score: float = 6.0,
     negative_aesthetic_score: float = 2.5,
     output_type: str = "np",
+    callback: Callable[[int, jax.Array, jax.Array], Any] | None = None,
+    cancel: Callable[[], bool] | None = None,
+    cache: mdsch.StepCache | None = None,
+    chunk: int | None = 1,
     progress: bool = True,
   ) -> jax.Array:
     """Generates images.
@@ -535,13 +480,26 @@ class StableDiffusionPipeline:
       negative_aesthetic_score: SDXL refiner: the negative half's score.
       output_type: `"np"` for images, `"latent"` for the final latents `[B·n, 4, H/8, W/8]` (the reference's
         layout, not decoded).
+      callback: `callback(step, timestep, latents)` after each step run (`step` the scheduler call's
+        index, `latents` channels-last `[B·n, H/8, W/8, 4]` after it); returning False stops like
+        `cancel`.
+      cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
+      cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction.
+      chunk: steps per host dispatch (None: the whole run in one call; progress, callback and cancel
+        act at chunk boundaries).
       progress: show a progress bar over the steps.
 
     Returns:
-      Images `[B·n, H, W, 3]`, float32 in [0, 1] (or latents, see `output_type`).
+      Images `[B·n, H, W, 3]`, float32 in [0, 1] (or latents, see `output_type`). The denoiser calls
+      made are in `self.last_calls`.
+
+    Raises:
+      md_core.pipeline.SizeError: a height or width that is not a multiple of the VAE's factor.
+      ValueError: missing, conflicting or mis-shaped inputs.
+      md_schedulers.Cancelled: `cancel()` returned True (or `callback` returned False).
     """
     if output_type not in ("np", "latent"):
-      raise ValueError(f"output_type must be 'np' or 'latent', got {output_type!r}")
+      raise ValueError(f"output_type={output_type!r}: expected 'np' or 'latent'")
     if image is not None and image_latents is not None:
       raise ValueError("pass image (pixels) or image_latents, not both")
     img2img = image is not None or image_latents is not None
@@ -643,7 +601,7 @@ class StableDiffusionPipeline:
     h, w = height // f, width // f
     c = self.unet.cfg.in_channels
     shape = (batch, h, w, c)
-    key = jax.random.key(int(seed))
+    key = mdp.seed_key(seed)
     k_latents, k_encode, k_steps = jax.random.split(key, 3)
     state = sched.init(n, shape=shape)
     total = mdsch.num_calls(state)
@@ -698,70 +656,37 @@ class StableDiffusionPipeline:
         total,
       )
 
-    key_name = (
-      "loop",
-      sched.name,
-      repr(sorted(sched.config.items())),
-      start,
-      stop,
-      cfg_on,
-      cfg_on and guidance_rescale > 0,
-      conds is not None,
-      bool(guess_mode),
-      bool(progress) and md_progress.progress_enabled(),
+    rescale_on = cfg_on and guidance_rescale > 0
+    guide = mdsch.guidance.Guidance(cfg=cfg_on, rescale=rescale_on)
+    values = {"guidance": guidance_scale, "rescale": guidance_rescale}
+    scales = mdsch.guidance.per_step(total, {k: values[k] for k in guide.scale_names})
+    run = self.jit(
+      ("loop", sched.name, repr(sorted(sched.config.items())), guide, bool(guess_mode), cache),
+      lambda: self._run_fn(sched, guide, bool(guess_mode), cache),
     )
-    loop = self._jit(
-      key_name,
-      lambda: self._loop_fn(
-        sched,
-        start=start,
-        stop=stop,
-        cfg_on=cfg_on,
-        rescale_on=cfg_on and guidance_rescale > 0,
-        guess_mode=bool(guess_mode),
-        show=key_name[-1],
-      ),
-    )
-    x = self._place(x)
-    x = loop(
-      self._unet.state,
-      [n_.state for n_ in self._cns],
-      x,
-      state,
-      self._place(context),
-      None if added is None else {k: self._place(v) for k, v in added.items()},
-      None if conds is None else [self._place(cd) for cd in conds],
-      jnp.float32(guidance_scale),
-      jnp.float32(guidance_rescale),
-      cscales,
-      keep,
-      k_steps,
-    )
+    params = (self._unet.state, [net.state for net in self._cns])
+    with self.context():
+      # Per-row inputs go over the batch axes; the per-step tables stay replicated.
+      cond = dict(
+        context=self.place(context),
+        added=self.place(added),
+        control_images=self.place(conds),
+        control_scales=cscales,
+        control_keep=keep,
+      )
+      scales = jax.tree.map(jnp.asarray, scales)
+      carry = mdsch.init_state(self.place(x), state, cache=cache)
+      carry = mdsch.drive(
+        lambda c, lo, hi: run(params, c, lo, hi, cond, scales, k_steps), carry, start, stop,
+        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress),
+      )  # fmt: skip
+    self.last_calls = int(carry.calls)
+    x = carry.latents
     if output_type == "latent":
       return jnp.transpose(x, (0, 3, 1, 2))
     return self.decode(x)
 
   # --- helpers ---------------------------------------------------------------------------------------------
-  def _place(self, x: jax.Array) -> jax.Array:
-    """Splits the batch over the mesh's `data` × `fsdp` axes (or `data` alone) where it divides.
-
-    Replicated when neither divides it. Parameters are split over `fsdp` × `tensor`; the UNet pins its
-    token stream's sharding (see `_unet_blocks._TOKENS`), which keeps XLA's partitioner off a pattern it
-    miscompiled when the batch shared `fsdp` with the parameters.
-    """
-    if self.mesh is None:
-      return x
-    shape = self.mesh.shape
-    spec = [None] * x.ndim
-    for axes in (("data", "fsdp"), ("data",)):
-      size = int(np.prod([shape.get(a, 1) for a in axes]))
-      if size > 1 and x.shape[0] % size == 0:
-        spec[0] = axes if len(axes) > 1 else axes[0]
-        break
-    return jax.device_put(
-      x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
-    )
-
   @staticmethod
   def _check_latents(x: jax.Array, shape: tuple[int, ...], what: str) -> jax.Array:
     if x.shape != shape:
@@ -917,7 +842,8 @@ class StableDiffusionPipeline:
         if encode_noise is None
         else self._check_latents(_nchw_to_nhwc(encode_noise), lshape, "encode_noise")
       )
-      z = self._jit("image_latents", self._image_latents_fn)(self._vae.state, image, eps)
+      with self.context():
+        z = self.jit("image_latents", self._image_latents_fn)(self._vae.state, image, eps)
     if b % z.shape[0]:
       raise ValueError(f"{z.shape[0]} images for {b} outputs: give 1 image or one per output")
     return jnp.tile(z, (b // z.shape[0], 1, 1, 1))
@@ -926,23 +852,10 @@ class StableDiffusionPipeline:
 # --- loading ----------------------------------------------------------------------------------------------------
 
 
-def _component(root: pathlib.Path, name: str, index: Mapping[str, Any]) -> pathlib.Path:
-  folder = root / name
-  if not folder.is_dir():
-    have = sorted(
-      k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v[0]
-    )
-    raise FileNotFoundError(
-      f"{root}: pipeline component {name!r} is missing (no folder {folder}); model_index.json lists {have}. "
-      "Download the whole pipeline, or pass a complete diffusers folder"
-    )
-  return folder
-
-
 _CONTROLNET_CLASSES = ("ControlNetModel", "MultiControlNetModel")
 
 
-def _listed_controlnets(
+def _controlnet_folders(
   root: pathlib.Path, index: Mapping[str, Any]
 ) -> tuple[list[pathlib.Path], bool]:
   """The ControlNet folders a pipeline's model_index.json names, and whether they are a
@@ -956,7 +869,7 @@ def _listed_controlnets(
     raise ValueError(
       f"{root / 'model_index.json'}: controlnet is a {cls!r}; md loads {list(_CONTROLNET_CLASSES)}"
     )
-  folders = [_component(root, "controlnet", index)]
+  folders = [mdp.component(root, "controlnet", index)]
   if cls == "MultiControlNetModel":
     while (root / f"controlnet_{len(folders)}").is_dir():
       folders.append(root / f"controlnet_{len(folders)}")
@@ -1006,29 +919,17 @@ def load_pipeline(
     ValueError: a pipeline class md does not implement.
   """
   root = md_core.resolve_source(source, revision=revision)
-  index_file = root / "model_index.json"
-  if not index_file.is_file():
-    raise FileNotFoundError(
-      f"{root}: no model_index.json; pass a diffusers pipeline folder (with unet/, vae/, text_encoder/, "
-      "tokenizer/, scheduler/) or its hub id"
-    )
-  index = md_core.read_json(index_file)
-  cls = index.get("_class_name", "")
-  kind = _KINDS.get(cls)
-  if kind is None:
-    raise ValueError(
-      f"{index_file}: pipeline class {cls!r} is not an SD pipeline md loads; known: {sorted(_KINDS)}"
-    )
+  index, cls = mdp.read_index(root, sorted(_KINDS), "SD pipeline")
+  kind = _KINDS[cls]
   names = ["unet", "vae", "text_encoder", "tokenizer", "scheduler"]
   if kind == "sdxl":
     names += ["text_encoder_2", "tokenizer_2"]
     # The SDXL refiner ships only the second encoder: model_index.json lists the first as [null, null].
     for name in ("text_encoder", "tokenizer"):
-      entry = index.get(name)
-      if isinstance(entry, list) and entry and entry[0] is None:
+      if name in index and not mdp.listed(index, name):
         names.remove(name)
-  folders = {name: _component(root, name, index) for name in names}
-  listed = _listed_controlnets(root, index) if controlnet is None else None
+  folders = {name: mdp.component(root, name, index) for name in names}
+  listed = _controlnet_folders(root, index) if controlnet is None else None
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   if unet_file is None:
     unet = load_unet(folders["unet"], subfolder=None, dtype=dtype, **kw)
