@@ -43,7 +43,7 @@ def test_flux_generate_writes_images_and_settings(tmp_path):
     f"--workdir={tmp_path}",
     "--config.prompt=a photo of a cat",
     "--config.num_images_per_prompt=2",
-    "--config.steps=2",
+    "--config.num_inference_steps=2",
     "--config.seed=5",
   )
   assert out.returncode == 0, out.stderr[-3000:]
@@ -53,7 +53,7 @@ def test_flux_generate_writes_images_and_settings(tmp_path):
   assert np.abs(images[0] - images[1]).max() > 0.01  # two different noises
   settings = json.loads((tmp_path / "settings.json").read_text())
   assert settings["prompt"] == "a photo of a cat"
-  assert settings["seed"] == 5 and settings["steps"] == 2
+  assert settings["seed"] == 5 and settings["num_inference_steps"] == 2
   assert settings["model"] == "tests/fixtures/flux_pipeline/dev"
   assert settings["scheduler_config"]["use_dynamic_shifting"] is True
   assert settings["images_written"] == ["image_0000.png", "image_0001.png"]

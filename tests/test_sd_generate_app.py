@@ -43,7 +43,7 @@ def test_sd_generate_writes_images_and_settings(tmp_path):
     f"--workdir={tmp_path}",
     "--config.prompt=a photo of a cat",
     "--config.num_images_per_prompt=2",
-    "--config.steps=2",
+    "--config.num_inference_steps=2",
     "--config.seed=5",
     "--config.scheduler=EulerDiscreteScheduler",
   )
@@ -54,7 +54,7 @@ def test_sd_generate_writes_images_and_settings(tmp_path):
   assert np.abs(images[0] - images[1]).max() > 0.01  # two different noises
   settings = json.loads((tmp_path / "settings.json").read_text())
   assert settings["prompt"] == "a photo of a cat"
-  assert settings["seed"] == 5 and settings["steps"] == 2
+  assert settings["seed"] == 5 and settings["num_inference_steps"] == 2
   assert settings["scheduler"] == "EulerDiscreteScheduler"
   assert settings["model"] == "tests/fixtures/sd_pipeline/sd"
   assert settings["images"] == ["image_0000.png", "image_0001.png"]
@@ -62,7 +62,7 @@ def test_sd_generate_writes_images_and_settings(tmp_path):
 
 @pytest.mark.slow
 def test_sd_generate_tiny_controlnet(tmp_path):
-  out = run_app(f"--workdir={tmp_path}", "--config.steps=2", variant="tiny-controlnet")
+  out = run_app(f"--workdir={tmp_path}", "--config.num_inference_steps=2", variant="tiny-controlnet")
   assert out.returncode == 0, out.stderr[-3000:]
   assert (tmp_path / "image_0000.png").is_file()
 

@@ -41,9 +41,9 @@ def test_wan_generate_writes_video_and_settings(tmp_path):
   out = run_app(
     f"--workdir={tmp_path}",
     "--config.prompt=a cat surfing a wave",
-    "--config.steps=2",
+    "--config.num_inference_steps=2",
     "--config.seed=5",
-    "--config.fps=8",
+    "--config.frame_rate=8",
     "--config.flow_shift=5.0",
   )
   assert out.returncode == 0, out.stderr[-3000:]
@@ -53,7 +53,7 @@ def test_wan_generate_writes_video_and_settings(tmp_path):
   assert (info["width"], info["height"]) == (32, 32)
   settings = json.loads((tmp_path / "settings.json").read_text())
   assert settings["prompt"] == "a cat surfing a wave"
-  assert settings["seed"] == 5 and settings["steps"] == 2
+  assert settings["seed"] == 5 and settings["num_inference_steps"] == 2
   assert settings["scheduler"] == "UniPCMultistepScheduler"
   assert settings["scheduler_config"]["flow_shift"] == 5.0
   assert settings["model"] == "tests/fixtures/wan_pipeline/t2v"
@@ -63,7 +63,7 @@ def test_wan_generate_writes_video_and_settings(tmp_path):
 def test_wan_generate_reports_bad_settings_clearly(tmp_path):
   out = run_app(f"--workdir={tmp_path}", "--config.height=40")
   assert out.returncode != 0 and "Traceback" not in out.stderr
-  assert "height=40 → 32 or 48" in out.stderr
+  assert "height=40 must be a positive multiple of 16 → 32 or 48" in out.stderr
   out = run_app(f"--workdir={tmp_path}", "--config.flowshift=5")
   assert out.returncode != 0 and 'Did you mean "flow_shift"' in out.stderr
   out = run_app(f"--workdir={tmp_path}", variant="2.1-i2v-14b-480p")
@@ -83,14 +83,14 @@ def test_wan_generate_first_last_frame(tmp_path):
   first = media.save_image(tmp_path / "first.png", ref["flf2v/image"])
   last = media.save_image(tmp_path / "last.png", ref["flf2v/last_image"])
   out = run_app(
-    f"--workdir={tmp_path}",
+    f"--workdir={tmp_path / 'out'}",
     f"--config.image={first}",
     f"--config.last_image={last}",
     variant="tiny-flf2v",
   )
   assert out.returncode == 0, out.stderr[-3000:]
-  info = media.video_info(tmp_path / "video_0000.mp4")
+  info = media.video_info(tmp_path / "out" / "video_0000.mp4")
   assert info["num_frames"] == 9 and (info["width"], info["height"]) == (32, 32)
-  settings = json.loads((tmp_path / "settings.json").read_text())
+  settings = json.loads((tmp_path / "out" / "settings.json").read_text())
   assert settings["model"] == "tests/fixtures/wan_pipeline/flf2v"
   assert (settings["image"], settings["last_image"]) == (str(first), str(last))

@@ -5,53 +5,64 @@ uv run apps/flux_generate --config=apps/configs/flux.py:flux1-schnell --config.s
 uv run apps/flux_generate --config=apps/configs/flux.py:flux2-klein-4b --config.prompt="a red fox"
 uv run apps/flux_generate --config=apps/configs/flux.py:flux2-klein-9b-kv-edit --config.images=a.png,b.png
 uv run apps/flux_generate --config=apps/configs/flux.py:tiny --workdir=/tmp/flux   # the bundled tiny pipeline
+uv run apps/flux_generate --help --config=apps/configs/flux.py:tiny   # the variant's keys and values
 
 Variants: flux1-dev, flux1-schnell, flux2-klein-4b, flux2-klein-9b (text), flux2-klein-4b-edit,
 flux2-klein-9b-edit (up to 4 reference images), flux2-klein-9b-kv-edit (reference K/V cached after the
 first step), flux2-klein-base-4b, flux2-klein-base-9b (undistilled: guidance, 50 steps), and the bundled tiny pipelines: tiny, tiny-schnell (tests/fixtures/flux_pipeline), tiny-klein,
 tiny-klein-edit, tiny-klein-kv-edit (tests/fixtures/flux2_pipeline, with its two reference PNGs). Defaults
 follow the reference pipelines and model cards (steps, guidance, max_sequence_length). Edit variants take
-the output size from the first reference image when height and width are 0. Hub ids need the hub cache
+the output size from the first reference image when height and width are None. Hub ids need the hub cache
 (or network); offline they fail with a message that says how to get them.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from md_core import apps as md_apps
 
 _FIXTURES = "tests/fixtures/flux_pipeline"
 _KLEIN_FIXTURES = "tests/fixtures/flux2_pipeline"
-_TINY = dict(height=32, width=48, steps=3, max_sequence_length=8)
+_TINY = dict(height=32, width=48, num_inference_steps=3, max_sequence_length=8)
 # The tiny Qwen3 has 3 layers: its hidden states 1, 2, 3 stand in for the real 9, 18, 27.
-_TINY_KLEIN = dict(steps=3, max_sequence_length=40, text_layers="1,2,3")
+_TINY_KLEIN = dict(num_inference_steps=3, max_sequence_length=40, text_layers="1,2,3")
 _TINY_REFS = f"{_KLEIN_FIXTURES}/ref_0.png,{_KLEIN_FIXTURES}/ref_1.png"
-_EDIT = dict(edit=True, height=0, width=0)  # the output size of the first reference image
+_EDIT = dict(edit=True, height=None, width=None)  # the output size of the first reference image
 
 # variant -> settings that differ from the defaults below
 VARIANTS = {
-  "flux1-dev": dict(model="black-forest-labs/FLUX.1-dev", steps=50, guidance_scale=3.5),
-  "flux1-schnell": dict(
-    model="black-forest-labs/FLUX.1-schnell", steps=4, guidance_scale=0.0, max_sequence_length=256
+  "flux1-dev": dict(
+    model="black-forest-labs/FLUX.1-dev", num_inference_steps=50, guidance_scale=3.5
   ),
-  "flux2-klein-4b": dict(model="black-forest-labs/FLUX.2-klein-4B", steps=4, guidance_scale=1.0),
-  "flux2-klein-9b": dict(model="black-forest-labs/FLUX.2-klein-9B", steps=4, guidance_scale=1.0),
+  "flux1-schnell": dict(
+    model="black-forest-labs/FLUX.1-schnell",
+    num_inference_steps=4,
+    guidance_scale=0.0,
+    max_sequence_length=256,
+  ),
+  "flux2-klein-4b": dict(
+    model="black-forest-labs/FLUX.2-klein-4B", num_inference_steps=4, guidance_scale=1.0
+  ),
+  "flux2-klein-9b": dict(
+    model="black-forest-labs/FLUX.2-klein-9B", num_inference_steps=4, guidance_scale=1.0
+  ),
   "flux2-klein-4b-edit": dict(
-    model="black-forest-labs/FLUX.2-klein-4B", steps=4, guidance_scale=1.0, **_EDIT
+    model="black-forest-labs/FLUX.2-klein-4B", num_inference_steps=4, guidance_scale=1.0, **_EDIT
   ),
   "flux2-klein-9b-edit": dict(
-    model="black-forest-labs/FLUX.2-klein-9B", steps=4, guidance_scale=1.0, **_EDIT
+    model="black-forest-labs/FLUX.2-klein-9B", num_inference_steps=4, guidance_scale=1.0, **_EDIT
   ),
   # The undistilled base models: classifier-free guidance with the negative prompt, 50 steps.
   "flux2-klein-base-4b": dict(
-    model="black-forest-labs/FLUX.2-klein-base-4B", steps=50, guidance_scale=4.0
+    model="black-forest-labs/FLUX.2-klein-base-4B", num_inference_steps=50, guidance_scale=4.0
   ),
   "flux2-klein-base-9b": dict(
-    model="black-forest-labs/FLUX.2-klein-base-9B", steps=50, guidance_scale=4.0
+    model="black-forest-labs/FLUX.2-klein-base-9B", num_inference_steps=50, guidance_scale=4.0
   ),
   # The KV pipeline has no guidance or negative prompt (diffusers' Flux2KleinKVPipeline).
   "flux2-klein-9b-kv-edit": dict(
     model="black-forest-labs/FLUX.2-klein-9b-kv",
-    steps=4,
+    num_inference_steps=4,
     guidance_scale=1.0,
     kv_cache=True,
     **_EDIT,
@@ -94,9 +105,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )
   c.true_cfg_scale = 1.0
   c.num_images_per_prompt = 1
+  c.height = placeholder(int)
+  c.width = placeholder(int)
   c.height = 1024
   c.width = 1024
-  c.steps = 28
+  c.num_inference_steps = 28
   c.guidance_scale = 3.5
   c.max_sequence_length = 512
   # Flux.2 Klein: the Qwen3 hidden states stacked into the prompt embeddings.

@@ -7,17 +7,11 @@ uv run apps/ltx_generate --config=apps/configs/ltx.py:13b-0.9.7-dev-multiscale -
 uv run apps/ltx_generate --config=apps/configs/ltx.py:13b-0.9.8-distilled \
   --config.transformer=ltxv-13b-0.9.8-distilled.safetensors
 uv run apps/ltx_generate --config=apps/configs/ltx.py:tiny --workdir=/tmp/ltx   # the bundled tiny pipeline
-uv run apps/ltx_generate --config=apps/configs/ltx.py:ltx2-t2v --config.prompt="a cat playing a piano"
-uv run apps/ltx_generate --config=apps/configs/ltx.py:ltx2-i2v --config.image=cat.png
-uv run apps/ltx_generate --config=apps/configs/ltx.py:ltx2-distilled \
-  --config.transformer=ltx-2-19b-distilled.safetensors
-uv run apps/ltx_generate --config=apps/configs/ltx.py:tiny-ltx2 --workdir=/tmp/ltx2  # tiny LTX-2, with sound
+uv run apps/ltx_generate --help --config=apps/configs/ltx.py:tiny   # the variant's keys and values
 
 Variants: 2b-0.9.0, 2b-0.9.1, 2b-0.9.5, 2b-0.9.5-i2v, 13b-0.9.7-dev, 13b-0.9.7-dev-i2v,
 13b-0.9.7-dev-multiscale, 13b-0.9.7-distilled, 13b-0.9.8-dev, 13b-0.9.8-distilled, and tiny, tiny-i2v,
-tiny-keyframes, tiny-multiscale (tests/fixtures/ltx_pipeline, tests/fixtures/ltx_upsampler).
-LTX-2 (video with an audio track, `family="ltx2"`): ltx2-t2v, ltx2-i2v, ltx2-distilled, and tiny-ltx2,
-tiny-ltx2-i2v (tests/fixtures/ltx2_pipeline).
+tiny-keyframes, tiny-multiscale (tests/fixtures/ltx_pipeline, tests/fixtures/ltx_upsampler). LTX-2 has its own app and config (apps/configs/ltx2.py).
 
 Defaults follow diffusers' LTX-Video documentation (0.42): 25 fps, decode_timestep 0.03 / 0.05 with
 decode_noise_scale 0.025 for the timestep-conditioned VAEs (0.9.1+), 0.9.5+ checkpoints run with
@@ -27,21 +21,14 @@ timesteps. The 0.9.8 13B transformers are published as original single files onl
 
 Multi-scale (`upsampler` set): a first pass at `downscale_factor` of the size (rounded down to what the VAE
 takes), the latent upsampler (x2, AdaIN against the first pass with `adain_factor`), a second pass
-refining the upsampled latents with `second_pass_denoise_strength` over `second_pass_steps`, and the frames
+refining the upsampled latents with `second_pass_denoise_strength` over `second_pass_num_inference_steps`, and the frames
 resized to `height` x `width`; as diffusers' LTX-Video 0.9.7 multi-scale example.
-
-LTX-2 defaults follow diffusers' LTX2Pipeline / LTX2ImageToVideoPipeline (0.42): 512x768, 121 frames
-at 24 fps, 30 steps, guidance 3 (audio 7), spatio-temporal guidance 1 (audio 1) skipping block 28,
-modality guidance 3 (audio 3), rescale 0.7 (audio 0.7), 1024 Gemma tokens, the cross-modal timestep;
-image-to-video re-compresses the image at `image_crf` 33 as the model was trained. The distilled
-variant runs the published 8 sigmas (`sigmas="distilled"`) without guidance; its transformer is the
-original single file (`--config.transformer=`), the rest from Lightricks/LTX-2. The MP4 carries the
-generated sound (AAC); settings.json records its sample rate and duration.
 
 Hub ids need the hub cache (or network). `attention` picks md-attention's implementation.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from md_core import apps as md_apps
 
@@ -49,69 +36,18 @@ _FIXTURES = "tests/fixtures/ltx_pipeline"
 _UPSAMPLER_FIXTURE = "tests/fixtures/ltx_upsampler/ltx_video"
 _DISTILLED_TIMESTEPS = "1000,993,987,981,975,909,725,0.03"
 _13B = dict(height=480, width=704, num_frames=121, condition=True, decode_timestep=0.05)
-_13B_DEV = dict(_13B, steps=30, guidance_scale=5.0, guidance_rescale=0.7)
+_13B_DEV = dict(_13B, num_inference_steps=30, guidance_scale=5.0, guidance_rescale=0.7)
 _13B_DISTILLED = dict(_13B, guidance_scale=1.0, timesteps=_DISTILLED_TIMESTEPS)
-_TINY = dict(height=32, width=32, num_frames=9, steps=3, decode_timestep=0.05)
-_LTX2 = dict(
-  family="ltx2",
-  model="Lightricks/LTX-2",
-  height=512,
-  width=768,
-  num_frames=121,
-  fps=24,
-  steps=30,
-  guidance_scale=3.0,
-  audio_guidance_scale=7.0,
-  stg_scale=1.0,
-  audio_stg_scale=1.0,
-  stg_blocks="28",
-  modality_scale=3.0,
-  audio_modality_scale=3.0,
-  guidance_rescale=0.7,
-  audio_guidance_rescale=0.7,
-  max_sequence_length=1024,
-  use_cross_timestep=True,
-  decode_timestep=0.0,
-  decode_noise_scale=-1.0,
-)
-# No guidance at all: CFG, STG and modality scales 1 / 0 (one transformer call per step).
-_LTX2_DISTILLED = dict(
-  _LTX2,
-  steps=8,
-  sigmas="distilled",
-  guidance_scale=1.0,
-  audio_guidance_scale=1.0,
-  stg_scale=0.0,
-  audio_stg_scale=0.0,
-  modality_scale=1.0,
-  audio_modality_scale=1.0,
-  guidance_rescale=0.0,
-  audio_guidance_rescale=0.0,
-  needs_transformer=True,
-)
-# The tiny LTX-2 pipeline: 2 blocks, 16 Gemma tokens, a VAE taking multiples of 32 and 1 + 8k frames.
-_TINY_LTX2 = dict(
-  _LTX2,
-  model="tests/fixtures/ltx2_pipeline/pipe",
-  height=32,
-  width=64,
-  num_frames=9,
-  steps=3,
-  stg_blocks="1",
-  max_sequence_length=16,
-  decode_timestep=0.05,
-  decode_noise_scale=0.025,
-)
-
+_TINY = dict(height=32, width=32, num_frames=9, num_inference_steps=3, decode_timestep=0.05)
 # variant -> settings that differ from the defaults below
 VARIANTS = {
-  "2b-0.9.0": dict(model="Lightricks/LTX-Video", decode_timestep=0.0, decode_noise_scale=-1.0),
+  "2b-0.9.0": dict(model="Lightricks/LTX-Video", decode_timestep=0.0, decode_noise_scale=None),
   "2b-0.9.1": dict(model="Lightricks/LTX-Video-0.9.1", decode_timestep=0.03),
   "2b-0.9.5": dict(
-    model="Lightricks/LTX-Video-0.9.5", width=768, steps=40, condition=True, decode_timestep=0.05
+    model="Lightricks/LTX-Video-0.9.5", width=768, num_inference_steps=40, condition=True, decode_timestep=0.05
   ),
   "2b-0.9.5-i2v": dict(
-    model="Lightricks/LTX-Video-0.9.5", width=768, steps=40, condition=True, decode_timestep=0.05,
+    model="Lightricks/LTX-Video-0.9.5", width=768, num_inference_steps=40, condition=True, decode_timestep=0.05,
     needs_image=True,
   ),
   "13b-0.9.7-dev": dict(_13B_DEV, model="Lightricks/LTX-Video-0.9.7-dev"),
@@ -130,13 +66,8 @@ VARIANTS = {
   "tiny-keyframes": dict(_TINY, model=f"{_FIXTURES}/cond", condition=True, needs_image=True),
   "tiny-multiscale": dict(
     _TINY, model=f"{_FIXTURES}/cond", condition=True, height=64, width=64,
-    upsampler=_UPSAMPLER_FIXTURE, second_pass_steps=3,
+    upsampler=_UPSAMPLER_FIXTURE, second_pass_num_inference_steps=3,
   ),
-  "ltx2-t2v": dict(_LTX2),
-  "ltx2-i2v": dict(_LTX2, needs_image=True),
-  "ltx2-distilled": dict(_LTX2_DISTILLED),
-  "tiny-ltx2": dict(_TINY_LTX2),
-  "tiny-ltx2-i2v": dict(_TINY_LTX2, needs_image=True),
 }  # fmt: skip
 
 # The negative prompt of diffusers' LTX-Video examples.
@@ -151,8 +82,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   c = ml_collections.ConfigDict()
   c.variant = name
-  # "ltx" (LTX-Video) or "ltx2" (LTX-2: video with sound); set by the variant.
-  c.family = "ltx"
   # The pipeline: a diffusers folder or hub id; an optional transformer (diffusers folder or original
   # single file) replacing its own; parameter dtype of the transformer and T5.
   c.model = ""
@@ -173,8 +102,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.height = 480
   c.width = 704
   c.num_frames = 161
-  c.fps = 25
-  c.steps = 50
+  c.frame_rate = 25
+  c.num_inference_steps = 50
   # Custom timesteps "t1,t2,..." (conditioning mode; the distilled checkpoints'); empty: the schedule.
   c.timesteps = ""
   c.guidance_scale = 3.0
@@ -188,7 +117,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.stg_rescale = 1.0
   c.cfg_star = False
   c.decode_timestep = 0.03
-  # -1: the reference's default (decode_timestep).
+  # None: the reference's default (decode_timestep).
+  c.decode_noise_scale = placeholder(float)
   c.decode_noise_scale = 0.025
   c.image_cond_noise_scale = 0.15
   c.seed = 0
@@ -202,25 +132,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.upsampler = ""
   c.downscale_factor = 2 / 3
   c.adain_factor = 1.0
-  c.second_pass_steps = 10
+  c.second_pass_num_inference_steps = 10
   c.second_pass_denoise_strength = 0.4
   c.second_pass_image_cond_noise_scale = 0.025
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
-  # LTX-2 only: the audio stream's guidance (0: the video's value), modality guidance (the pass without
-  # the other stream), Gemma's token count, the audio<->video modulation following the other stream's
-  # timestep, custom sigmas ("s1,s2,..." or "distilled": md_schedulers.LTX2_DISTILLED_SIGMAS; empty: the
-  # schedule), the H.264 quality the image is re-compressed at (0: none) and the frame-rate divisor of the
-  # positions (motion_speed).
-  c.audio_guidance_scale = 0.0
-  c.audio_stg_scale = 0.0
-  c.modality_scale = 1.0
-  c.audio_modality_scale = 0.0
-  c.audio_guidance_rescale = 0.0
-  c.max_sequence_length = 1024
-  c.use_cross_timestep = True
-  c.sigmas = ""
-  c.image_crf = 33
-  c.motion_speed = 1.0
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -2,85 +2,73 @@
 images, KV-cache editing) images with md-flux; writes PNGs and the settings used.
 
 uv run apps/flux_generate --config=apps/configs/flux.py:flux1-dev --config.prompt="a cat" --workdir=out
+uv run apps/flux_generate --help --config=apps/configs/flux.py:tiny   # the variants, keys and values
 """
 
-import json
-import pathlib
+import os
+import sys
 import time
 
-from absl import app, flags
-from ml_collections import config_flags
+# Before jax loads: its C++ start-up INFO lines stay hidden unless --verbosity asks (md_core.apps.quiet).
+if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL") or "2"
+
+from ml_collections import config_flags  # noqa: E402
+
+from md_core import apps  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "ml-collections config file (apps/configs/flux.py:<variant>)."
 )
-_WORKDIR = flags.DEFINE_string(
-  "workdir", "outputs/flux", "Folder the images and settings.json go to."
-)
+_WORKDIR, _OVERWRITE = apps.define_output_flags("outputs/flux", "images")
+_FIXED = ("variant", "edit")
 
 
-def _images(config) -> list[str]:
-  return [p.strip() for p in config.images.split(",") if p.strip()]
-
-
-def _layers(config) -> tuple[int, ...]:
-  try:
-    return tuple(int(x) for x in config.text_layers.split(",") if x.strip())
-  except ValueError:
-    raise app.UsageError(
-      f"--config.text_layers={config.text_layers!r}: give comma-separated layer indices, e.g. 9,18,27"
-    ) from None
-
-
-def _check(config) -> None:
-  if not config.model:
-    raise app.UsageError("--config.model is empty: give a diffusers pipeline folder or hub id")
+def _check(config, folder):
+  """Every check that needs no weights; returns (mesh, model source, reference images, text layers)."""
+  import md_attention as mda
   import md_flux
 
-  images = _images(config)
-  # Editing: a height or width of 0 is the first reference image's (prepared) size.
-  fill = 16 if config.edit else 0
-  try:
-    md_flux.check_size(config.height or fill, config.width or fill)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
+  p = apps.Problems(config)
+  model = apps.check_local(p, "model")
+  images = apps.check_local(p, "images", image=True)
+  p.require(bool(model), "--config.model is empty: give a diffusers pipeline folder or hub id")
+  if not config.edit or config.height is not None or config.width is not None:
+    p.call(md_flux.check_size, config.height or 0, config.width or 0)
+  p.positive("num_inference_steps", "num_images_per_prompt", "max_sequence_length")
+  p.at_least("guidance_scale", 0)
+  p.at_least("true_cfg_scale", 0)
+  p.dtype("dtype", "text_dtype")
+  if config.attention:
+    p.choice("attention", mda.IMPLEMENTATIONS)
   if config.edit and not images:
-    raise app.UsageError(
+    p.add(
       f"variant {config.variant!r} edits reference images: set --config.images=<file>[,<file>…]"
     )
-  if len(images) > 4:
-    raise app.UsageError(f"at most 4 reference images are supported; got {len(images)}")
+  p.require(
+    len(images) <= md_flux.MAX_REFERENCE_IMAGES,
+    f"--config.images: at most {md_flux.MAX_REFERENCE_IMAGES} reference images, got {len(images)}",
+  )
   if images and not config.edit:
-    raise app.UsageError(
-      "--config.images is set but this variant generates from text; use an *-edit variant"
+    p.add("--config.images is set but this variant generates from text; use an *-edit variant")
+  layers = ()
+  try:
+    layers = tuple(int(x) for x in config.text_layers.split(",") if x.strip())
+  except ValueError:
+    p.add(
+      f"--config.text_layers={config.text_layers!r}: give comma-separated layer indices, e.g. 9,18,27"
     )
-  from PIL import Image
-
-  for i, path in enumerate(images):  # before loading the model: a bad file fails in a second
-    if not pathlib.Path(path).is_file():
-      raise app.UsageError(f"reference image {i}: no such file {path!r}")
-    try:
-      with Image.open(path) as im:
-        im.verify()
-    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a broken file
-      raise app.UsageError(f"reference image {i}: cannot read {path!r}: {e}") from None
+  return apps.finish_checks(p, config, folder), model[0], images, layers
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(
-      f"unexpected arguments {argv[1:]}; settings go through --config.<key>=<value>"
-    )
-  config = _CONFIG.value
-  if config is None:
-    raise app.UsageError("--config is required, e.g. --config=apps/configs/flux.py:flux1-dev")
-  _check(config)
-  from md_core import apps, media
+  from md_core import media
+  from md_core import progress as md_progress
 
-  try:
-    mesh = apps.start(config)
-  except ValueError as e:  # a mesh that does not fit the devices
-    raise app.UsageError(str(e)) from None
+  config = _CONFIG.value
+  folder = apps.output_folder(_WORKDIR.value, overwrite=_OVERWRITE.value)
+  with md_progress.phase("checking"):
+    mesh, model, references, layers = _check(config, folder)
   print(apps.describe_mesh(mesh))
 
   import jax.numpy as jnp
@@ -91,71 +79,68 @@ def main(argv):
 
   attention = mda.AttentionConfig(implementation=config.attention) if config.attention else None
   start = time.perf_counter()
-  try:
+  with md_progress.phase("loading", announce=True):
     pipe = md_flux.load_pipeline(
-      config.model,
+      model,
       mesh=mesh,
       dtype=jnp.dtype(config.dtype),
       text_dtype=jnp.dtype(config.text_dtype),
       attention=attention,
       progress=True,
     )
-  except (FileNotFoundError, ValueError) as e:
-    raise app.UsageError(str(e)) from None
   loaded = time.perf_counter() - start
   klein = isinstance(pipe, md_flux.Flux2KleinPipeline)
   if config.edit and not klein:
-    raise app.UsageError(
+    raise apps.UsageError(
       f"{config.model}: reference images need a Flux.2 Klein checkpoint; this is a Flux.1 pipeline"
     )
   common = dict(
-    height=config.height or None,
-    width=config.width or None,
-    num_inference_steps=config.steps,
+    height=config.height,
+    width=config.width,
+    num_inference_steps=config.num_inference_steps,
     guidance_scale=config.guidance_scale,
     num_images_per_prompt=config.num_images_per_prompt,
     max_sequence_length=config.max_sequence_length,
     seed=config.seed,
   )
+  negative = config.negative_prompt or None
   start = time.perf_counter()
-  try:
-    if klein:
-      images = pipe(
-        config.prompt,
-        image=_images(config) or None,
-        negative_prompt=config.negative_prompt or None,
-        kv_cache=config.kv_cache or None,  # KV checkpoints always cache
-        text_encoder_out_layers=_layers(config),
-        **common,
-      )
-    else:
-      images = pipe(
-        config.prompt,
-        config.negative_prompt or None,
-        true_cfg_scale=config.true_cfg_scale,
-        **common,
-      )
-  except (FileNotFoundError, ValueError) as e:
-    raise app.UsageError(str(e)) from None
-  images = np.asarray(images)
+  with md_progress.phase("generating", announce=True):
+    try:
+      if klein:
+        images = pipe(
+          config.prompt,
+          image=references or None,
+          negative_prompt=negative,
+          kv_cache=config.kv_cache or None,  # KV checkpoints always cache
+          text_encoder_out_layers=layers,
+          **common,
+        )
+      else:
+        images = pipe(config.prompt, negative, true_cfg_scale=config.true_cfg_scale, **common)
+    except (FileNotFoundError, ValueError) as e:
+      raise apps.UsageError(str(e)) from None
+    images = np.asarray(images)
   seconds = time.perf_counter() - start
 
-  out = pathlib.Path(_WORKDIR.value)
-  paths = media.save_images(out, images)
-  settings = dict(
-    config.to_dict(),
-    scheduler_config=pipe.scheduler_config,
-    image_size=list(images.shape[1:3]),
-    kv_cache_used=bool(klein and _images(config) and (config.kv_cache or pipe.use_kv_cache)),
-    images_written=[p.name for p in paths],
-    load_seconds=round(loaded, 2),
-    generate_seconds=round(seconds, 2),
-  )
-  (out / "settings.json").write_text(json.dumps(settings, indent=2, default=str) + "\n")
+  with md_progress.phase("writing"):
+    names = [p.name for p in media.save_images(folder.staging(), images)]
+    folder.commit(
+      apps.settings_of(
+        config,
+        scheduler_config=pipe.scheduler_config,
+        image_size=list(images.shape[1:3]),
+        kv_cache_used=bool(klein and references and (config.kv_cache or pipe.use_kv_cache)),
+        images_written=names,
+        load_seconds=round(loaded, 2),
+        generate_seconds=round(seconds, 2),
+      )
+    )
   print(
-    f"wrote {len(paths)} image(s) and settings.json to {out} ({seconds:.1f}s, load {loaded:.1f}s)"
+    f"wrote {len(names)} image(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
+    f"{loaded:.1f}s)"
   )
 
 
 if __name__ == "__main__":
-  app.run(main)
+  apps.run(main, doc=__doc__, fixed=_FIXED)

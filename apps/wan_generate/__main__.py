@@ -4,11 +4,17 @@ uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-1.3b --config.prom
 uv run apps/wan_generate --help --config=apps/configs/wan.py:tiny   # the variants, keys and values
 """
 
+import os
+import sys
 import time
 
-from ml_collections import config_flags
+# Before jax loads: its C++ start-up INFO lines stay hidden unless --verbosity asks (md_core.apps.quiet).
+if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL") or "2"
 
-from md_core import apps
+from ml_collections import config_flags  # noqa: E402
+
+from md_core import apps  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "ml-collections config file (apps/configs/wan.py:<variant>)."

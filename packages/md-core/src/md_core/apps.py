@@ -434,9 +434,13 @@ def quiet(verbosity: int) -> None:
 
   if verbosity >= 0:
     return
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+  for name, value in (
+    ("TF_CPP_MIN_LOG_LEVEL", "2"),
+    ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"),
+    ("TRANSFORMERS_VERBOSITY", "error"),
+  ):
+    if not os.environ.get(name):
+      os.environ[name] = value
   for name in ("jax", "jax._src.xla_bridge", "md_attention"):
     logging.getLogger(name).setLevel(logging.WARNING)
 

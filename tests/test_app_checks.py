@@ -1,0 +1,152 @@
+"""The apps as a user meets them: every usage error is one line naming the setting, before any weights
+load; outputs never destroy earlier work; --help lists the variants and keys; tiny variants work from any
+directory; a clean run prints no warning or INFO line."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = dict(
+  os.environ,
+  JAX_PLATFORMS="cpu",
+  HF_HUB_OFFLINE="1",
+  MD_PROGRESS="0",
+  XLA_FLAGS="",
+  TF_CPP_MIN_LOG_LEVEL="",
+)
+
+
+def run(app: str, config: str, *flags: str, cwd=ROOT, timeout=600) -> subprocess.CompletedProcess:
+  start = time.perf_counter()
+  out = subprocess.run(
+    [sys.executable, str(ROOT / "apps" / app), f"--config={config}", *flags],
+    cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout,
+  )  # fmt: skip
+  out.seconds = time.perf_counter() - start
+  return out
+
+
+def one_line_error(out, *needles: str) -> list[str]:
+  """Exit code 2, no traceback or help block, every line of stderr a problem naming the app."""
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr and "Flags:" not in out.stderr and "USAGE" not in out.stderr
+  assert all(line.split(":")[0].endswith("_generate") for line in lines), lines
+  for needle in needles:
+    assert any(needle in line for line in lines), (needle, lines)
+  assert out.seconds < 30, out.seconds  # before any weights load (the machine may be busy)
+  return lines
+
+
+WAN = "apps/configs/wan.py:tiny"
+
+
+@pytest.mark.parametrize(
+  "flag, needle",
+  [
+    ("--config.num_inference_steps=0", "--config.num_inference_steps=0 must be positive"),
+    ("--config.num_inference_steps=2000", "num_train_timesteps=1000"),
+    ("--config.height=40", "--config.height=40 must be a positive multiple of 16 → 32 or 48"),
+    ("--config.num_frames=8", "--config.num_frames=8 must be 4k + 1 → 5 or 9"),
+    ("--config.dtype=fp16x", "--config.dtype='fp16x' is not a parameter dtype; choose one of float32"),
+    ("--config.attention=foo", "--config.attention='foo' is not one of auto, dot_product"),
+    ("--config.promt=x", "--config.promt is not a setting of apps/configs/wan.py:tiny; did you mean --config.prompt?"),
+    ("--config.steps=3", "did you mean --config.num_inference_steps?"),
+    ("--config.fps=8", "did you mean --config.frame_rate?"),
+    ("--config.variant=2.1-t2v-14b", "--config.variant is set by the variant, not a setting"),
+    ("--config.image=tests/fixtures/none.png", "'tests/fixtures/none.png' does not exist"),
+    ("--config.image=README.md", "cannot be read as an image"),
+    ("--config.mesh.ici_tensor_parallelism=3", "--config.mesh:"),
+  ],
+)  # fmt: skip
+def test_wan_usage_errors_are_one_line_before_loading(tmp_path, flag, needle):
+  out = run("wan_generate", WAN, f"--workdir={tmp_path / 'out'}", flag)
+  one_line_error(out, needle)
+  assert not (tmp_path / "out").exists()  # nothing left behind
+
+
+def test_several_problems_are_reported_together(tmp_path):
+  out = run(
+    "sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path}", "--config.height=30",
+    "--config.num_inference_steps=-1", "--config.image=missing.png", "--config.dtype=f16",
+  )  # fmt: skip
+  lines = one_line_error(
+    out, "height=30 → 24 or 32", "num_inference_steps=-1", "missing.png", "dtype"
+  )
+  assert len(lines) == 4
+
+
+@pytest.mark.parametrize("app, config", [
+  ("sd_generate", "apps/configs/sd.py:tiny"),
+  ("flux_generate", "apps/configs/flux.py:tiny"),
+  ("ltx_generate", "apps/configs/ltx.py:tiny"),
+  ("ltx2_generate", "apps/configs/ltx2.py:tiny"),
+])  # fmt: skip
+def test_bad_workdir_fails_first(tmp_path, app, config):
+  a_file = tmp_path / "notes.txt"
+  a_file.write_text("keep me")
+  out = run(app, config, f"--workdir={a_file}")
+  one_line_error(out, f"--workdir='{a_file}' is a file; give a folder")
+  out = run(app, config, f"--workdir={a_file}/inside")
+  one_line_error(out, "which is a file")
+  out = run(app, config, "--workdir=/proc/md-out")
+  one_line_error(out, "--workdir='/proc/md-out' cannot be created")
+  assert a_file.read_text() == "keep me"
+
+
+def test_second_run_loses_nothing_and_settings_describe_the_folder(tmp_path):
+  work = tmp_path / "out"
+  first = run("wan_generate", WAN, f"--workdir={work}", "--config.num_videos_per_prompt=2")
+  assert first.returncode == 0, first.stderr[-2000:]
+  before = {p.name: p.read_bytes() for p in work.iterdir()}
+  assert sorted(before) == ["settings.json", "video_0000.mp4", "video_0001.mp4"]
+  again = run("wan_generate", WAN, f"--workdir={work}")
+  one_line_error(
+    again, "is not empty (holds settings.json, video_0000.mp4, video_0001.mp4)", "--overwrite"
+  )
+  assert {p.name: p.read_bytes() for p in work.iterdir()} == before
+  # --overwrite with fewer outputs: the earlier run's extra video goes, settings.json lists what is there.
+  third = run("wan_generate", WAN, f"--workdir={work}", "--overwrite", "--config.seed=4")
+  assert third.returncode == 0, third.stderr[-2000:]
+  names = sorted(p.name for p in work.iterdir())
+  assert names == ["settings.json", "video_0000.mp4"]
+  settings = json.loads((work / "settings.json").read_text())
+  assert settings["files"] == ["video_0000.mp4"] and settings["seed"] == 4
+  # A clean run prints nothing but its summary: no warning, no INFO line, no PyTorch-not-found advice.
+  assert third.stderr.strip() == "", third.stderr
+  lines = third.stdout.strip().splitlines()
+  assert (
+    len(lines) == 2 and lines[0].startswith("mesh: ") and lines[1].startswith("wrote 1 video(s)")
+  )
+
+
+def test_help_lists_variants_and_keys():
+  out = subprocess.run(
+    [sys.executable, "apps/wan_generate", "--help", f"--config={WAN}"],
+    cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr
+  assert "Variants of apps/configs/wan.py: 2.1-t2v-1.3b" in out.stdout and "tiny-ti2v" in out.stdout
+  assert "  num_inference_steps = 3" in out.stdout and "  guidance_scale_2 = None" in out.stdout
+  assert "--workdir" in out.stdout and "--overwrite" in out.stdout
+
+
+def test_tiny_variant_runs_from_another_directory(tmp_path):
+  out = run(
+    "sd_generate", str(ROOT / "apps/configs/sd.py") + ":tiny", f"--workdir={tmp_path / 'out'}",
+    "--config.num_inference_steps=1", cwd=tmp_path,
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert (tmp_path / "out" / "image_0000.png").is_file()
+  # A relative path that is missing names the working directory it was read from.
+  out = run(
+    "sd_generate", str(ROOT / "apps/configs/sd.py") + ":tiny", f"--workdir={tmp_path / 'o2'}",
+    "--config.model=models/nowhere/sd", cwd=tmp_path,
+  )  # fmt: skip
+  one_line_error(out, f"relative to the working directory {tmp_path}")
