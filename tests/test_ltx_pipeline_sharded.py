@@ -94,3 +94,36 @@ def test_sharded_fsdp_context_matches_single_device(single):
 )
 def test_sharded_grid_matches_single_device(single, shape, n, conditions, stg):
   _check(single, shape, n, conditions, stg)
+
+
+# --- LTX-2 (audio + video) ---------------------------------------------------------------------------------
+
+LTX2_ROOT = testing.fixture_path("ltx2_pipeline")
+# 32x64, 9 frames: the tiny VAE's 2x4x8 latent grid (64 video tokens) and 8 audio latent frames, which the
+# context axis divides; every guidance term on (CFG, STG on block 1, modality, rescale): 8 rows of 2.
+LTX2_KW = dict(
+  height=32, width=64, num_frames=9, num_inference_steps=2, spatio_temporal_guidance_blocks=[1],
+  output_type="latent", progress=False,
+)  # fmt: skip
+
+
+def test_ltx2_data_context_matches_single_device():
+  """(data, fsdp, context, tensor) = (2, 1, 4, 1): the two videos split over data, the tokens over
+  context (ring attention); the latents equal one device's within 1e-5."""
+  one = md_ltx.load_ltx2_pipeline(LTX2_ROOT / "pipe")
+  embeds, mask = one.prompt_embeds(["a cat playing a piano", "waves on a beach"], 16)
+  neg, nmask = one.prompt_embeds(["blurry", "blurry"], 16)
+  keys = jax.random.split(jax.random.key(0), 2)
+  kw = dict(
+    prompt_embeds=embeds, prompt_attention_mask=mask, negative_prompt_embeds=neg,
+    negative_prompt_attention_mask=nmask, latents=jax.random.normal(keys[0], (2, 8, 2, 4, 8)),
+    audio_latents=jax.random.normal(keys[1], (2, 2, 8, 4)), **LTX2_KW,
+  )  # fmt: skip
+  want = one(**kw)
+  mesh = _mesh((2, 1, 4, 1))
+  sharded = md_ltx.load_ltx2_pipeline(LTX2_ROOT / "pipe", mesh=mesh, attention="ring")
+  assert sharded.place(np.zeros((2, 3))).sharding.spec[0] == "data"
+  got = sharded(**kw)
+  assert sharded.last_calls == one.last_calls == 2
+  np.testing.assert_allclose(np.asarray(got.frames), np.asarray(want.frames), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(got.audio), np.asarray(want.audio), atol=1e-5, rtol=0)
