@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import md_flux
+import md_schedulers as mdsch
 from md_core import testing
 
 FIXTURES = testing.fixture_path("flux2_pipeline")
@@ -103,8 +104,8 @@ def test_reference_latents_appended_with_time_offsets(klein, outputs):
     **SMALL,
   )
   # Closed form: the scheduler's shifted sigma, one step to sigma 0.
-  st = md_flux._pipeline2.mdsch.from_config(klein.scheduler_config).init(
-    1, sigmas=sigmas, mu=md_flux._pipeline2.mdsch.flux2_empirical_mu(6, 1)
+  st = mdsch.from_config(klein.scheduler_config).init(
+    1, sigmas=sigmas, mu=mdsch.flux2_empirical_mu(6, 1)
   )
   s0 = float(st.sigmas[0])
   x = noise.transpose(0, 2, 3, 1).reshape(1, 6, 16)

@@ -147,18 +147,6 @@ class FluxPipeline(mdp.Pipeline):
 
     return denoise
 
-  def _run_fn(self, sched: mdsch.Scheduler, guide: mdsch.guidance.Guidance, cache):
-    """One jitted chunk of steps `[lo, hi)` (traced bounds: one program whatever the chunk)."""
-    denoise = self._denoiser()
-
-    def run(params, carry, lo, hi, cond, scales):
-      return mdsch.run_steps(
-        denoise, sched, carry, lo, hi, cond, params=params, guidance=guide, scales=scales,
-        cache=cache,
-      )  # fmt: skip
-
-    return jax.jit(run)
-
   def __call__(
     self,
     prompt: str | Sequence[str] | None = None,
@@ -295,7 +283,7 @@ class FluxPipeline(mdp.Pipeline):
     )
     run = self.jit(
       ("loop", repr(sorted(sched.config.items())), guide, cache),
-      lambda: self._run_fn(sched, guide, cache),
+      lambda: pc.run_fn(self._denoiser(), sched, guide, cache),
     )
     params = self._tr.state
     # Under the mesh, context-parallel attention (ring / Ulysses) finds its `context` axis.

@@ -290,18 +290,6 @@ class Flux2KleinPipeline(mdp.Pipeline):
 
     return denoise
 
-  def _run_fn(self, sched, guide, *, mode: str, s_img: int, cache):
-    """One jitted chunk of steps `[lo, hi)` (traced bounds: one program whatever the chunk)."""
-    denoise = self._denoiser(mode, s_img)
-
-    def run(params, carry, lo, hi, cond, scales):
-      return mdsch.run_steps(
-        denoise, sched, carry, lo, hi, cond, params=params, guidance=guide, scales=scales,
-        cache=cache,
-      )  # fmt: skip
-
-    return jax.jit(run)
-
   def _first_step_fn(self, sched, cache):
     """Step 0 of the KV-cache mode (`Flux2KleinKVPipeline`), its own program: the transformer over
     `[references; target]` (references modulated at the fixed timestep, attending to themselves)
@@ -531,7 +519,7 @@ class Flux2KleinPipeline(mdp.Pipeline):
     sched_key = repr(sorted(sched.config.items()))
     run = self.jit(
       ("loop", sched_key, guide, mode, s_img, cache),
-      lambda: self._run_fn(sched, guide, mode=mode, s_img=s_img, cache=cache),
+      lambda: pc.run_fn(self._denoiser(mode, s_img), sched, guide, cache),
     )
     params = self._tr.state
     if kv:

@@ -88,6 +88,18 @@ def schedule(
   return sched, sched.init(n, sigmas=sigmas, mu=mu)
 
 
+def run_fn(denoise: Callable[..., Any], sched: mdsch.Scheduler, guide: Any, cache: Any):
+  """The jitted chunk `run(params, carry, lo, hi, cond, scales)` of the shared loop over steps
+  `[lo, hi)` (traced bounds: one program whatever the chunk) with the pipeline's denoiser."""
+
+  def run(params, carry, lo, hi, cond, scales):
+    return mdsch.run_steps(
+      denoise, sched, carry, lo, hi, cond, params=params, guidance=guide, scales=scales, cache=cache
+    )
+
+  return jax.jit(run)
+
+
 def run_loop(
   pipe: mdp.Pipeline,
   run: Callable[[mdsch.SampleState, Any, Any], mdsch.SampleState],
