@@ -266,7 +266,7 @@ def drive(
   chunk: int | None = 1,
   callback: Callable[[int, Any, Any], Any] | None = None,
   cancel: Callable[[], bool] | None = None,
-  progress: Callable[[int], None] | None = None,
+  progress: bool | str | Callable[[int], None] = False,
 ) -> SampleState:
   """Runs `run(carry, lo, hi)` (a jitted `run_steps`) over `[start, stop)` in chunks from the host.
 
@@ -278,7 +278,8 @@ def drive(
     callback: `callback(step, timestep, latents)` after each step (forces `chunk=1`); latents are the
       sample after that step. Returning False stops like `cancel`.
     cancel: polled at every step boundary; True stops with `Cancelled`.
-    progress: `progress(done)` on the host after each chunk, `done` steps completed.
+    progress: a host progress bar over the steps (True, or its label; shown when md_core.progress is
+      on), or `progress(done)` called after each chunk with the steps completed.
 
   Returns:
     The carry after the last step.
@@ -292,6 +293,23 @@ def drive(
     chunk = 1
   size = stop - start if chunk is None else max(1, int(chunk))
   bounds = list(range(start, stop, size)) + [stop]
+  bar = None
+  if progress is not None and not callable(progress) and progress:
+    from md_core import progress as md_progress  # noqa: PLC0415
+
+    if md_progress.progress_enabled():
+      import tqdm  # noqa: PLC0415
+
+      desc = progress if isinstance(progress, str) else "denoising"
+      bar = tqdm.tqdm(total=stop - start, desc=desc)
+  try:
+    return _drive(run, carry, bounds, start, stop, callback, cancel, progress, bar)
+  finally:
+    if bar is not None:
+      bar.close()
+
+
+def _drive(run, carry, bounds, start, stop, callback, cancel, progress, bar):
   in_flight: SampleState | None = None
   for lo, hi in zip(bounds[:-1], bounds[1:]):
     timestep = None
@@ -305,7 +323,9 @@ def drive(
       jax.block_until_ready(carry.calls)
       if callback(lo, timestep, carry.latents) is False:
         raise Cancelled(hi, stop, carry)
-    if progress is not None:
+    if bar is not None:
+      bar.update(hi - lo)
+    elif callable(progress):
       progress(hi - start)
     if cancel is not None and hi < stop and cancel():
       jax.block_until_ready(carry.calls)
