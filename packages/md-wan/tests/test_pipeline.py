@@ -77,7 +77,6 @@ def test_t2v_precomputed_embeds_and_seed(t2v, ref):
   assert float(np.abs(np.asarray(b) - np.asarray(a)).max()) > 1e-2
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["i2v", "t2v_a14b", "i2v_a14b", "ti2v", "ti2v_image"])
 def test_matches_reference(ref, case):
   pipe = md_wan.load_pipeline(ROOT / CASES[case][0])
