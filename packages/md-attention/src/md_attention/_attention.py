@@ -22,6 +22,7 @@ from md_attention._cudnn import cudnn_attention
 from md_attention._dot_product import dot_product_attention, normalize_window
 from md_attention._select import select_implementation
 from md_attention._splash import splash_attention
+from md_attention._tuner import tuned_blocks
 
 
 def _check_inputs(q, k, v, mask):
@@ -149,11 +150,10 @@ def attention(
     )
 
   block_q, block_kv = config.block_q, config.block_kv
-  if config.tune and implementation in ("blockwise", "splash"):
-    from md_attention._tuner import tune_block_sizes
-
-    block_q, block_kv = tune_block_sizes(
-      q.shape, k.shape, q.dtype, implementation=implementation, causal=causal, config=config
+  if config.tune and implementation != "dot_product" and implementation != "cudnn":
+    # Under a trace a cache lookup only (a miss warns); eagerly a miss is measured.
+    block_q, block_kv = tuned_blocks(
+      q, k, implementation=implementation, causal=causal, window=window, mesh=mesh, config=config
     )
 
   kv_valid = jnp.ones((b, s_kv), bool) if mask is None else mask.astype(bool)

@@ -82,12 +82,21 @@ def divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def fit_kv_head_count(heads: int, kv_heads: int, divisor: int) -> int:
+  """The K/V head count `fit_kv_heads` leaves: `kv_heads` times the least factor that makes it
+  divisible by `divisor`."""
+  if kv_heads % divisor == 0:
+    return kv_heads
+  groups = heads // kv_heads
+  r = next(r for r in range(1, groups + 1) if groups % r == 0 and (kv_heads * r) % divisor == 0)
+  return kv_heads * r
+
+
 def fit_kv_heads(k, v, heads: int, divisor: int):
   """Repeats grouped K/V heads the least that makes their count divisible by `divisor` (the devices
   the heads are split over); each key/value head keeps serving the same query heads."""
   h_kv = k.shape[2]
-  if h_kv % divisor == 0:
+  r = fit_kv_head_count(heads, h_kv, divisor) // h_kv
+  if r == 1:
     return k, v
-  groups = heads // h_kv
-  r = next(r for r in range(1, groups + 1) if groups % r == 0 and (h_kv * r) % divisor == 0)
   return tuple(jnp.repeat(x, r, axis=2) for x in (k, v))
