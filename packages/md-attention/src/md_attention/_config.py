@@ -44,7 +44,8 @@ class AttentionConfig:
     rules: md-sharding logical axis rules that place the batch and heads of the activations
       (`ACTIVATION_AXES`) on the mesh; None uses `md_sharding.DEFAULT_RULES` (batch over
       `(data, fsdp)`, heads over `tensor`). Axes that do not divide a dimension are left out.
-    tune: look the block sizes up in (or measure them into) the on-disk tuner cache.
+    tune: take the block sizes from the on-disk tuner cache (`tune_block_sizes` fills it, eagerly).
+      Under a trace only a lookup: a miss keeps `block_q` / `block_kv` and warns once.
     tuner_cache_dir: where the tuner keeps its winners (None: `$MD_ATTENTION_CACHE` or
       `~/.cache/md_attention`).
   """
