@@ -64,7 +64,7 @@ def test_flux_generate_reports_bad_settings_clearly(tmp_path):
   assert out.returncode != 0
   assert "height=40 → 32 or 48" in out.stderr and "Traceback" not in out.stderr
   out = run_app(f"--workdir={tmp_path}", "--config.gudance_scale=2")
-  assert out.returncode != 0 and 'Did you mean "guidance_scale"' in out.stderr
+  assert out.returncode != 0 and "did you mean --config.guidance_scale?" in out.stderr
   out = run_app(f"--workdir={tmp_path}", variant="flux1-schnell")
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert "black-forest-labs/FLUX.1-schnell" in out.stderr and "HF_HUB_OFFLINE=1" in out.stderr

@@ -62,7 +62,9 @@ def test_sd_generate_writes_images_and_settings(tmp_path):
 
 @pytest.mark.slow
 def test_sd_generate_tiny_controlnet(tmp_path):
-  out = run_app(f"--workdir={tmp_path}", "--config.num_inference_steps=2", variant="tiny-controlnet")
+  out = run_app(
+    f"--workdir={tmp_path}", "--config.num_inference_steps=2", variant="tiny-controlnet"
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert (tmp_path / "image_0000.png").is_file()
 
@@ -72,7 +74,7 @@ def test_sd_generate_reports_bad_settings_clearly(tmp_path):
   assert out.returncode != 0
   assert "height=30 → 24 or 32" in out.stderr and "Traceback" not in out.stderr
   out = run_app(f"--workdir={tmp_path}", "--config.sheduler=DDIMScheduler")
-  assert out.returncode != 0 and 'Did you mean "scheduler"' in out.stderr
+  assert out.returncode != 0 and "did you mean --config.scheduler?" in out.stderr
   out = run_app(f"--workdir={tmp_path}", variant="sd1.5")
   assert out.returncode != 0 and "Traceback" not in out.stderr
   assert (
