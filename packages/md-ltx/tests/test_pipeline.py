@@ -203,7 +203,7 @@ def test_official_guidance_matches_reference(t2v, ref):
 
 def test_guidance_errors(t2v):
   with pytest.raises(
-    ValueError, match=r"guidance_scale has 2 values; give one, or one per step run \(3\)"
+    ValueError, match=r"guidance_scale has 2 values; give one, or one per step \(3\)"
   ):
     t2v(PROMPTS[0], guidance_scale=[3.0, 2.0], **KW)
   with pytest.raises(ValueError, match="stg_blocks: block 5 is not one of the 2 blocks"):
@@ -256,3 +256,54 @@ def test_guidance_windows_match_reference(t2v, ref):
     decode_noise_scale=0.0, **KW,
   )  # fmt: skip
   assert _max_diff(out, ref["t2v_stg/frames"]) < 1e-3
+
+
+def test_latent_output_callback_cancel_and_calls(t2v, ref):
+  """`output_type="latent"` gives the reference-layout latents that decode to the frames; `callback` sees
+  every step with the schedule's timesteps; `cancel` (or a callback returning False) stops at a step
+  boundary; "frames" is the old name of "np"."""
+  kw = dict(latents=ref["t2v/latents"], guidance_scale=3.0, decode_noise_scale=0.0, **KW)
+  seen = []
+  z = t2v(PROMPTS[0], NEGATIVE, output_type="latent",
+          callback=lambda i, t, x: seen.append((i, float(t), x.shape)), **kw)  # fmt: skip
+  assert z.shape == (1, 8, 3, 4, 4)  # [B, C, F, H, W]
+  frames = t2v.decode(
+    np.transpose(np.asarray(z), (0, 2, 3, 4, 1)), decode_timestep=0.05, decode_noise_scale=0.0
+  )
+  assert _max_diff(frames, ref["t2v/frames"]) < 1e-3
+  np_frames = t2v(PROMPTS[0], NEGATIVE, output_type="frames", **kw)
+  np.testing.assert_allclose(np.asarray(frames), np.asarray(np_frames), atol=1e-6, rtol=0)
+  sched = mdsch.from_config(t2v.scheduler_config)
+  keys = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+  mu = mdsch.calculate_shift(48, *(sched.config[k] for k in keys))
+  want = sched.init(sigmas=mdsch.ltx_uniform_sigmas(3), mu=mu).timesteps
+  # The latents the callback sees are the packed tokens [B, S, C].
+  assert [i for i, _, _ in seen] == [0, 1, 2] and {s for *_, s in seen} == {(1, 48, 8)}
+  np.testing.assert_allclose([t for _, t, _ in seen], np.asarray(want))
+  assert t2v.last_calls == 3
+  with pytest.raises(mdsch.Cancelled, match="cancelled at step 1/3"):
+    t2v(PROMPTS[0], NEGATIVE, cancel=lambda: True, **kw)
+  with pytest.raises(mdsch.Cancelled, match="cancelled at step 2/3"):
+    t2v(PROMPTS[0], NEGATIVE, callback=lambda i, t, x: i < 1, **kw)
+
+
+def test_refine_runs_the_last_steps(cond, ref):
+  """`denoise_strength=0.6` of 5 steps runs steps 2 … 4 of the schedule (the loop starts part-way), in
+  chunks of two as in one: the chunking never changes the result."""
+  kw = dict(
+    conditions=[md_ltx.LTXCondition(ref["cond_refine/image"])], guidance_scale=3.0,
+    latents=ref["cond_refine/latents"], noise=ref["cond_refine/noise"], denoise_strength=0.6,
+    image_cond_noise_scale=0.025, step_noise=ref["cond_refine/step_noise"], output_type="latent",
+    **dict(KW, num_inference_steps=5),
+  )  # fmt: skip
+  seen = []
+  one = cond(PROMPTS[0], NEGATIVE, callback=lambda i, t, x: seen.append(i), **kw)
+  assert seen == [2, 3, 4] and cond.last_calls == 3
+  two = cond(PROMPTS[0], NEGATIVE, chunk=2, **kw)
+  whole = cond(PROMPTS[0], NEGATIVE, chunk=None, **kw)
+  np.testing.assert_array_equal(np.asarray(two), np.asarray(one))
+  np.testing.assert_array_equal(np.asarray(whole), np.asarray(one))
+
+
+def test_modes_are_exported():
+  assert md_ltx.MODES == ("text_to_video", "image_to_video", "condition")

@@ -31,7 +31,13 @@ from md_ltx._ltx2_weights import (
   ltx2_original_config,
   ltx2_original_to_diffusers,
 )
-from md_ltx._pipeline import LTXCondition, LTXVideoPipeline, guidance_windows, load_pipeline
+from md_ltx._pipeline import (
+  MODES,
+  LTXCondition,
+  LTXVideoPipeline,
+  guidance_windows,
+  load_pipeline,
+)
 from md_ltx._recipes import (
   MultiscaleOutput,
   check_ltx2_size,
@@ -86,6 +92,7 @@ __all__ = [
   "LTX2_KEEP_F32",
   "LTX2_ORIGINAL_ALLOW_UNUSED",
   "LTX2_VARIANTS",
+  "MODES",
   "ORIGINAL_ALLOW_UNUSED",
   "REMAT_POLICIES",
   "UPSAMPLER_VARIANTS",

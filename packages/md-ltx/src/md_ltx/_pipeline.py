@@ -1,41 +1,42 @@
-"""LTX-Video pipelines: text-to-video and image / keyframe conditioning.
+"""LTX-Video pipelines: text-to-video, image-to-video and image / keyframe conditioning.
 
-Three kinds of jitted programs per shape: T5 encoding, the denoising loop (one `fori_loop` over the
-flow-match Euler steps, classifier-free guidance as a batch of 2 `[negative, positive]`) and VAE decoding
-(plus the VAE encoding of the conditioning images).
+Three kinds of jitted programs per shape: T5 encoding, the denoising steps (`md_schedulers.run_steps` over
+`ltx_token_euler`, driven from the host in chunks; guidance branches `[negative, positive, perturbed]`)
+and VAE decoding (plus the VAE encoding of the conditioning images). The family part of sampling is
+`_denoiser`: per-token timesteps, the skip-layer mask of the perturbed rows, the transformer call.
 
 Three modes (`mode=`), as diffusers' (0.42) pipelines:
 - text-to-video (`LTXPipeline`): the scheduler's shifted schedule (`mu` from the token count), a rotary
   grid scaled by `(vae_temporal_ratio / frame_rate, vae_spatial_ratio, vae_spatial_ratio)`.
 - image-to-video (`LTXImageToVideoPipeline`): text-to-video's schedule and rotary grid; the image's
-  posterior sample replaces the first latent frame, whose tokens get timestep 0 and are never updated.
+  posterior sample replaces the first latent frame, whose tokens get timestep 0 and are never updated
+  (`ltx_token_euler`'s "keep" rule).
 - conditioning (`LTXConditionPipeline`, 0.9.5+; used whenever `conditions` are given or the checkpoint is
   a condition pipeline): the linear-quadratic schedule, explicit token coordinates (`video_coords`), images
   at frame 0 blended into the first latent frame with their strength (per-token timesteps
-  `min(t, (1 - strength) * 1000)`; tokens whose strength exceeds the noise level are kept), images at later
-  frames appended as extra tokens at their frame's coordinates and dropped before decoding, optional noise
-  added to the hard-conditioned tokens at each step (`image_cond_noise_scale`).
+  `min(t, (1 - strength) * 1000)`; tokens whose strength exceeds the noise level are kept: the "per_token"
+  rule), images at later frames appended as extra tokens at their frame's coordinates and dropped before
+  decoding, optional noise added to the hard-conditioned tokens at each step (`image_cond_noise_scale`,
+  the scheduler's conditioning noise).
 Decoding of 0.9.1+ VAEs takes `decode_timestep` and blends in noise by `decode_noise_scale` first.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
-from md_core import progress as md_progress
+from md_core import pipeline as mdp
 from md_ltx._ltx2_pipeline import LTX2_PIPELINE_CLASSES, load_ltx2_pipeline
 from md_ltx._transformer import (
   SKIP_LAYER_STRATEGIES,
@@ -49,6 +50,10 @@ from md_ltx._weights import load_transformer
 _CLASSES = ("LTXPipeline", "LTXConditionPipeline", "LTXImageToVideoPipeline")
 MODES = ("text_to_video", "image_to_video", "condition")
 _MODE_KEYS = {"text_to_video": "t2v", "image_to_video": "i2v", "condition": "condition"}
+# The scheduler's token rule per mode: t2v moves every token, i2v keeps the image's, condition moves each
+# token from its own noise level.
+_RULES = {"t2v": "keep", "i2v": "keep", "condition": "per_token"}
+OUTPUT_TYPES = ("np", "frames", "latent")
 MAX_SEQUENCE_LENGTH = 128
 _F32 = jnp.float32
 
@@ -66,25 +71,6 @@ class LTXCondition:
   frame_index: int = 0
   strength: float = 1.0
   video: Any = None
-
-
-@dataclasses.dataclass
-class _Split:
-  graphdef: Any
-  state: Any
-
-  @classmethod
-  def of(cls, module: nnx.Module) -> _Split:
-    return cls(*nnx.split(module))
-
-  def merge(self, state: Any) -> nnx.Module:
-    return nnx.merge(self.graphdef, state)
-
-
-def _as_list(prompt: str | Sequence[str] | None) -> list[str] | None:
-  if prompt is None:
-    return None
-  return [prompt] if isinstance(prompt, str) else list(prompt)
 
 
 def _image_array(image: Any, what: str) -> np.ndarray:
@@ -112,18 +98,6 @@ def _lerp(a, b, w: float):
   return a + w * (b - a) if w < 0.5 else b - (b - a) * (1.0 - w)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Guidance:
-  """Which guidance terms a loop computes (static: part of the compiled program's key)."""
-
-  cfg: bool
-  rescale: bool
-  stg: bool
-  stg_mode: str
-  stg_rescale: bool
-  cfg_star: bool
-
-
 def guidance_windows(guidance_timesteps: Sequence[float], timesteps: Sequence[float]) -> list[int]:
   """The official repository's `guidance_timesteps` mapping: for each step's timestep (in [0, 1]), the
   first window whose start `guidance_timesteps[j] <= t` (the last window when none is)."""
@@ -134,25 +108,9 @@ def guidance_windows(guidance_timesteps: Sequence[float], timesteps: Sequence[fl
   return out
 
 
-def _step_scales(
-  total, layers, guidance, phi, stg, stg_rescale, blocks, windows=None
-) -> dict[str, jax.Array]:
-  """Per-step guidance arrays `[total]` and the perturbed pass's block mask `[total, layers]` (1 keep).
-
-  With `windows` (one window index per step), list-valued settings hold one value per window."""
-
-  def per_step(v, name):
-    a = np.asarray(v, np.float32).reshape(-1)
-    if a.size == 1:
-      return np.full((total,), a[0], np.float32)
-    if windows is not None:
-      if max(windows) >= a.size:
-        raise ValueError(f"{name} has {a.size} values for {max(windows) + 1} guidance windows")
-      return a[np.asarray(windows)]
-    if a.size != total:
-      raise ValueError(f"{name} has {a.size} values; give one, or one per step run ({total})")
-    return a
-
+def _skip_keep(total: int, layers: int, blocks, windows=None) -> np.ndarray:
+  """The perturbed pass's block mask `[total, layers]` (1 keep, 0 skip) from `stg_blocks`: one list of
+  block indices, one per step, or with `windows` (one window index per step) one per window."""
   blocks = list(blocks)
   lists = blocks if blocks and not np.isscalar(blocks[0]) else [blocks] * total
   if windows is not None and lists is blocks:
@@ -169,24 +127,26 @@ def _step_scales(
       if not 0 <= int(j) < layers:
         raise ValueError(f"stg_blocks: block {j} is not one of the {layers} blocks")
       keep[i, int(j)] = 0.0
-  return dict(
-    g=jnp.asarray(per_step(guidance, "guidance_scale")),
-    phi=jnp.asarray(per_step(phi, "guidance_rescale")),
-    stg=jnp.asarray(per_step(stg, "stg_scale")),
-    stg_rescale=jnp.asarray(per_step(stg_rescale, "stg_rescale")),
-    keep=jnp.asarray(keep),
-  )
+  return keep
 
 
-def _rescale(guided, cond, phi: float):
-  """Guidance rescale (Lin et al. 2023, 3.4): match the guided prediction's std to the conditional one's."""
-  axes = tuple(range(1, guided.ndim))
-  std_cond = jnp.std(cond, axis=axes, keepdims=True, ddof=1)
-  std_guided = jnp.std(guided, axis=axes, keepdims=True, ddof=1)
-  return phi * (guided * (std_cond / std_guided)) + (1 - phi) * guided
+def _draw_steps(total: int, shape: tuple[int, ...]):
+  """A jitted draw of `total` standard-normal arrays, step `i`'s from `fold_in(key, i)`."""
+
+  def draw(key):
+    one = lambda i: jax.random.normal(jax.random.fold_in(key, i), shape, _F32)  # noqa: E731
+    return jax.vmap(one)(jnp.arange(total))
+
+  return jax.jit(draw)
 
 
-class LTXVideoPipeline:
+def _pad_steps(a: np.ndarray, start: int) -> np.ndarray:
+  """Per-step rows for the steps run, preceded by `start` rows of zeros for the steps skipped (the loop
+  indexes them by the schedule's step)."""
+  return np.concatenate([np.zeros((start, *a.shape[1:]), a.dtype), a]) if start else a
+
+
+class LTXVideoPipeline(mdp.Pipeline):
   """A loaded LTX-Video pipeline (see `load_pipeline`); call it to generate videos.
 
   Attributes:
@@ -222,9 +182,10 @@ class LTXVideoPipeline:
     self.text_encoder, self.tokenizer = text_encoder, tokenizer
     self.scheduler_config = dict(scheduler_config)
     self.condition_pipeline = condition_pipeline
-    self.mesh, self.source = mesh, source
-    self._tr, self._vae, self._te = _Split.of(transformer), _Split.of(vae), _Split.of(text_encoder)
-    self._compiled: dict[Any, Any] = {}
+    self._init_scaffold(mesh, source)
+    self._tr, self._vae = mdp.Split.of(transformer), mdp.Split.of(vae)
+    self._te = mdp.Split.of(text_encoder)
+    self.last_calls = 0  # denoiser calls of the last call (a step cache skips some)
 
   # --- facts --------------------------------------------------------------------------------------------
   @property
@@ -240,15 +201,6 @@ class LTXVideoPipeline:
     """Pixels per token along height and width (VAE factor × patch)."""
     return self.vae_spatial_compression_ratio * self.transformer.cfg.patch_size
 
-  def _context(self):
-    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-  def _jit(self, key, make):
-    fn = self._compiled.get(key)
-    if fn is None:
-      fn = self._compiled[key] = make()
-    return fn
-
   # --- text ----------------------------------------------------------------------------------------------
   def encode_prompt(
     self, prompts: Sequence[str], max_sequence_length: int = MAX_SEQUENCE_LENGTH
@@ -261,8 +213,8 @@ class LTXVideoPipeline:
     def encode(state, ids):
       return te.merge(state)(ids)
 
-    fn = self._jit(("encode", max_sequence_length), lambda: jax.jit(encode))
-    with self._context():
+    fn = self.jit(("encode", max_sequence_length), lambda: jax.jit(encode))
+    with self.context():
       states = fn(self._te.state, jnp.asarray(tokens.ids))
     return states, jnp.asarray(tokens.mask, jnp.int32)
 
@@ -329,8 +281,8 @@ class LTXVideoPipeline:
       std = model.latents_std[...].astype(z.dtype).reshape(1, 1, 1, 1, -1)
       return (z - mean) * 1.0 / std  # the pipelines normalise with scaling factor 1 here
 
-    fn = self._jit(("encode_image", image.shape), lambda: jax.jit(encode))
-    with self._context():
+    fn = self.jit(("encode_image", image.shape), lambda: jax.jit(encode))
+    with self.context():
       return fn(self._vae.state, jnp.asarray(image), key, eps)
 
   def _decode_fn(self):
@@ -395,107 +347,63 @@ class LTXVideoPipeline:
       if noise.shape != want:
         raise ValueError(f"decode_noise must be [B, C, F, H, W] = {want}, got {noise.shape}")
       noise = jnp.transpose(noise, (0, 2, 3, 4, 1))
-    with self._context():
-      fn = self._jit("decode", self._decode_fn)
+    with self.context():
+      fn = self.jit("decode", self._decode_fn)
       return fn(self._vae.state, latents, timestep, scale, noise, key_vae)
 
-  # --- the loop ----------------------------------------------------------------------------------------------
-  def _loop_fn(self, *, total, guide: _Guidance, mode, noise_on, show):
+  # --- sampling ----------------------------------------------------------------------------------------------
+  def _denoiser(self, mode: str, branches: int, stg: bool, stg_mode: str):
+    """The family part of sampling: the per-token timesteps of the mode, the perturbed rows' block mask,
+    the transformer call. `cond` holds the text rows (in the guidance row order), the rotary tables, the
+    per-video conditioning mask `[B, S]` (or None) and the per-step block mask `[steps, layers]`."""
     tr = self._tr
-    n_train = float(self.scheduler_config.get("num_train_timesteps", 1000))
     layers = self.transformer.cfg.num_layers
 
-    def loop(
-      state, latents, ts, sigmas, context, mask, rope, cond_mask, init, step_noise, key, scales, ns
-    ):
-      model = tr.merge(state)
-      tick = md_progress.make_step_callback(total, desc="denoising") if show else None
-      b = latents.shape[0]
-      n = 1 + guide.cfg + guide.stg  # batch slots: [negative], positive, [positive perturbed]
+    def denoise(params, x, t, cond, *, step):
+      t = t.astype(_F32)  # [rows]
+      if cond["cond_mask"] is not None:
+        c = jnp.concatenate([cond["cond_mask"]] * branches, axis=0)
+        timestep = mdsch.ltx_token_timesteps(t, c, rule=_RULES[mode])  # [rows, S]
+      else:
+        timestep = t[:, None] if mode == "condition" else t
+      skip = None
+      if stg:  # the perturbed rows (the last B) skip the step's chosen blocks
+        b = x.shape[0] // branches
+        keep = cond["keep"][step]  # [layers]
+        skip = jnp.concatenate(
+          [
+            jnp.ones((layers, (branches - 1) * b), _F32),
+            jnp.broadcast_to(keep[:, None], (layers, b)),
+          ],
+          axis=1,
+        )
+      model = tr.merge(params)
+      return model(
+        x, cond["context"], timestep, cond["mask"], rope=cond["rope"], skip_layer_mask=skip,
+        skip_layer_strategy=stg_mode,
+      )  # fmt: skip
 
-      def flat(v, fn):
-        return fn(v.reshape(v.shape[0], -1))
+    return denoise
 
-      def predict(i, x, timestep):
-        g, phi, s, r, keep = (scales[k][i] for k in ("g", "phi", "stg", "stg_rescale", "keep"))
-        xin = jnp.concatenate([x] * n, axis=0)
-        tin = jnp.concatenate([timestep] * n, axis=0)
-        skip = None
-        if guide.stg:
-          skip = jnp.concatenate(
-            [jnp.ones((layers, (n - 1) * b), _F32), jnp.broadcast_to(keep[:, None], (layers, b))],
-            axis=1,
-          )
-        out = model(
-          xin, context, tin, mask, rope=rope, skip_layer_mask=skip,
-          skip_layer_strategy=guide.stg_mode,
-        ).astype(_F32)  # fmt: skip
-        parts = jnp.split(out, n, axis=0)
-        text = parts[1] if guide.cfg else parts[0]
-        pred = text
-        if guide.cfg:
-          uncond = parts[0]
-          if guide.cfg_star:
-            # CFG-star (official repository): project the unconditional prediction onto the conditional.
-            dot = flat(text * uncond, lambda v: jnp.sum(v, axis=1))
-            norm = flat(uncond * uncond, lambda v: jnp.sum(v, axis=1)) + 1e-8
-            uncond = (dot / norm).reshape((b,) + (1,) * (x.ndim - 1)) * uncond
-          guided = uncond + g * (text - uncond)
-          if guide.rescale:
-            guided = _rescale(guided, text, phi)
-          pred = jnp.where(g > 1.0, guided, text)
-        if guide.stg:
-          perturbed = parts[-1]
-          stg = pred + s * (text - perturbed)
-          if guide.stg_rescale:
-            std_text = flat(text, lambda v: jnp.std(v, axis=1, ddof=1))
-            std_stg = flat(stg, lambda v: jnp.std(v, axis=1, ddof=1))
-            factor = r * (std_text / std_stg) + (1 - r)
-            rescaled = stg * factor.reshape((b,) + (1,) * (x.ndim - 1))
-            stg = jnp.where(r != 1.0, rescaled, stg)
-          pred = jnp.where(s > 0.0, stg, pred)
-        return pred
+  def _run_fn(self, sched, *, mode: str, guide, stg_mode: str, cache):
+    """One jitted chunk of steps `[lo, hi)` (traced bounds)."""
+    denoise = self._denoiser(mode, guide.num_branches, guide.stg, stg_mode)
 
-      def step(i, x):
-        t = ts[i]
-        if mode == "t2v":
-          out = predict(i, x, jnp.broadcast_to(t, (b,)))
-          x = x + (sigmas[i + 1] - sigmas[i]) * out
-        elif mode == "i2v":
-          # The first latent frame's tokens (cond_mask 1) are the image: timestep 0, never updated.
-          first = cond_mask[..., None] > 0.5  # [B, S, 1]
-          out = predict(i, x, jnp.broadcast_to(t, (b, 1)) * (1 - cond_mask))
-          x = jnp.where(first, x, x + (sigmas[i + 1] - sigmas[i]) * out)
-        else:
-          if noise_on:
-            if step_noise is None:
-              eps = jax.random.normal(jax.random.fold_in(key, i), x.shape, _F32)
-            else:
-              eps = step_noise[i]
-            hard = (cond_mask > 1.0 - 1e-6)[..., None]
-            x = jnp.where(hard, init + ns * eps * (t / 1000.0) ** 2, x)
-          timestep = jnp.broadcast_to(t, (b, 1))
-          if cond_mask is not None:
-            timestep = jnp.minimum(timestep, (1 - cond_mask) * 1000.0)
-          out = predict(i, x, timestep)
-          # Per-token Euler step (the reference's `per_token_timesteps`): from each token's own noise level
-          # to the next lower level of the schedule.
-          current = timestep / n_train  # [B, 1 | S]
-          lower = sigmas[:, None, None] < current[None] - 1e-6
-          nxt = jnp.max(lower * sigmas[:, None, None], axis=0)
-          moved = x + (current - nxt)[..., None] * (-out)
-          if cond_mask is None:
-            x = moved
-          else:
-            keep = (t / 1000.0 - 1e-6 < (1.0 - cond_mask))[..., None]
-            x = jnp.where(keep, moved, x)
-        if tick is not None:
-          tick(i)
-        return x
+    def run(params, carry, lo, hi, cond, scales):
+      return mdsch.run_steps(
+        denoise,
+        sched,
+        carry,
+        lo,
+        hi,
+        cond,
+        params=params,
+        guidance=guide,
+        scales=scales,
+        cache=cache,
+      )
 
-      return jax.lax.fori_loop(0, total, step, latents.astype(_F32))
-
-    return jax.jit(loop)
+    return jax.jit(run)
 
   # --- the call --------------------------------------------------------------------------------------------
   def _mode(self, mode: str | None, image: Any, conditions: Any) -> str:
@@ -561,7 +469,11 @@ class LTXVideoPipeline:
     noise: Any = None,
     image_noise: Any = None,
     max_sequence_length: int = MAX_SEQUENCE_LENGTH,
-    output_type: str = "frames",
+    output_type: str = "np",
+    callback: Callable[[int, jax.Array, jax.Array], Any] | None = None,
+    cancel: Callable[[], bool] | None = None,
+    cache: mdsch.StepCache | None = None,
+    chunk: int | None = 1,
     progress: bool = True,
   ) -> jax.Array:
     """Generates videos.
@@ -624,16 +536,29 @@ class LTXVideoPipeline:
         `image`, or a list with one per condition (default: drawn from `seed`). The sample is
         `mean + std * image_noise`.
       max_sequence_length: T5 tokens (128 in the reference).
-      output_type: "frames", or "latent" for the denoised normalized latents `[B, C, F, H, W]` (the
-        reference's layout), e.g. for a latent upsampler.
+      output_type: "np" for frames ("frames" is the same), or "latent" for the denoised normalized
+        latents `[B, C, F, H, W]` (the reference's layout; `decode` takes them channels-last), e.g. for
+        a latent upsampler or a second pass.
+      callback: `callback(step, timestep, latents)` after each step, `latents` the packed tokens
+        `[B, S, C]` after that step (conditioning mode: the appended keyframe tokens first); returning
+        False stops like `cancel`.
+      cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
+      cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction.
+      chunk: steps per host dispatch (None: the whole loop in one call; progress, callback and cancel
+        act at chunk boundaries).
       progress: show a progress bar over the steps.
 
     Returns:
-      Frames `[B, num_frames, height, width, 3]` float32 in [0, 1] (or latents, see `output_type`).
+      Frames `[B, num_frames, height, width, 3]` float32 in [0, 1] (or latents, see `output_type`). The
+      denoiser calls made are in `self.last_calls`.
+
+    Raises:
+      md_core.pipeline.SizeError: a size the VAE and the packing cannot take (naming the nearest ones).
+      md_schedulers.Cancelled: `cancel()` returned True or `callback` returned False.
     """
     self.check_size(height, width, num_frames)
-    if output_type not in ("frames", "latent"):
-      raise ValueError(f"output_type={output_type!r} must be 'frames' or 'latent'")
+    if output_type not in OUTPUT_TYPES:
+      raise ValueError(f"output_type={output_type!r} must be 'np' (or 'frames') or 'latent'")
     if not 0.0 < denoise_strength <= 1.0:
       raise ValueError(f"denoise_strength={denoise_strength} must be in (0, 1]")
     if image is not None and conditions:
@@ -676,7 +601,7 @@ class LTXVideoPipeline:
     if refine and latents is None:
       raise ValueError("denoise_strength < 1 refines given latents: pass latents= [B, C, F, H, W]")
     cfg = self.transformer.cfg
-    with self._context():
+    with self.context():
       # Heads vs the mesh's tensor degree: fail before any encoding or compiling.
       self.transformer._check(
         jnp.zeros((1, 1, cfg.in_channels)), jnp.zeros((1, 1, cfg.caption_channels)),
@@ -723,7 +648,7 @@ class LTXVideoPipeline:
     keys = jax.random.split(jax.random.key(int(seed)), 5)
 
     # Text.
-    prompts = _as_list(prompt)
+    prompts = mdp.as_prompts(prompt)
     if prompt_embeds is None:
       if not prompts:
         raise ValueError("pass prompt (a string or a list) or prompt_embeds")
@@ -745,7 +670,7 @@ class LTXVideoPipeline:
         neg = jnp.asarray(negative_prompt_embeds, _F32)
         nmask = jnp.asarray(negative_prompt_attention_mask, jnp.int32)
       else:
-        negs = _as_list(negative_prompt) or [""]
+        negs = mdp.as_prompts(negative_prompt) or [""]
         if len(negs) == 1 and b > 1:
           negs = negs * b
         if len(negs) != b:
@@ -787,8 +712,10 @@ class LTXVideoPipeline:
           f"{height}x{width}"
         )
 
-    # Schedule (static: known on the host).
-    sched = mdsch.from_config(self.scheduler_config)
+    # Schedule (static: known on the host): flow-match Euler with the mode's token rule.
+    sched = mdsch.ltx_token_euler(
+      rule=_RULES[mode], **mdsch.from_config(self.scheduler_config).config
+    )
     sc = sched.config
     if mode != "condition":
       mu = mdsch.calculate_shift(
@@ -798,7 +725,7 @@ class LTXVideoPipeline:
         sc.get("base_shift", 0.5),
         sc.get("max_shift", 1.15),
       )
-      st_ = sched.init(sigmas=mdsch.ltx_uniform_sigmas(num_inference_steps), mu=mu)
+      sched_kw = dict(sigmas=mdsch.ltx_uniform_sigmas(num_inference_steps), mu=mu)
     else:
       if timesteps is None:
         timesteps = mdsch.linear_quadratic_sigmas(num_inference_steps) * np.float32(1000)
@@ -812,21 +739,23 @@ class LTXVideoPipeline:
           sc["base_shift"],
           sc["max_shift"],
         )
-      st_ = sched.init(timesteps=timesteps, mu=mu)
-    ts_host = np.asarray(st_.timesteps, np.float32)
-    sigmas_host = np.asarray(st_.sigmas, np.float32)
+      sched_kw = dict(timesteps=timesteps, mu=mu)
+    plain = sched.init(**sched_kw)
+    ts_host = np.asarray(plain.timesteps, np.float32)
+    sigmas_host = np.asarray(plain.sigmas, np.float32)
+    begin = 0  # the first step run
     if refine:
       # The reference's get_timesteps: keep the last int(n * strength) steps; the latents start at the
       # first kept noise level (the scheduler's full sigma list still gives each step's next level).
-      start = num_inference_steps - min(
+      begin = num_inference_steps - min(
         int(num_inference_steps * denoise_strength), num_inference_steps
       )
-      ts_host = ts_host[start:]
+      ts_host = ts_host[begin:]
       if ts_host.size == 0:
         raise ValueError(
           f"denoise_strength={denoise_strength} with {num_inference_steps} steps leaves no step"
         )
-      sigma0 = sigmas_host[start]
+      sigma0 = sigmas_host[begin]
       if noise is None:
         eps = jax.random.normal(keys[4], x.shape, _F32)
       else:
@@ -835,9 +764,7 @@ class LTXVideoPipeline:
           raise ValueError(f"noise must be [B, C, F, H, W] = {full}, got {eps.shape}")
         eps = jnp.transpose(eps, (0, 2, 3, 4, 1))
       x = sigma0 * eps + (1 - sigma0) * x
-    ts = jnp.asarray(ts_host)
-    sigmas = jnp.asarray(sigmas_host)
-    total = int(ts.shape[0])
+    total = int(ts_host.shape[0])  # the steps run
 
     # Conditioning (conditioning mode): blend / append latents, per-token strengths, coordinates.
     cond_mask = init = None
@@ -910,37 +837,62 @@ class LTXVideoPipeline:
         raise ValueError(
           f"step_noise must be [steps, B, S, C] = {(total, *x.shape)}, got {step_noise.shape}"
         )
-    show = bool(progress) and md_progress.progress_enabled()
-    guide = _Guidance(
-      cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, stg=stg_on, stg_mode=stg_mode,
-      stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)), cfg_star=bool(cfg_star),
+
+    # Guidance: which terms (static), per-step scales and block masks (traced).
+    guide = mdsch.guidance.Guidance(
+      cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, cfg_star=cfg_on and bool(cfg_star),
+      gate=cfg_on, stg=stg_on, stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)),
     )  # fmt: skip
     windows = None
     if guidance_timesteps is not None:
       windows = guidance_windows(list(guidance_timesteps), (ts_host / np.float32(1000)).tolist())
-    scales = _step_scales(
-      total, self.transformer.cfg.num_layers, guidance_scale, guidance_rescale, stg_scale,
-      stg_rescale, stg_blocks, windows,
+    named = dict(
+      guidance=("guidance_scale", guidance_scale), rescale=("guidance_rescale", guidance_rescale),
+      stg=("stg_scale", stg_scale), stg_rescale=("stg_rescale", stg_rescale),
     )  # fmt: skip
-    key = (
-      "loop",
-      mode,
-      total,
-      guide,
-      noise_on,
-      step_noise is not None,
-      cond_mask is not None,
-      show,
-    )
-    loop = self._jit(
-      key,
-      lambda: self._loop_fn(total=total, guide=guide, mode=mode, noise_on=noise_on, show=show),
-    )
-    with self._context():
-      x = loop(
-        self._tr.state, x, ts, sigmas, context, cmask, rope, cond_mask, init,
-        step_noise if noise_on else None, keys[2], scales, jnp.float32(image_cond_noise_scale),
+    arrays = mdsch.guidance.per_step(total, dict(named.values()), windows=windows)
+    scales = {k: _pad_steps(arrays[arg], begin) for k, (arg, _) in named.items()}
+    scales = {k: jnp.asarray(v) for k, v in scales.items() if k in guide.scale_names}
+    keep = _pad_steps(_skip_keep(total, cfg.num_layers, stg_blocks, windows), begin)
+
+    # The scheduler's state: the conditioning mask (the condition mode moves every token from its own
+    # level, zeros without conditions) and the conditioning noise of each step.
+    token_mask = None if cond_mask is None else np.asarray(cond_mask)
+    if mode == "condition" and token_mask is None:
+      token_mask = np.zeros(x.shape[:2], np.float32)
+    noise_kw = {}
+    if noise_on:
+      if step_noise is None:  # one draw per step run, from the seed's loop key
+        step_noise = self.jit(("step_noise", total, x.shape), lambda: _draw_steps(total, x.shape))(
+          keys[2]
+        )
+      noise_kw = dict(
+        cond_latents=init, cond_noise=_pad_steps(np.asarray(step_noise), begin),
+        cond_noise_scale=image_cond_noise_scale,
       )  # fmt: skip
+    state = sched.init(**sched_kw, conditioning=token_mask, shape=x.shape, **noise_kw)
+    state = mdsch.start_at(sched, state, begin)
+    if noise_on:  # the first step's conditioning noise (jitted: rounded as in the loop)
+      x = self.jit("noised", lambda: jax.jit(mdsch.ltx_token_noised))(state, x)
+    n = mdsch.num_calls(state)
+
+    cond = dict(
+      context=self.place(context), mask=self.place(cmask), rope=rope,
+      cond_mask=self.place(cond_mask), keep=jnp.asarray(keep) if guide.stg else None,
+    )  # fmt: skip
+    key = ("loop", mode, repr(sorted(sched.config.items())), guide, stg_mode, cache)
+    run = self.jit(
+      key, lambda: self._run_fn(sched, mode=mode, guide=guide, stg_mode=stg_mode, cache=cache)
+    )
+    params = self._tr.state
+    with self.context():
+      carry = mdsch.init_state(self.place(x), state, cache=cache)
+      carry = mdsch.drive(
+        lambda c, lo, hi: run(params, c, lo, hi, cond, scales), carry, begin, n,
+        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress),
+      )  # fmt: skip
+    self.last_calls = int(carry.calls)
+    x = carry.latents
     x = x[:, x.shape[1] - tokens :]
     x = self._unpack(x, f, h, w)
     if output_type == "latent":
@@ -949,17 +901,6 @@ class LTXVideoPipeline:
 
 
 # --- loading ----------------------------------------------------------------------------------------------------
-
-
-def _folder(root, name: str, index: Mapping[str, Any]):
-  folder = root / name
-  if not folder.is_dir():
-    have = sorted(k for k, v in index.items() if isinstance(v, list) and v and v[0])
-    raise FileNotFoundError(
-      f"{root}: pipeline component {name!r} is missing (no folder {folder}); model_index.json lists "
-      f"{have}. Download the whole pipeline, or pass a complete diffusers folder"
-    )
-  return folder
 
 
 def load_pipeline(
@@ -1007,18 +948,15 @@ def load_pipeline(
     ValueError: a pipeline class md does not implement.
   """
   root = md_core.resolve_source(source, revision=revision)
-  index_file = root / "model_index.json"
-  if not index_file.is_file():
-    raise FileNotFoundError(
-      f"{root}: no model_index.json; pass a diffusers LTX-Video pipeline folder (transformer/, vae/, "
-      "text_encoder/, tokenizer/, scheduler/) or its hub id"
-    )
-  index = md_core.read_json(index_file)
-  cls = index.get("_class_name", "")
+  index, cls = mdp.read_index(
+    root, (*_CLASSES, *LTX2_PIPELINE_CLASSES),
+    "LTX-Video pipeline (transformer/, vae/, text_encoder/, tokenizer/, scheduler/)",
+  )  # fmt: skip
   if cls in LTX2_PIPELINE_CLASSES:
     if condition is not None:
       raise ValueError(
-        f"{index_file}: {cls} takes no `condition=` (that is LTX-Video's conditioning mode)"
+        f"{root / 'model_index.json'}: {cls} takes no `condition=` (that is LTX-Video's conditioning "
+        "mode)"
       )
     return load_ltx2_pipeline(
       source,
@@ -1032,11 +970,6 @@ def load_pipeline(
       revision=revision,
       progress=progress,
     )
-  if cls not in _CLASSES:
-    raise ValueError(
-      f"{index_file}: pipeline class {cls!r} is not one md-ltx loads; known: "
-      f"{(*_CLASSES, *LTX2_PIPELINE_CLASSES)}"
-    )
   overrides = {}
   if attention is not None:
     overrides["attention"] = attention
@@ -1048,12 +981,12 @@ def load_pipeline(
   if isinstance(transformer, LTXTransformer):
     model = transformer
   else:
-    where = _folder(root, "transformer", index) if transformer is None else transformer
+    where = mdp.component(root, "transformer", index) if transformer is None else transformer
     model = load_transformer(where, subfolder=None, dtype=dtype, **kw, **overrides)
-  vae = md_vae.load_vae_ltx(_folder(root, "vae", index), subfolder=None, **kw)
-  te = md_text.load_t5_encoder(_folder(root, "text_encoder", index), dtype=dtype, **kw)
-  tok = md_text.load_tokenizer(_folder(root, "tokenizer", index), subfolder=None)
-  sched_cfg = mdsch.read_config(_folder(root, "scheduler", index))
+  vae = md_vae.load_vae_ltx(mdp.component(root, "vae", index), subfolder=None, **kw)
+  te = md_text.load_t5_encoder(mdp.component(root, "text_encoder", index), dtype=dtype, **kw)
+  tok = md_text.load_tokenizer(mdp.component(root, "tokenizer", index), subfolder=None)
+  sched_cfg = mdsch.read_config(mdp.component(root, "scheduler", index))
   mdsch.from_config(sched_cfg)  # fail now, not at the first call
   return LTXVideoPipeline(
     transformer=model,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from md_core.pipeline import SizeError
+
 
 def nearest(value: int, step: int, offset: int) -> str:
   """The valid value(s) of the form `offset + step * k` next to `value`, as text for an error."""
@@ -12,8 +14,13 @@ def nearest(value: int, step: int, offset: int) -> str:
 def check_video_size(
   what: str, height: int, width: int, num_frames: int, multiple: int, frame_step: int
 ) -> None:
-  """Raises ValueError naming the nearest valid values unless height and width are positive multiples
-  of `multiple` and `num_frames = 1 + frame_step * k`."""
+  """Checks that height and width are positive multiples of `multiple` and `num_frames = 1 + frame_step *
+  k`.
+
+  Raises:
+    SizeError: (`md_core.pipeline.SizeError`, a ValueError) naming each bad value with the nearest
+      valid ones.
+  """
   bad = [
     f"{name}={v} → {nearest(max(v, multiple), multiple, multiple)}"
     for name, v in (("height", height), ("width", width))
@@ -22,7 +29,7 @@ def check_video_size(
   if num_frames < 1 or (num_frames - 1) % frame_step:
     bad.append(f"num_frames={num_frames} → {nearest(max(num_frames, 1), frame_step, 1)}")
   if bad:
-    raise ValueError(
+    raise SizeError(
       f"the {what} takes height and width multiples of {multiple} and num_frames = 1 + "
       f"{frame_step}k; got {height}x{width}, {num_frames} frames; nearest valid: {', '.join(bad)}"
     )
