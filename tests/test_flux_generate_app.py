@@ -128,4 +128,7 @@ def test_flux_generate_klein_reports_bad_references(tmp_path):
     variant="tiny-klein-edit",
   )
   assert out.returncode != 0 and "Traceback" not in out.stderr
-  assert "reference image 1: cannot read" in out.stderr and "broken.png" in out.stderr
+  assert (
+    "--config.images: image" in out.stderr
+    and "broken.png' cannot be read as an image" in out.stderr
+  )

@@ -546,8 +546,8 @@ def run(main, *, doc: str = "", fixed: tuple[str, ...] = ()) -> None:
     _interrupts.install(prog)
     try:
       return main(argv)
-    except (UsageError, app.UsageError) as e:
-      lines = e.lines if isinstance(e, UsageError) else str(e).splitlines()
+    except (UsageError, app.UsageError, FileNotFoundError) as e:
+      lines = e.lines if isinstance(e, UsageError) else str(e).splitlines()[:1]
       folder = _interrupts.folder
       if folder is not None:
         folder.discard()
@@ -599,9 +599,16 @@ def check_local(problems: Problems, key: str, *, image: bool = False) -> list[st
   for path in paths:
     if image:
       problems.image(key, path)
-    else:
-      line = check_source(key, path)
-      problems.require(line is None, line or "")
+      continue
+    line = check_source(key, path)
+    if line is None and not pathlib.Path(path).exists() and not pathlib.Path(path).suffix:
+      from md_core import _sources
+
+      try:  # a hub id: its configs, from the cache (or the hub when online)
+        _sources.resolve_source(path, allow_patterns=["*.json"])
+      except FileNotFoundError as e:
+        line = f"--config.{key}: {e}"
+    problems.require(line is None, line or "")
   return paths
 
 
