@@ -216,7 +216,9 @@ def test_drive_cancels_at_a_step_boundary():
   run, _ = _chunked(sched, cond)
   polls = []
   with pytest.raises(mdsch.Cancelled, match="cancelled at step 2/6") as err:
-    mdsch.drive(run, mdsch.init_state(x, st), 0, 6, cancel=lambda: polls.append(1) or len(polls) >= 2)
+    mdsch.drive(
+      run, mdsch.init_state(x, st), 0, 6, cancel=lambda: polls.append(1) or len(polls) >= 2
+    )
   assert err.value.step == 2 and int(err.value.state.calls) == 2
   partial = mdsch.sample(_denoise, sched, x, st, cond, params=0.5, stop=2)
   chex.assert_trees_all_close(err.value.state.latents, partial.latents, atol=1e-5, rtol=1e-6)
@@ -234,3 +236,40 @@ def test_multi_modality_sample_steps_each_leaf():
   factor = np.prod([1 - (sig[i + 1] - sig[i]) for i in range(4)])
   chex.assert_trees_all_close(out.latents[0], factor * x[0], atol=1e-6)
   chex.assert_trees_all_close(out.latents[1], factor * x[1], atol=1e-6)
+
+
+def test_per_modality_scales_and_rescale_last():
+  """A `(video, audio)` sample with one scale per modality, guidance in x0 space, the rescale applied
+  after every term (LTX-2's order): equal to the same maths written out per leaf."""
+  sched = mdsch.flow_match_euler(shift=1.0)
+  st = sched.init(3)
+  x = (jnp.linspace(-1, 1, 12).reshape(1, 3, 4), jnp.linspace(0, 2, 10).reshape(1, 5, 2))
+  spec = G.Guidance(cfg=True, rescale=True, rescale_last=True, stg=True, space="x0")
+  scales = G.per_step(3, {"guidance": (3.0, 7.0), "stg": (1.0, 0.5), "rescale": (0.7, 0.0)})
+  assert isinstance(scales["guidance"], tuple) and scales["guidance"][1].tolist() == [7.0] * 3
+
+  def den(p, x, t, c, *, step):
+    del p, t, c
+    k = jnp.asarray([1.0, 2.0, 0.5]).reshape(3, 1, 1)  # negative, positive, perturbed rows differ
+    return tuple(jnp.tanh(a) * k + step * 0.1 for a in x)
+
+  out = mdsch.sample(den, sched, x, st, None, guidance=spec, scales=scales)
+
+  sig = np.asarray(st.sigmas)
+  want = list(x)
+  for i in range(3):
+    new = []
+    for j, a in enumerate(want):
+      rows = jnp.concatenate([a] * 3)
+      o = den(None, (rows,) * 2, None, None, step=i)[0]
+      x0 = [a - o[r : r + 1] * sig[i] for r in range(3)]
+      g = x0[0] + (3.0, 7.0)[j] * (x0[1] - x0[0])
+      g = g + (1.0, 0.5)[j] * (x0[1] - x0[2])
+      g = G.rescale(g, x0[1], (0.7, 0.0)[j])
+      v = (a - g) / sig[i]
+      new.append(a + (sig[i + 1] - sig[i]) * v)
+    want = new
+  for got, w in zip(out.latents, want):
+    chex.assert_trees_all_close(got, w, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="rescale_last needs rescale=True"):
+    G.Guidance(cfg=True, rescale_last=True)

@@ -132,39 +132,6 @@ def _image_array(image: Any, height: int, width: int, crf: int = 0) -> np.ndarra
   return np.asarray(image, np.float32) / 255.0 * 2.0 - 1.0
 
 
-def _guided(
-  denoise: Callable[..., Any], spec: mdsch.guidance.Guidance, rescale: tuple[bool, bool]
-) -> Callable[..., Any]:
-  """LTX-2's guidance around the family denoiser, as one denoiser of the positive rows.
-
-  Each branch's prediction becomes `x0 = x - sigma * v`; `md_schedulers.guidance.combine` adds the CFG,
-  STG and modality terms with the per-modality scales of this step; the sum is rescaled toward the
-  positive x0's std (`rescale[j]` for video / audio) and turned back into a velocity. This is
-  `run_steps(guidance=Guidance(..., space="x0"))` except for two things the shared loop lacks today:
-  per-modality scales (a tuple per scale) and LTX-2's order (the rescale after every term, not after CFG).
-  `cond["scales"]` holds the `[steps]` scale arrays per modality, `cond["sigmas"]` the schedule's sigmas.
-  """
-  n = spec.num_branches
-  pos = spec.branches.index("positive")
-
-  def run(params, x, t, cond, *, step):
-    sigma = cond["sigmas"][step]
-    rows = jax.tree.map(lambda a: jnp.concatenate([a] * n, axis=0), x)
-    out = denoise(params, rows, jnp.concatenate([t] * n, axis=0), cond, step=step)
-    x0 = jax.tree.map(lambda a, o: a - o.astype(_F32) * sigma, rows, out)
-    scales = {k: tuple(s[step] for s in v) for k, v in cond["scales"].items()}
-    guided = mdsch.guidance.combine(spec, x0, {k: v for k, v in scales.items() if k != "rescale"})
-    b = jax.tree.leaves(x)[0].shape[0]
-    parts = []
-    for j, (g, x0_j) in enumerate(zip(guided, x0)):
-      if rescale[j]:
-        g = mdsch.guidance.rescale(g, x0_j[pos * b : (pos + 1) * b], scales["rescale"][j])
-      parts.append(g)
-    return tuple((a - g) / sigma for a, g in zip(x, parts))
-
-  return run
-
-
 class LTX2VideoPipeline(mdp.Pipeline):
   """A loaded LTX-2 pipeline (see `load_ltx2_pipeline`); call it to generate videos with sound.
 
@@ -442,13 +409,15 @@ class LTX2VideoPipeline(mdp.Pipeline):
 
     return denoise
 
-  def _run_fn(self, sched, *, spec, rescale, stg_blocks, cross, cache):
+  def _run_fn(self, sched, *, spec, stg_blocks, cross, cache):
     """One jitted chunk of steps `[lo, hi)` (traced bounds)."""
-    denoise = _guided(self._denoiser(spec, stg_blocks, cross), spec, rescale)
+    denoise = self._denoiser(spec, stg_blocks, cross)
 
-    def run(params, carry, lo, hi, cond, sigmas, scales):
-      cond = dict(cond, sigmas=sigmas, scales=scales)
-      return mdsch.run_steps(denoise, sched, carry, lo, hi, cond, params=params, cache=cache)
+    def run(params, carry, lo, hi, cond, scales):
+      return mdsch.run_steps(
+        denoise, sched, carry, lo, hi, cond, params=params, guidance=spec, scales=scales,
+        cache=cache,
+      )  # fmt: skip
 
     return jax.jit(run)
 
@@ -719,25 +688,28 @@ class LTX2VideoPipeline(mdp.Pipeline):
     )  # fmt: skip
     total = mdsch.num_calls(st)
 
-    # Guidance: the rows [negative, positive, perturbed, isolated] of the enabled branches.
+    # Guidance: the rows [negative, positive, perturbed, isolated] of the enabled branches, combined on
+    # x0 = x - sigma * v with one scale per modality, the rescale after every term (as the reference).
+    rescale = (guidance_rescale > 0, audio_guidance_rescale > 0)
     spec = mdsch.guidance.Guidance(
       cfg=do_cfg,
       stg=want_stg and tc.perturbed_attn,
       modality=modality_scale > 1.0 or audio_modality_scale > 1.0,
+      rescale=any(rescale),
+      rescale_last=any(rescale),
+      space="x0",
     )
-    rescale = (guidance_rescale > 0, audio_guidance_rescale > 0)
-    video_scales = mdsch.guidance.per_step(
-      total, dict(guidance=guidance_scale, stg=stg_scale, modality=modality_scale,
-                  rescale=guidance_rescale),
+    values = dict(
+      guidance=(guidance_scale, audio_guidance_scale),
+      stg=(stg_scale, audio_stg_scale),
+      modality=(modality_scale, audio_modality_scale),
+      # phi = 0 leaves a modality's prediction exactly as it is.
+      rescale=tuple(float(phi) if on else 0.0
+                    for phi, on in zip((guidance_rescale, audio_guidance_rescale), rescale)),
     )  # fmt: skip
-    audio_scales = mdsch.guidance.per_step(
-      total, dict(guidance=audio_guidance_scale, stg=audio_stg_scale,
-                  modality=audio_modality_scale, rescale=audio_guidance_rescale),
-    )  # fmt: skip
-    scales = {
-      k: (jnp.asarray(video_scales[k]), jnp.asarray(audio_scales[k]))
-      for k in spec.scale_names + (("rescale",) if any(rescale) else ())
-    }
+    scales = jax.tree.map(
+      jnp.asarray, mdsch.guidance.per_step(total, {k: values[k] for k in spec.scale_names})
+    )
     pos = slice(b, 2 * b) if spec.cfg else slice(0, b)
     extra = (pos,) * (spec.stg + spec.modality)  # the perturbed and isolated rows take the prompt
     fps = float(frame_rate) / float(motion_speed)
@@ -750,12 +722,12 @@ class LTX2VideoPipeline(mdp.Pipeline):
       conditioning=cond,
     )
     blocks = blocks if spec.stg else ()
-    key = ("loop", repr(sorted(base.config.items())), total, spec, rescale, blocks,
+    key = ("loop", repr(sorted(base.config.items())), total, spec, blocks,
            bool(use_cross_timestep), cond is not None, cache)  # fmt: skip
     run = self.jit(
       key,
       lambda: self._run_fn(
-        sched, spec=spec, rescale=rescale, stg_blocks=blocks, cross=bool(use_cross_timestep),
+        sched, spec=spec, stg_blocks=blocks, cross=bool(use_cross_timestep),
         cache=cache,
       ),
     )  # fmt: skip
@@ -768,9 +740,9 @@ class LTX2VideoPipeline(mdp.Pipeline):
 
     with self.context():
       carry = mdsch.init_state(self.place((xg, a)), st, cache=cache)
-      cond_in, sig = self.place(cond_in), jnp.asarray(st.sigmas)
+      cond_in = self.place(cond_in)
       carry = mdsch.drive(
-        lambda c, lo, hi: run(self._tr.state, c, lo, hi, cond_in, sig, scales), carry, 0, total,
+        lambda c, lo, hi: run(self._tr.state, c, lo, hi, cond_in, scales), carry, 0, total,
         chunk=chunk, callback=report, cancel=cancel, progress=bool(progress),
       )  # fmt: skip
     self.last_calls = int(carry.calls)

@@ -187,7 +187,10 @@ def run_steps(
       x, st = c.latents, c.scheduler
       t = current_timestep(st)
       b = jax.tree.leaves(x)[0].shape[0]
-      s_i = {k: jnp.asarray(v)[i] for k, v in (step_scales or {}).items()}
+      s_i = {
+        k: tuple(jnp.asarray(a)[i] for a in v) if isinstance(v, tuple) else jnp.asarray(v)[i]
+        for k, v in (step_scales or {}).items()
+      }
       sigma = st.sigmas[st.step]
 
       def compute():

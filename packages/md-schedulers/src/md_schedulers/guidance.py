@@ -68,7 +68,10 @@ class Guidance:
 
   Attributes:
     cfg: classifier-free guidance (a `negative` branch).
-    rescale: guidance rescale after CFG (scale `rescale`).
+    rescale: guidance rescale after CFG (scale `rescale`), toward the conditional prediction's std
+      (needs `cfg`, unless `rescale_last`).
+    rescale_last: apply the rescale after every other term (CFG, STG and modality), as LTX-2 does,
+      instead of right after CFG.
     cfg_star: project the unconditional prediction onto the conditional one first (CFG-star).
     gate: keep the conditional prediction where the guidance scale is <= 1 (the official LTX-Video
       repository's rule; diffusers computes the guided value everywhere).
@@ -81,6 +84,7 @@ class Guidance:
 
   cfg: bool = False
   rescale: bool = False
+  rescale_last: bool = False
   cfg_star: bool = False
   gate: bool = False
   stg: bool = False
@@ -91,7 +95,11 @@ class Guidance:
   def __post_init__(self):
     if self.space not in ("prediction", "x0"):
       raise ValueError(f"Guidance.space={self.space!r}: expected 'prediction' or 'x0'")
+    if self.rescale_last and not self.rescale:
+      raise ValueError("Guidance.rescale_last needs rescale=True")
     for flag in ("rescale", "cfg_star", "gate"):
+      if flag == "rescale" and self.rescale_last:
+        continue  # a rescale after every term needs no CFG (LTX-2 rescales STG / modality alone too)
       if getattr(self, flag) and not self.cfg:
         raise ValueError(f"Guidance.{flag} needs cfg=True")
     if self.stg_rescale and not self.stg:
@@ -128,17 +136,21 @@ def per_step(
   Args:
     num_steps: the schedule's number of model calls.
     values: scale name → a number (every step), a sequence of `num_steps` numbers, or with `windows`
-      one number per window. A `[num_steps, B]` array gives per-row scales.
+      one number per window. A `[num_steps, B]` array gives per-row scales. A tuple gives one such
+      value per leaf of a multi-modality sample (e.g. `(video, audio)`).
     windows: one window index per step (guidance windows): list-valued scales hold one value per window.
 
   Returns:
-    name → float32 array `[num_steps]` or `[num_steps, B]`.
+    name → float32 array `[num_steps]` or `[num_steps, B]` (a tuple of them for a tuple value).
 
   Raises:
     ValueError: a scale with the wrong number of values, or not a number.
   """
   out = {}
   for name, v in values.items():
+    if isinstance(v, tuple):
+      out[name] = tuple(per_step(num_steps, {name: leaf}, windows=windows)[name] for leaf in v)
+      continue
     try:
       a = np.asarray(v, np.float32)
     except (TypeError, ValueError) as e:
@@ -177,7 +189,7 @@ def _combine_leaf(spec: Guidance, outs: Mapping[str, jax.Array], s: Mapping[str,
     g = _row(s["guidance"], pos)
     uncond = cfg_star(outs["negative"], pos) if spec.cfg_star else outs["negative"]
     guided = cfg(uncond, pos, g)
-    if spec.rescale:
+    if spec.rescale and not spec.rescale_last:
       guided = rescale(guided, pos, _row(s["rescale"], pos))
     pred = jnp.where(g > 1.0, guided, pos) if spec.gate else guided
   if spec.stg:
@@ -189,6 +201,8 @@ def _combine_leaf(spec: Guidance, outs: Mapping[str, jax.Array], s: Mapping[str,
     pred = jnp.where(scale > 0.0, guided, pred)
   if spec.modality:
     pred = pred + (_row(s["modality"], pos) - 1) * (pos - outs["isolated"])
+  if spec.rescale and spec.rescale_last:
+    pred = rescale(pred, pos, _row(s["rescale"], pos))
   return pred
 
 
