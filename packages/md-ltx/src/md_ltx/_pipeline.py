@@ -511,7 +511,6 @@ class LTXVideoPipeline(mdp.Pipeline):
       guidance_timesteps: the official YAML's window starts (descending, in [0, 1]); list-valued
         `guidance_scale`, `stg_scale`, `stg_rescale` and `stg_blocks` then hold one entry per window, each
         step taking the first window whose start is <= its timestep / 1000 (see `guidance_windows`).
-      guidance_rescale: the std rescale of the guided prediction (0: off).
       image_cond_noise_scale: noise added at each step to hard-conditioned tokens (strength 1), scaled by
         `(t / 1000)^2` (conditioning mode; default 0.15 as the reference; image-to-video adds none).
       denoise_strength: below 1 (conditioning mode), `latents` are a video's normalized latents
