@@ -1,0 +1,30 @@
+"""md-cache: step and block caches for md's sampling loop, optax style.
+
+Each policy factory returns an `md_schedulers.StepCache` for a pipeline's `cache=`; its thresholds are
+traced values in the loop state, so changing them never recompiles.
+"""
+
+from md_cache._common import prepare
+from md_cache._first_block import FirstBlockCacheState, first_block_cache
+from md_cache._magcache import (
+  MagCacheState,
+  calibrated_ratios,
+  load_mag_ratios,
+  magcache,
+  resample_ratios,
+  save_mag_ratios,
+)
+from md_cache._report import computed_steps
+
+__all__ = [
+  "FirstBlockCacheState",
+  "MagCacheState",
+  "calibrated_ratios",
+  "computed_steps",
+  "first_block_cache",
+  "load_mag_ratios",
+  "magcache",
+  "prepare",
+  "resample_ratios",
+  "save_mag_ratios",
+]

@@ -1,0 +1,242 @@
+"""MagCache: skip whole steps of the block stacks while the accumulated change of the residual's
+magnitude (predicted from per-step magnitude ratios) stays small; and its calibration run."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import md_schedulers as mdsch
+from md_cache import _common as c
+
+
+class MagCacheState(NamedTuple):
+  """MagCache's loop state.
+
+  Attributes:
+    threshold: (), float32. Largest accumulated error a skipped step may reach.
+    max_skip_steps: (), int32. Most consecutive skipped steps (K).
+    retention_step: (), int32. Steps before it always run.
+    mag_ratios: (num_steps,), float32. The model's residual-magnitude ratio of each step to the previous.
+    accumulated_ratio: (), float32. Product of the ratios since the last computed step.
+    accumulated_err: (), float32. Sum of |1 - accumulated_ratio| since the last computed step.
+    accumulated_steps: (), int32. Steps counted since the last computed step.
+    valid: (), bool. A computed step has filled `slots`.
+    computed: (num_steps,), bool. Steps where the blocks ran.
+    calibration: (num_steps,), float32. Calibration mode: the measured ratio of each step (1 at the
+      first); ones otherwise.
+    prev: [R, S, D], float32. Calibration mode: the whole stack's hidden-state residual at the last
+      step (None otherwise, and until sized).
+    slots: per hooked block stack, its carry's residual at the last computed step (None until sized).
+  """
+
+  threshold: jax.Array
+  max_skip_steps: jax.Array
+  retention_step: jax.Array
+  mag_ratios: jax.Array
+  accumulated_ratio: jax.Array
+  accumulated_err: jax.Array
+  accumulated_steps: jax.Array
+  valid: jax.Array
+  computed: jax.Array
+  calibration: jax.Array
+  prev: Any
+  slots: Any
+
+
+def magcache(
+  mag_ratios: Sequence[float] | np.ndarray | str | os.PathLike | None = None,
+  *,
+  threshold: float = 0.06,
+  max_skip_steps: int = 3,
+  retention_ratio: float = 0.2,
+  calibrate: bool = False,
+) -> mdsch.StepCache:
+  """Skips the transformer blocks at a step (adding the blocks' residual of the last computed step to
+  their input) while the error accumulated from the model's per-step magnitude ratios since the last
+  computed step stays within `threshold` and at most `max_skip_steps` steps in a row are skipped; the
+  first `retention_ratio` of the steps always run. The schedule is deterministic given the ratios.
+
+  Published defaults: `threshold=0.06`, `max_skip_steps=3` (K), `retention_ratio=0.2`. The ratios are
+  model- and schedule-specific: measure them once with `calibrate=True` (every step runs and the state
+  records each step's mean ratio of residual norms; read them with `calibrated_ratios`, save them with
+  `save_mag_ratios`). Ratios of another length are resampled to the step count (nearest).
+
+  Args:
+    mag_ratios: per-step ratios, or a JSON file written by `save_mag_ratios`.
+    threshold: the accumulated-error threshold (traced).
+    max_skip_steps: K (traced).
+    retention_ratio: the fraction of leading steps that always run (traced).
+    calibrate: record ratios instead of skipping.
+
+  Returns:
+    A block-level `md_schedulers.StepCache`.
+
+  Raises:
+    ValueError: no `mag_ratios` and not `calibrate`.
+  """
+  if mag_ratios is None and not calibrate:
+    raise ValueError(
+      "magcache needs the model's mag_ratios (they depend on the checkpoint and the schedule): run "
+      "once with md_cache.magcache(calibrate=True), read md_cache.calibrated_ratios(state) and save "
+      "them with md_cache.save_mag_ratios(path, ratios); then pass magcache(mag_ratios=path)"
+    )
+  if isinstance(mag_ratios, str | os.PathLike):
+    mag_ratios = load_mag_ratios(mag_ratios)
+  ratios = None if mag_ratios is None else np.asarray(mag_ratios, np.float32).reshape(-1)
+  if ratios is not None and not ratios.size:
+    raise ValueError("magcache: mag_ratios is empty")
+  values = dict(
+    ratios=ratios, threshold=float(threshold), max_skip_steps=int(max_skip_steps),
+    retention_ratio=float(retention_ratio),
+  )  # fmt: skip
+  return _policy(bool(calibrate))._replace(
+    init=c._Init("magcache", (bool(calibrate),), _init, values)
+  )
+
+
+def resample_ratios(ratios: np.ndarray, num_steps: int) -> np.ndarray:
+  """`ratios` at `num_steps` points by nearest index (round half to even on a float32 grid)."""
+  ratios = np.asarray(ratios, np.float32)
+  if len(ratios) == num_steps:
+    return ratios
+  if num_steps == 1:
+    return ratios[-1:]
+  scale = np.float32((len(ratios) - 1) / (num_steps - 1))
+  return ratios[np.round(np.arange(num_steps, dtype=np.float32) * scale).astype(np.int64)]
+
+
+def _init(values, latents, num_steps: int) -> MagCacheState:
+  del latents
+  ratios = values["ratios"]
+  ratios = np.ones(num_steps, np.float32) if ratios is None else resample_ratios(ratios, num_steps)
+  return MagCacheState(
+    threshold=jnp.float32(values["threshold"]),
+    max_skip_steps=jnp.int32(values["max_skip_steps"]),
+    retention_step=jnp.int32(int(values["retention_ratio"] * num_steps + 0.5)),
+    mag_ratios=jnp.asarray(ratios),
+    accumulated_ratio=jnp.float32(1.0),
+    accumulated_err=jnp.float32(0.0),
+    accumulated_steps=jnp.int32(0),
+    valid=jnp.zeros((), bool),
+    computed=jnp.zeros((num_steps,), bool),
+    calibration=jnp.ones((num_steps,), jnp.float32),
+    prev=None,
+    slots=None,
+  )
+
+
+@functools.cache
+def _policy(calibrate: bool) -> mdsch.StepCache:
+  def hook(state, step, t, sample):
+    del t, sample
+    return _Hook(state, step, calibrate)
+
+  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook)
+
+
+class _Hook:
+  def __init__(self, state: MagCacheState, step, calibrate: bool):
+    self._st, self._step, self._calibrate = state, step, calibrate
+    self._shapes: dict[int, Any] = {}
+    self._slots: dict[int, Any] = {}
+    self._outs: dict[int, Any] = {}
+    self._skip = self._acc = self._head_in = None
+
+  def _decide(self):
+    st, step = self._st, self._step
+    if self._calibrate:
+      return jnp.zeros((), bool), (st.accumulated_ratio, st.accumulated_err, st.accumulated_steps)
+    ratio = st.accumulated_ratio * st.mag_ratios[step]
+    count = st.accumulated_steps + 1
+    err = st.accumulated_err + jnp.abs(1.0 - ratio)
+    counted = step >= st.retention_step
+    skip = counted & st.valid & (err <= st.threshold) & (count <= st.max_skip_steps)
+    reset = counted & ~skip
+    acc = (
+      jnp.where(reset, 1.0, jnp.where(counted, ratio, st.accumulated_ratio)).astype(jnp.float32),
+      jnp.where(reset, 0.0, jnp.where(counted, err, st.accumulated_err)).astype(jnp.float32),
+      jnp.where(reset, 0, jnp.where(counted, count, st.accumulated_steps)).astype(jnp.int32),
+    )
+    return skip, acc
+
+  def __call__(self, run, carry, *, num_layers: int, index: int):
+    st = self._st
+    if st.slots is None:  # the slot probe
+      self._shapes[index] = c.avals(carry)
+      return run(carry, 0, num_layers)
+    if index >= len(st.slots):
+      raise ValueError(f"magcache: block stack {index} was not seen when the slots were sized")
+    if index == 0:
+      self._skip, self._acc = self._decide()
+      self._head_in = c.first(carry)
+    if self._skip is None:
+      raise ValueError("magcache: the first hooked stack must be block stack 0")
+    slot = st.slots[index]
+    out = jax.lax.cond(self._skip, lambda: c.add(carry, slot), lambda: run(carry, 0, num_layers))
+    self._slots[index] = jax.tree.map(
+      lambda new, old: jnp.where(self._skip, old, new), c.sub(out, carry), slot
+    )
+    self._outs[index] = out
+    return out
+
+  @property
+  def state(self) -> MagCacheState:
+    st = self._st
+    if st.slots is None:
+      if not self._shapes:
+        raise c.no_stacks_error("magcache")
+      shapes = [self._shapes[i] for i in sorted(self._shapes)]
+      head = c.first(shapes[0])
+      prev = jax.ShapeDtypeStruct(head.shape, jnp.float32) if self._calibrate else None
+
+      def fill(s):
+        return s._replace(
+          prev=None if prev is None else c.zeros(prev), slots=tuple(map(c.zeros, shapes))
+        )
+
+      raise c._Sized(fill)
+    if self._skip is None:
+      raise c.no_stacks_error("magcache")
+    ratio, err, count = self._acc
+    new = st._replace(
+      accumulated_ratio=ratio, accumulated_err=err, accumulated_steps=count,
+      valid=jnp.ones((), bool), computed=st.computed.at[self._step].set(~self._skip),
+      slots=tuple(self._slots.get(i, s) for i, s in enumerate(st.slots)),
+    )  # fmt: skip
+    if self._calibrate:
+      # The whole stack's hidden-state residual: the last stack's output (its trailing tokens when
+      # it also carries the text, as Flux's single blocks do) minus the first stack's input.
+      head = self._head_in
+      tail = c.first(self._outs[max(self._outs)])[:, -head.shape[1] :]
+      residual = (tail - head).astype(jnp.float32)
+      norms = jnp.linalg.norm(residual, axis=-1) / (jnp.linalg.norm(st.prev, axis=-1) + 1e-8)
+      ratio = jnp.where(st.valid, norms.mean(), 1.0)
+      new = new._replace(calibration=st.calibration.at[self._step].set(ratio), prev=residual)
+    return new
+
+
+def calibrated_ratios(state: MagCacheState) -> np.ndarray:
+  """The per-step ratios a `magcache(calibrate=True)` run recorded, `[num_steps]` float32."""
+  return np.asarray(state.calibration, np.float32)
+
+
+def save_mag_ratios(path: str | os.PathLike, ratios: Sequence[float], **info: Any) -> None:
+  """Writes `{"mag_ratios": [...], **info}` (e.g. model, num_steps) as JSON."""
+  data = {"mag_ratios": [float(r) for r in np.asarray(ratios).reshape(-1)], **info}
+  pathlib.Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load_mag_ratios(path: str | os.PathLike) -> np.ndarray:
+  """The ratios of a JSON file from `save_mag_ratios` (or a bare list)."""
+  data = json.loads(pathlib.Path(path).read_text())
+  ratios = data["mag_ratios"] if isinstance(data, dict) else data
+  return np.asarray(ratios, np.float32)

@@ -1,0 +1,102 @@
+"""md-cache policies in the pipelines, against diffusers' own hooks on the tiny Flux.1 dev pipeline
+(tests/fixtures/cache_hooks, tools/fixtures/cache_hooks.py): the same steps computed and the output
+latents within 1e-3; MagCache calibration reproduces the ratios diffusers records (1e-4); a new threshold
+reuses the compiled loop.
+
+Until md_schedulers sizes block-level slots itself, the loop's `drive` is wrapped here to call
+`md_cache.prepare` on the first carry (what a pipeline will do), and to keep the final cache state.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import md_cache
+import md_flux
+import md_schedulers as mdsch
+from md_core import testing
+
+FIXTURES = testing.fixture_path("cache_hooks")
+REF = testing.load_arrays(FIXTURES / "outputs.npz")
+CASES = json.loads((FIXTURES / "cases.json").read_text())
+PROMPTS = ["a photo of a cat", "an astronaut riding a horse on the moon"]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+  return md_flux.load_pipeline(testing.fixture_path("flux_pipeline") / "dev")
+
+
+@pytest.fixture
+def final(monkeypatch):
+  """Wraps `md_schedulers.drive`: prepares the carry, records the final cache states."""
+  states = []
+  drive = mdsch.drive
+
+  def prepared(run, carry, start, stop, **kw):
+    carry = md_cache.prepare(lambda c: run(c, np.int32(start), np.int32(start + 1)), carry)
+    out = drive(run, carry, start, stop, **kw)
+    states.append(out.cache)
+    return out
+
+  monkeypatch.setattr(mdsch, "drive", prepared)
+  return states
+
+
+def _policy(case: dict):
+  kw = {k: v for k, v in case.items() if k != "policy"}
+  return getattr(md_cache, case["policy"])(**kw)
+
+
+def _run(pipe, cache):
+  return pipe(
+    prompt=PROMPTS, latents=REF["inputs/latents"], height=32, width=48, num_inference_steps=8,
+    guidance_scale=3.5, max_sequence_length=8, output_type="latent", cache=cache, progress=False,
+  )  # fmt: skip
+
+
+def test_uncached_matches(pipe):
+  out = np.asarray(_run(pipe, None))
+  np.testing.assert_allclose(out, REF["none/latents"], atol=1e-4)
+
+
+@pytest.mark.parametrize("case", [k for k in CASES if k != "none"])
+def test_parity_with_diffusers_hooks(pipe, final, case):
+  out = np.asarray(_run(pipe, _policy(CASES[case])))
+  state = final[-1]
+  want = REF[f"{case}/computed"]
+  np.testing.assert_array_equal(md_cache.computed_steps(state), want)
+  err = float(np.abs(out - REF[f"{case}/latents"]).max())
+  assert err < 1e-3, f"{case}: max |md - diffusers| = {err:.2e}"
+  if not want.all():  # the cache changed the output
+    assert float(np.abs(out - REF["none/latents"]).max()) > 1e-3
+  if case == "mag_calibrate":
+    got = md_cache.calibrated_ratios(state)
+    np.testing.assert_allclose(got, REF["mag_calibrate/mag_ratios"], rtol=1e-4, atol=1e-4)
+
+
+def test_new_threshold_reuses_the_compiled_loop(pipe, final):
+  traces = []
+  run_steps = mdsch.run_steps
+
+  def counted(denoise, scheduler, carry, *args, **kw):
+    if carry.cache.slots is not None:  # not the slot probe (an abstract trace on every call)
+      traces.append(1)
+    return run_steps(denoise, scheduler, carry, *args, **kw)
+
+  mp = pytest.MonkeyPatch()
+  mp.setattr(mdsch, "run_steps", counted)
+  try:
+    _run(pipe, md_cache.first_block_cache(0.2))
+    first = len(traces)
+    _run(pipe, md_cache.first_block_cache(0.6))
+    assert len(traces) == first, "a new threshold retraced the loop"
+    ratios = CASES["mag_default"]["mag_ratios"]
+    _run(pipe, md_cache.magcache(ratios, threshold=0.06))
+    second = len(traces)
+    _run(pipe, md_cache.magcache(ratios, threshold=0.1, max_skip_steps=2, retention_ratio=0.1))
+    assert len(traces) == second
+  finally:
+    mp.undo()
+  np.testing.assert_array_equal(md_cache.computed_steps(final[-1]), REF["mag_k2/computed"])
