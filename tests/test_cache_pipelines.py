@@ -100,3 +100,24 @@ def test_new_threshold_reuses_the_compiled_loop(pipe, final):
   finally:
     mp.undo()
   np.testing.assert_array_equal(md_cache.computed_steps(final[-1]), REF["mag_k2/computed"])
+
+
+def test_wan_with_cfg_branches(final):
+  """Wan with classifier-free guidance (two branch groups deciding apart): a zero threshold computes
+  every step and equals the uncached run; an unreachable one computes step 0 only; calibration runs."""
+  import md_wan
+
+  wan = md_wan.load_pipeline(testing.fixture_path("wan_pipeline") / "t2v")
+  kw = dict(prompt="a cat", height=32, width=32, num_frames=5, num_inference_steps=4, seed=0)
+  kw.update(guidance_scale=5.0, output_type="latent", progress=False)
+  plain = np.asarray(wan(**kw))
+  out = np.asarray(wan(**kw, cache=md_cache.first_block_cache(0.0)))
+  np.testing.assert_array_equal(md_cache.computed_steps(final[-1]), [1, 1, 1, 1])
+  np.testing.assert_allclose(out, plain, atol=1e-5)
+  out = np.asarray(wan(**kw, cache=md_cache.first_block_cache(1e9)))
+  np.testing.assert_array_equal(md_cache.computed_steps(final[-1]), [1, 0, 0, 0])
+  assert float(np.abs(out - plain).max()) > 1e-4
+  out = np.asarray(wan(**kw, cache=md_cache.magcache(calibrate=True)))
+  np.testing.assert_allclose(out, plain, atol=1e-5)
+  ratios = md_cache.calibrated_ratios(final[-1])
+  assert ratios[0] == 1.0 and np.isfinite(ratios).all() and (ratios > 0).all()

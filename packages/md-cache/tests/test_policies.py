@@ -1,0 +1,71 @@
+"""md-cache policies on a toy denoiser through md_schedulers.sample: errors, identity, JSON ratios."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import md_cache
+import md_schedulers as mdsch
+
+
+def _plain(params, x, t, cond, *, step):
+  del params, t, cond, step
+  return -x  # no md_core.scan_layers stack: nothing for a block hook to take over
+
+
+def _sample(cache):
+  sched = mdsch.flow_match_euler()
+  st = sched.init(4)
+  x = jnp.ones((1, 3, 2))
+  carry = mdsch.init_state(x, st, cache=cache)
+
+  def one(c):
+    return mdsch.run_steps(_plain, sched, c, 0, 1, None, cache=cache)
+
+  return md_cache.prepare(one, carry)
+
+
+@pytest.mark.parametrize(
+  "cache", [md_cache.first_block_cache(), md_cache.magcache([1.0, 1.0])], ids=["fbc", "mag"]
+)
+def test_block_policy_without_hookable_stacks_names_what_applies(cache):
+  with pytest.raises(ValueError, match="no hookable block stack.*DeepCache"):
+    _sample(cache)
+
+
+def test_magcache_without_ratios_says_how_to_calibrate():
+  with pytest.raises(ValueError, match="calibrate=True"):
+    md_cache.magcache()
+
+
+def test_equal_settings_give_equal_caches():
+  assert md_cache.first_block_cache(0.1) == md_cache.first_block_cache(0.5)
+  assert hash(md_cache.magcache([1.0], threshold=0.1)) == hash(md_cache.magcache([2.0, 1.0]))
+  assert md_cache.magcache([1.0]) != md_cache.magcache(calibrate=True)
+  assert md_cache.first_block_cache() != md_cache.magcache([1.0])
+
+
+def test_thresholds_are_state_values():
+  st = md_cache.magcache([1.0, 1.1], threshold=0.1, max_skip_steps=2, retention_ratio=0.5).init(
+    jnp.zeros((1, 2)), 6
+  )
+  assert float(st.threshold) == pytest.approx(0.1) and int(st.max_skip_steps) == 2
+  assert int(st.retention_step) == 3 and st.mag_ratios.shape == (6,)
+  assert float(md_cache.first_block_cache(0.3).init(jnp.zeros((1, 2)), 4).threshold) == (
+    pytest.approx(0.3)
+  )
+
+
+def test_resample_ratios_nearest():
+  r = np.arange(28, dtype=np.float32)
+  np.testing.assert_array_equal(md_cache.resample_ratios(r, 8), [0, 4, 8, 12, 15, 19, 23, 27])
+  np.testing.assert_array_equal(md_cache.resample_ratios(r, 1), [27])
+  np.testing.assert_array_equal(md_cache.resample_ratios(r[:5], 5), r[:5])
+
+
+def test_mag_ratios_json_round_trip(tmp_path):
+  path = tmp_path / "ratios.json"
+  md_cache.save_mag_ratios(path, np.array([1.0, 0.9, 1.05]), model="toy", num_steps=3)
+  np.testing.assert_allclose(md_cache.load_mag_ratios(path), [1.0, 0.9, 1.05], rtol=1e-7)
+  st = md_cache.magcache(path).init(jnp.zeros((1,)), 3)
+  np.testing.assert_allclose(st.mag_ratios, [1.0, 0.9, 1.05], rtol=1e-7)
