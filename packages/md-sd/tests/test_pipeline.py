@@ -310,3 +310,13 @@ def test_callback_latent_output_and_cancel(sd, outputs):
   assert stops == [0, 1]
   with pytest.raises(ValueError, match="output_type='pil': expected 'np' or 'latent'"):
     sd(PROMPTS, output_type="pil", **kw)
+
+
+def test_rescale_noise_cfg_is_the_loops_rescale():
+  """diffusers' `rescale_noise_cfg` (torch.std, unbiased, per example) in closed form."""
+  rng = np.random.default_rng(0)
+  guided, text = rng.standard_normal((2, 2, 4, 4, 3)).astype(np.float32)
+  std = lambda a: a.reshape(2, -1).std(axis=1, ddof=1).reshape(2, 1, 1, 1)  # noqa: E731
+  want = 0.7 * guided * std(text) / std(guided) + 0.3 * guided
+  got = md_sd.rescale_noise_cfg(guided, text, 0.7)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-6, rtol=1e-6)

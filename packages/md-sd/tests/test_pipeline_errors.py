@@ -6,6 +6,7 @@ import pytest
 
 import md_core
 import md_sd
+from md_core import pipeline as mdp
 from md_core import testing
 
 
@@ -45,9 +46,12 @@ def test_truncated_unet_file(root, tmp_path):
 
 
 def test_size_not_multiple_of_8():
-  with pytest.raises(ValueError, match=r"height=30 → 24 or 32.*width=513 → 512 or 520"):
+  with pytest.raises(mdp.SizeError, match=r"height=30 → 24 or 32.*width=513 → 512 or 520"):
     md_sd.check_size(30, 513)
+  with pytest.raises(mdp.SizeError, match=r"height=0 → 8"):
+    md_sd.check_size(0, 64)
   md_sd.check_size(32, 64)
+  md_sd.check_size(None, 64)  # None: the pipeline's default size
 
 
 def test_pipeline_rejects_bad_size_and_scheduler(root):
