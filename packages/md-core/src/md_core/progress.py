@@ -82,6 +82,12 @@ def phase(name: str, *, announce: bool = False, file: IO[str] | None = None) -> 
   _phase = previous
 
 
+def report_step(done: int, total: int, desc: str | None = None) -> None:
+  """Records the last step reached by a host-driven loop (what `where()` reports, e.g. on Ctrl-C)."""
+  global _last_step
+  _last_step = (desc, int(done), int(total))
+
+
 def where() -> str:
   """Where the process is: the current phase and the last step reported, e.g. "at step 3/900 of
   denoising (generating)"; "" when nothing was named."""

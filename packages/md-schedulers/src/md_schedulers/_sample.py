@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from md_core import progress as md_progress
 from md_schedulers._base import Scheduler, SchedulerState, current_timestep, num_calls
 from md_schedulers.guidance import NO_GUIDANCE, Guidance, combine
 
@@ -298,8 +299,6 @@ def drive(
   bounds = list(range(start, stop, size)) + [stop]
   bar = None
   if progress is not None and not callable(progress) and progress:
-    from md_core import progress as md_progress  # noqa: PLC0415
-
     if md_progress.progress_enabled():
       import tqdm  # noqa: PLC0415
 
@@ -326,6 +325,7 @@ def _drive(run, carry, bounds, start, stop, callback, cancel, progress, bar):
       jax.block_until_ready(carry.calls)
       if callback(lo, timestep, carry.latents) is False:
         raise Cancelled(hi, stop, carry)
+    md_progress.report_step(hi - start, stop - start, "denoising")
     if bar is not None:
       bar.update(hi - lo)
     elif callable(progress):
