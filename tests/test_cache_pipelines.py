@@ -3,8 +3,8 @@
 latents within 1e-3; MagCache calibration reproduces the ratios diffusers records (1e-4); a new threshold
 reuses the compiled loop.
 
-Until md_schedulers sizes block-level slots itself, the loop's `drive` is wrapped here to call
-`md_cache.prepare` on the first carry (what a pipeline will do), and to keep the final cache state.
+Block-level policies size their slots through `StepCache.prepare` (which `md_schedulers.drive` calls on
+the first carry); `pipe.last_cache` holds the final cache state of a call.
 """
 
 import json
@@ -28,22 +28,6 @@ def pipe():
   return md_flux.load_pipeline(testing.fixture_path("flux_pipeline") / "dev")
 
 
-@pytest.fixture
-def final(monkeypatch):
-  """Wraps `md_schedulers.drive`: prepares the carry, records the final cache states."""
-  states = []
-  drive = mdsch.drive
-
-  def prepared(run, carry, start, stop, **kw):
-    carry = md_cache.prepare(lambda c: run(c, np.int32(start), np.int32(start + 1)), carry)
-    out = drive(run, carry, start, stop, **kw)
-    states.append(out.cache)
-    return out
-
-  monkeypatch.setattr(mdsch, "drive", prepared)
-  return states
-
-
 def _policy(case: dict):
   kw = {k: v for k, v in case.items() if k != "policy"}
   return getattr(md_cache, case["policy"])(**kw)
@@ -62,9 +46,9 @@ def test_uncached_matches(pipe):
 
 
 @pytest.mark.parametrize("case", [k for k in CASES if k != "none"])
-def test_parity_with_diffusers_hooks(pipe, final, case):
+def test_parity_with_diffusers_hooks(pipe, case):
   out = np.asarray(_run(pipe, _policy(CASES[case])))
-  state = final[-1]
+  state = pipe.last_cache
   want = REF[f"{case}/computed"]
   np.testing.assert_array_equal(md_cache.computed_steps(state), want)
   err = float(np.abs(out - REF[f"{case}/latents"]).max())
@@ -76,7 +60,7 @@ def test_parity_with_diffusers_hooks(pipe, final, case):
     np.testing.assert_allclose(got, REF["mag_calibrate/mag_ratios"], rtol=1e-4, atol=1e-4)
 
 
-def test_new_threshold_reuses_the_compiled_loop(pipe, final):
+def test_new_threshold_reuses_the_compiled_loop(pipe):
   traces = []
   run_steps = mdsch.run_steps
 
@@ -99,10 +83,10 @@ def test_new_threshold_reuses_the_compiled_loop(pipe, final):
     assert len(traces) == second
   finally:
     mp.undo()
-  np.testing.assert_array_equal(md_cache.computed_steps(final[-1]), REF["mag_k2/computed"])
+  np.testing.assert_array_equal(md_cache.computed_steps(pipe.last_cache), REF["mag_k2/computed"])
 
 
-def test_wan_with_cfg_branches(final):
+def test_wan_with_cfg_branches():
   """Wan with classifier-free guidance (two branch groups deciding apart): a zero threshold computes
   every step and equals the uncached run; an unreachable one computes step 0 only; calibration runs."""
   import md_wan
@@ -112,12 +96,12 @@ def test_wan_with_cfg_branches(final):
   kw.update(guidance_scale=5.0, output_type="latent", progress=False)
   plain = np.asarray(wan(**kw))
   out = np.asarray(wan(**kw, cache=md_cache.first_block_cache(0.0)))
-  np.testing.assert_array_equal(md_cache.computed_steps(final[-1]), [1, 1, 1, 1])
+  np.testing.assert_array_equal(md_cache.computed_steps(wan.last_cache), [1, 1, 1, 1])
   np.testing.assert_allclose(out, plain, atol=1e-5)
   out = np.asarray(wan(**kw, cache=md_cache.first_block_cache(1e9)))
-  np.testing.assert_array_equal(md_cache.computed_steps(final[-1]), [1, 0, 0, 0])
+  np.testing.assert_array_equal(md_cache.computed_steps(wan.last_cache), [1, 0, 0, 0])
   assert float(np.abs(out - plain).max()) > 1e-4
   out = np.asarray(wan(**kw, cache=md_cache.magcache(calibrate=True)))
   np.testing.assert_allclose(out, plain, atol=1e-5)
-  ratios = md_cache.calibrated_ratios(final[-1])
+  ratios = md_cache.calibrated_ratios(wan.last_cache)
   assert ratios[0] == 1.0 and np.isfinite(ratios).all() and (ratios > 0).all()

@@ -70,7 +70,7 @@ def _policy() -> mdsch.StepCache:
     del t
     return _Hook(state, step, sample)
 
-  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook)
+  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook, prepare=c.prepare)
 
 
 class _Hook:

@@ -140,7 +140,7 @@ def _policy(calibrate: bool) -> mdsch.StepCache:
     del t, sample
     return _Hook(state, step, calibrate)
 
-  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook)
+  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook, prepare=c.prepare)
 
 
 class _Hook:

@@ -153,10 +153,18 @@ class JitMemo:
 
 
 class Pipeline:
-  """The base of every family pipeline: its mesh, its jit memo, batch placement."""
+  """The base of every family pipeline: its mesh, its jit memo, batch placement.
+
+  Attributes:
+    last_calls: denoiser calls the last generation made (a step cache's reused steps make none).
+    last_cache: the step cache's final state of the last generation (None without a cache), e.g. for
+      md-cache's reports of steps computed and calibration ratios.
+  """
 
   mesh: jax.sharding.Mesh | None = None
   source: str = ""
+  last_calls: int = 0
+  last_cache: Any = None
 
   def _init_scaffold(self, mesh: jax.sharding.Mesh | None, source: Any = "") -> None:
     self.mesh, self.source = mesh, str(source)

@@ -291,7 +291,7 @@ class FluxPipeline(mdp.Pipeline):
       self, lambda carry, lo, hi: run(params, carry, lo, hi, cond, scales), x, st,
       cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
     )  # fmt: skip
-    self.last_calls = int(carry.calls)
+    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     if output_type == "latent":
       return carry.latents
     return self.decode(carry.latents, height, width)

@@ -549,7 +549,7 @@ class Flux2KleinPipeline(mdp.Pipeline):
       self, chunk_fn, x, st,
       cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
     )  # fmt: skip
-    self.last_calls = int(carry.calls)
+    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     z = carry.latents
     if output_type == "latent":
       z = (

@@ -118,5 +118,5 @@ def run_loop(
     carry = mdsch.init_state(pipe.place(latents), state, cache=cache)
     return mdsch.drive(
       run, carry, 0, mdsch.num_calls(state),
-      chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress),
+      chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
     )  # fmt: skip

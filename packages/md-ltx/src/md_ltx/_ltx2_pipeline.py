@@ -743,9 +743,9 @@ class LTX2VideoPipeline(mdp.Pipeline):
       cond_in = self.place(cond_in)
       carry = mdsch.drive(
         lambda c, lo, hi: run(self._tr.state, c, lo, hi, cond_in, scales), carry, 0, total,
-        chunk=chunk, callback=report, cancel=cancel, progress=bool(progress),
+        chunk=chunk, callback=report, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
-    self.last_calls = int(carry.calls)
+    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     xg, a = carry.latents
     x = xg.reshape(b, tokens, -1)
     z = self._unpack(x, f, h, w)

@@ -888,9 +888,9 @@ class LTXVideoPipeline(mdp.Pipeline):
       carry = mdsch.init_state(self.place(x), state, cache=cache)
       carry = mdsch.drive(
         lambda c, lo, hi: run(params, c, lo, hi, cond, scales), carry, begin, n,
-        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress),
+        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
-    self.last_calls = int(carry.calls)
+    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     x = carry.latents
     x = x[:, x.shape[1] - tokens :]
     x = self._unpack(x, f, h, w)

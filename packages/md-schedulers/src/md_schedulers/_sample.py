@@ -44,12 +44,16 @@ class StepCache(NamedTuple):
     update: `update(state, step, t, sample, prediction, reused) -> state`, after every step.
     hook: optional `hook(state, step, t, sample) -> md_core block hook` with a `.state` attribute read
       back after the denoiser call (block-level caches); the denoiser then always runs.
+    prepare: optional `prepare(run_one, carry) -> carry`, called once before the first step with
+      `run_one(carry)` running that step (to be traced abstractly, e.g. by `jax.eval_shape`): lets a
+      block-level cache size its state from the model's hidden states.
   """
 
   init: Callable[[Any, int], Any]
   decide: Callable[..., tuple[jax.Array, Any]]
   update: Callable[..., Any]
   hook: Callable[..., Any] | None = None
+  prepare: Callable[[Callable[[Any], Any], Any], Any] | None = None
 
 
 class Expert(NamedTuple):
@@ -255,10 +259,16 @@ def sample(
   """
   stop = num_calls(state) if stop is None else stop
   carry = init_state(latents, state, cache=cache)
-  return run_steps(
-    denoise, scheduler, carry, start, stop, cond, params=params, guidance=guidance,
-    scales=scales, experts=experts, cache=cache, key=key, progress=progress,
-  )  # fmt: skip
+
+  def run(c, lo, hi):
+    return run_steps(
+      denoise, scheduler, c, lo, hi, cond, params=params, guidance=guidance, scales=scales,
+      experts=experts, cache=cache, key=key, progress=progress,
+    )  # fmt: skip
+
+  if cache is not None and cache.prepare is not None:
+    carry = cache.prepare(lambda c: run(c, start, start + 1), carry)
+  return run(carry, start, stop)
 
 
 def drive(
@@ -271,6 +281,7 @@ def drive(
   callback: Callable[[int, Any, Any], Any] | None = None,
   cancel: Callable[[], bool] | None = None,
   progress: bool | str | Callable[[int], None] = False,
+  cache: StepCache | None = None,
 ) -> SampleState:
   """Runs `run(carry, lo, hi)` (a jitted `run_steps`) over `[start, stop)` in chunks from the host.
 
@@ -284,6 +295,7 @@ def drive(
     cancel: polled at every step boundary; True stops with `Cancelled`.
     progress: a host progress bar over the steps (True, or its label; shown when md_core.progress is
       on), or `progress(done)` called after each chunk with the steps completed.
+    cache: the step cache `run` was built with; its `prepare` (if any) sees the first carry.
 
   Returns:
     The carry after the last step.
@@ -293,6 +305,8 @@ def drive(
   """
   if stop <= start:
     return carry
+  if cache is not None and cache.prepare is not None:
+    carry = cache.prepare(lambda c: run(c, np.int32(start), np.int32(start + 1)), carry)
   if callback is not None:
     chunk = 1
   size = stop - start if chunk is None else max(1, int(chunk))

@@ -678,9 +678,9 @@ class StableDiffusionPipeline(mdp.Pipeline):
       carry = mdsch.init_state(self.place(x), state, cache=cache)
       carry = mdsch.drive(
         lambda c, lo, hi: run(params, c, lo, hi, cond, scales, k_steps), carry, start, stop,
-        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress),
+        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
-    self.last_calls = int(carry.calls)
+    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     x = carry.latents
     if output_type == "latent":
       return jnp.transpose(x, (0, 3, 1, 2))

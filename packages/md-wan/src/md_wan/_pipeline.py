@@ -536,12 +536,12 @@ class WanVideoPipeline(mdp.Pipeline):
       cond, scales = self.place(cond), [jax.tree.map(jnp.asarray, g) for g in scales]
       carry = mdsch.drive(
         lambda c, lo, hi: run(s1, s2, c, lo, hi, cond, *scales), carry, 0, total,
-        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress),
+        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
     x = carry.latents
     if mode == "expand" and condition is not None:
       x = (1 - frame_mask) * condition + frame_mask * x
-    self.last_calls = int(carry.calls)
+    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     if output_type == "latent":
       return jnp.transpose(x, (0, 4, 1, 2, 3))
     return self.decode(x)
