@@ -557,7 +557,11 @@ def run(main, *, doc: str = "", fixed: tuple[str, ...] = ()) -> None:
     except KeyboardInterrupt:
       signum = _interrupts.signum
       if _interrupts.report(signum):
-        sys.exit(128 + signum)
+        # Exit at once: interpreter finalisation with a computation still in flight on XLA's threads
+        # can crash (seen as SIGSEGV under load); nothing is left to write or flush but the streams.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
       import time
 
       time.sleep(60)  # the watcher is reporting and ends the process

@@ -305,6 +305,7 @@ def drive(
   """
   if stop <= start:
     return carry
+  md_progress.report_step(0, stop - start, "denoising")
   if cache is not None and cache.prepare is not None:
     carry = cache.prepare(lambda c: run(c, np.int32(start), np.int32(start + 1)), carry)
   if callback is not None:
