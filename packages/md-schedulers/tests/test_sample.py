@@ -273,3 +273,30 @@ def test_per_modality_scales_and_rescale_last():
     chex.assert_trees_all_close(got, w, atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="rescale_last needs rescale=True"):
     G.Guidance(cfg=True, rescale_last=True)
+
+
+def test_drive_reports_flops_compile_phase_and_warns_on_long_runs(capsys, monkeypatch):
+  """With a progress bar: FLOPs per step from the lowered chunk before the run, and a warning when the
+  steps left should take longer than MD_LONG_RUN_SECONDS (0 here, so any run warns)."""
+  from md_core import progress as md_progress
+
+  sched, st, x = _setup(6)
+  cond = jnp.asarray([1.0, 2.0])
+
+  @jax.jit
+  def run(carry, lo, hi, params, cond):
+    return mdsch.run_steps(_denoise, sched, carry, lo, hi, cond, params=params)
+
+  assert mdsch.step_flops(run, mdsch.init_state(x, st), 0, (0.5, cond)) > 0
+  assert mdsch.step_flops(lambda *a: None, mdsch.init_state(x, st), 0) is None
+  monkeypatch.setenv("MD_LONG_RUN_SECONDS", "0")
+  md_progress.set_progress(True)
+  try:
+    out = mdsch.drive(run, mdsch.init_state(x, st), 0, 6, args=(0.5, cond), progress=True)
+  finally:
+    md_progress.set_progress(None)
+  err = capsys.readouterr().err
+  assert "denoising: 6 steps on latents [2, 3, 3, 4]" in err and "GFLOP per step" in err
+  assert "compiling" in err and "warning: denoising needs about" in err
+  whole = mdsch.sample(_denoise, sched, x, st, cond, params=0.5)
+  chex.assert_trees_all_close(out.latents, whole.latents, atol=1e-5, rtol=1e-6)

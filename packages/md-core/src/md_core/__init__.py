@@ -17,7 +17,6 @@ from md_core._keymap import (
   torch_module_keymap,
 )
 from md_core._layers import stack_layers
-from md_core._scan import REMAT_POLICIES, BlockHook, block_hook, num_layers_of, remat, scan_layers
 from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
 from md_core._orbax import restore_converted, save_converted
 from md_core._safetensors import (
@@ -27,6 +26,7 @@ from md_core._safetensors import (
   open_checkpoint,
   save_safetensors,
 )
+from md_core._scan import REMAT_POLICIES, BlockHook, block_hook, num_layers_of, remat, scan_layers
 from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json, resolve_source
 
 __all__ = [

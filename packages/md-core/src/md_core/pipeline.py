@@ -182,6 +182,12 @@ class Pipeline:
     """Batch inputs placed on the mesh (see `place_batch`)."""
     return place_batch(self.mesh, x)
 
+  def decoding(self, progress: bool = True):
+    """The "decoding" phase around a VAE decode (announced on stderr when progress is on)."""
+    from md_core import progress as md_progress  # noqa: PLC0415
+
+    return md_progress.phase("decoding", announce=bool(progress))
+
 
 # --- loading ----------------------------------------------------------------------------------------------
 

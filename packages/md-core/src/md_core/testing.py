@@ -11,14 +11,18 @@ def repo_root() -> pathlib.Path:
   for parent in here.parents:
     if (parent / "tests" / "fixtures").is_dir() and (parent / "packages").is_dir():
       return parent
-  raise FileNotFoundError(f"no md checkout (a folder with tests/fixtures and packages/) above {here}")
+  raise FileNotFoundError(
+    f"no md checkout (a folder with tests/fixtures and packages/) above {here}"
+  )
 
 
 def fixture_path(name: str) -> pathlib.Path:
   """The folder of fixture set `name` (`tests/fixtures/<name>`), which must exist."""
   path = repo_root() / "tests" / "fixtures" / name
   if not path.is_dir():
-    raise FileNotFoundError(f"fixture set {name!r} not found at {path}; run `bash tools/make_fixtures.sh {name}`")
+    raise FileNotFoundError(
+      f"fixture set {name!r} not found at {path}; run `bash tools/make_fixtures.sh {name}`"
+    )
   return path
 
 

@@ -288,13 +288,14 @@ class FluxPipeline(mdp.Pipeline):
     params = self._tr.state
     # Under the mesh, context-parallel attention (ring / Ulysses) finds its `context` axis.
     carry = pc.run_loop(
-      self, lambda carry, lo, hi: run(params, carry, lo, hi, cond, scales), x, st,
+      self, run, x, st, args=(params, cond, scales),
       cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
     )  # fmt: skip
     self.last_calls, self.last_cache = int(carry.calls), carry.cache
     if output_type == "latent":
       return carry.latents
-    return self.decode(carry.latents, height, width)
+    with self.decoding(progress):
+      return self.decode(carry.latents, height, width)
 
   def decode(self, packed: jax.Array, height: int, width: int) -> jax.Array:
     """Packed latents `[B, S, 4C]` → images `[B, height, width, 3]` in [0, 1]."""

@@ -538,15 +538,15 @@ class Flux2KleinPipeline(mdp.Pipeline):
           kv_cache.append(cache_kv)
           lo = np.int32(1)
         if lo < hi:
-          carry = run(params, carry, lo, hi, {**cond, "kv": kv_cache[0]}, scales)
+          carry = run(carry, lo, hi, params, {**cond, "kv": kv_cache[0]}, scales)
         return carry
-    else:
 
-      def chunk_fn(carry, lo, hi):
-        return run(params, carry, lo, hi, cond, scales)
+      args = ()
+    else:
+      chunk_fn, args = run, (params, cond, scales)
 
     carry = pc.run_loop(
-      self, chunk_fn, x, st,
+      self, chunk_fn, x, st, args=args,
       cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
     )  # fmt: skip
     self.last_calls, self.last_cache = int(carry.calls), carry.cache
@@ -556,7 +556,8 @@ class Flux2KleinPipeline(mdp.Pipeline):
         z * jnp.asarray(self.bn_std)[None, None] + jnp.asarray(self.bn_mean)[None, None]
       )  # the VAE's batch-norm, undone
       return unpack_latents(z, 2 * rows, 2 * cols)
-    return self.decode(z, rows, cols)
+    with self.decoding(progress):
+      return self.decode(z, rows, cols)
 
 
 def load_klein(

@@ -89,10 +89,10 @@ def schedule(
 
 
 def run_fn(denoise: Callable[..., Any], sched: mdsch.Scheduler, guide: Any, cache: Any):
-  """The jitted chunk `run(params, carry, lo, hi, cond, scales)` of the shared loop over steps
+  """The jitted chunk `run(carry, lo, hi, params, cond, scales)` of the shared loop over steps
   `[lo, hi)` (traced bounds: one program whatever the chunk) with the pipeline's denoiser."""
 
-  def run(params, carry, lo, hi, cond, scales):
+  def run(carry, lo, hi, params, cond, scales):
     return mdsch.run_steps(
       denoise, sched, carry, lo, hi, cond, params=params, guidance=guide, scales=scales, cache=cache
     )
@@ -102,10 +102,11 @@ def run_fn(denoise: Callable[..., Any], sched: mdsch.Scheduler, guide: Any, cach
 
 def run_loop(
   pipe: mdp.Pipeline,
-  run: Callable[[mdsch.SampleState, Any, Any], mdsch.SampleState],
+  run: Callable[..., mdsch.SampleState],
   latents: jax.Array,
   state: mdsch.SchedulerState,
   *,
+  args: tuple[Any, ...] = (),
   cache: mdsch.StepCache | None,
   chunk: int | None,
   callback: Callable[[int, Any, Any], Any] | None,
@@ -113,10 +114,10 @@ def run_loop(
   progress: bool,
 ) -> mdsch.SampleState:
   """Samples from `latents` (placed on the pipeline's mesh) over every scheduler call with
-  `md_schedulers.drive`; `run(carry, lo, hi)` is the pipeline's jitted chunk."""
+  `md_schedulers.drive`; `run(carry, lo, hi, *args)` is the pipeline's jitted chunk."""
   with pipe.context():
     carry = mdsch.init_state(pipe.place(latents), state, cache=cache)
     return mdsch.drive(
-      run, carry, 0, mdsch.num_calls(state),
+      run, carry, 0, mdsch.num_calls(state), args=args,
       chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
     )  # fmt: skip

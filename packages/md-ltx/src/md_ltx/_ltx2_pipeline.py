@@ -413,7 +413,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
     """One jitted chunk of steps `[lo, hi)` (traced bounds)."""
     denoise = self._denoiser(spec, stg_blocks, cross)
 
-    def run(params, carry, lo, hi, cond, scales):
+    def run(carry, lo, hi, params, cond, scales):
       return mdsch.run_steps(
         denoise, sched, carry, lo, hi, cond, params=params, guidance=spec, scales=scales,
         cache=cache,
@@ -742,7 +742,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
       carry = mdsch.init_state(self.place((xg, a)), st, cache=cache)
       cond_in = self.place(cond_in)
       carry = mdsch.drive(
-        lambda c, lo, hi: run(self._tr.state, c, lo, hi, cond_in, scales), carry, 0, total,
+        run, carry, 0, total, args=(self._tr.state, cond_in, scales),
         chunk=chunk, callback=report, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
     self.last_calls, self.last_cache = int(carry.calls), carry.cache
@@ -753,11 +753,13 @@ class LTX2VideoPipeline(mdp.Pipeline):
       video = jnp.transpose(self.vae.denormalize_latents(z), (0, 4, 1, 2, 3))
       za = unpack_audio_latents(self.audio_vae.denormalize_latents(a), mel)
       return LTX2Output(video, jnp.transpose(za, (0, 3, 1, 2)), self.sample_rate, float(frame_rate))
-    frames = self.decode_video(
-      z, decode_timestep=decode_timestep, decode_noise_scale=decode_noise_scale,
-      decode_noise=decode_noise, seed=int(jax.random.randint(keys[2], (), 0, 2**31 - 1)),
-    )  # fmt: skip
-    return LTX2Output(frames, self.decode_audio(a), self.sample_rate, float(frame_rate))
+    with self.decoding(progress):
+      frames = self.decode_video(
+        z, decode_timestep=decode_timestep, decode_noise_scale=decode_noise_scale,
+        decode_noise=decode_noise, seed=int(jax.random.randint(keys[2], (), 0, 2**31 - 1)),
+      )  # fmt: skip
+      audio = self.decode_audio(a)
+    return LTX2Output(frames, audio, self.sample_rate, float(frame_rate))
 
 
 # --- saving ------------------------------------------------------------------------------------------------------

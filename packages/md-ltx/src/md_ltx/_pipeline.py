@@ -389,7 +389,7 @@ class LTXVideoPipeline(mdp.Pipeline):
     """One jitted chunk of steps `[lo, hi)` (traced bounds)."""
     denoise = self._denoiser(mode, guide.num_branches, guide.stg, stg_mode)
 
-    def run(params, carry, lo, hi, cond, scales):
+    def run(carry, lo, hi, params, cond, scales):
       return mdsch.run_steps(
         denoise,
         sched,
@@ -887,7 +887,7 @@ class LTXVideoPipeline(mdp.Pipeline):
     with self.context():
       carry = mdsch.init_state(self.place(x), state, cache=cache)
       carry = mdsch.drive(
-        lambda c, lo, hi: run(params, c, lo, hi, cond, scales), carry, begin, n,
+        run, carry, begin, n, args=(params, cond, scales),
         chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
     self.last_calls, self.last_cache = int(carry.calls), carry.cache
@@ -896,7 +896,8 @@ class LTXVideoPipeline(mdp.Pipeline):
     x = self._unpack(x, f, h, w)
     if output_type == "latent":
       return jnp.transpose(x, (0, 4, 1, 2, 3))
-    return self._decode(x, decode_timestep, decode_noise_scale, decode_noise, keys[3])
+    with self.decoding(progress):
+      return self._decode(x, decode_timestep, decode_noise_scale, decode_noise, keys[3])
 
 
 # --- loading ----------------------------------------------------------------------------------------------------

@@ -131,4 +131,3 @@ def check_ltx2_size(
   `height` x `width` and `num_frames` (see `ltx2_size_rules`); reads configs only."""
   multiple, step = ltx2_size_rules(source, transformer=transformer)
   check_video_size("LTX-2 VAE", height, width, num_frames, multiple, step)
-

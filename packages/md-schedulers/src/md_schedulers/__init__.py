@@ -42,6 +42,7 @@ from md_schedulers._sample import (
   init_state,
   run_steps,
   sample,
+  step_flops,
 )
 from md_schedulers._start import (
   add_noise_at,
@@ -74,6 +75,7 @@ __all__ = [
   "init_state",
   "run_steps",
   "sample",
+  "step_flops",
   "LTX2_DISTILLED_SIGMAS",
   "LTX2_STAGE2_DISTILLED_SIGMAS",
   "SCHEDULERS",

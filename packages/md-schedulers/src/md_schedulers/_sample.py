@@ -21,6 +21,7 @@ Two ways to run it:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -271,24 +272,34 @@ def sample(
   return run(carry, start, stop)
 
 
+LONG_RUN_SECONDS = 300.0  # drive warns when the steps left are expected to take longer
+
+
 def drive(
-  run: Callable[[SampleState, Any, Any], SampleState],
+  run: Callable[..., SampleState],
   carry: SampleState,
   start: int,
   stop: int,
   *,
+  args: tuple[Any, ...] = (),
   chunk: int | None = 1,
   callback: Callable[[int, Any, Any], Any] | None = None,
   cancel: Callable[[], bool] | None = None,
   progress: bool | str | Callable[[int], None] = False,
   cache: StepCache | None = None,
 ) -> SampleState:
-  """Runs `run(carry, lo, hi)` (a jitted `run_steps`) over `[start, stop)` in chunks from the host.
+  """Runs `run(carry, lo, hi, *args)` (a jitted `run_steps`) over `[start, stop)` in chunks from the host.
+
+  With a progress bar, a jitted `run` (one with `.lower`) is first lowered for one step to report the
+  FLOPs per step from its program; the bar reads "compiling" until the first chunk is done; after the
+  next one the host knows the time per step, and warns when the steps left should take more than
+  `LONG_RUN_SECONDS` (or `$MD_LONG_RUN_SECONDS`).
 
   Args:
     run: the caller's jitted chunk; its bounds are traced, so every chunk runs one compiled program.
     carry: the starting carry.
     start, stop: the step range.
+    args: the chunk's other arguments (parameters, conditioning, scales), passed after the bounds.
     chunk: steps per chunk; None runs the whole range in one call.
     callback: `callback(step, timestep, latents)` after each step (forces `chunk=1`); latents are the
       sample after that step. Returning False stops like `cancel`.
@@ -305,34 +316,83 @@ def drive(
   """
   if stop <= start:
     return carry
-  md_progress.report_step(0, stop - start, "denoising")
+  total = stop - start
+  md_progress.report_step(0, total, "denoising")
+
+  def one(c, lo, hi):
+    return run(c, np.int32(lo), np.int32(hi), *args)
+
   if cache is not None and cache.prepare is not None:
-    carry = cache.prepare(lambda c: run(c, np.int32(start), np.int32(start + 1)), carry)
+    carry = cache.prepare(lambda c: one(c, start, start + 1), carry)
   if callback is not None:
     chunk = 1
-  size = stop - start if chunk is None else max(1, int(chunk))
+  size = total if chunk is None else max(1, int(chunk))
   bounds = list(range(start, stop, size)) + [stop]
   bar = None
   if progress is not None and not callable(progress) and progress:
     if md_progress.progress_enabled():
       import tqdm  # noqa: PLC0415
 
-      desc = progress if isinstance(progress, str) else "denoising"
-      bar = tqdm.tqdm(total=stop - start, desc=desc)
+      label = progress if isinstance(progress, str) else "denoising"
+      flops = step_flops(run, carry, start, args)
+      if flops:
+        x = jax.tree.leaves(carry.latents)[0]
+        tqdm.tqdm.write(
+          f"{label}: {total} steps on latents {list(x.shape)}, {flops / 1e9:.3g} GFLOP per step",
+          file=sys.stderr,
+        )
+      bar = tqdm.tqdm(total=total, desc="compiling")
+      bar.label, bar.flops = label, flops
   try:
-    return _drive(run, carry, bounds, start, stop, callback, cancel, progress, bar)
+    return _drive(one, carry, bounds, start, stop, callback, cancel, progress, bar)
   finally:
     if bar is not None:
       bar.close()
 
 
-def _drive(run, carry, bounds, start, stop, callback, cancel, progress, bar):
+def step_flops(
+  run: Any, carry: SampleState, start: int, args: tuple[Any, ...] = ()
+) -> float | None:
+  """FLOPs of one step of a jitted chunk `run(carry, lo, hi, *args)`, from its lowered program (XLA's
+  cost analysis counts a loop body once); None when `run` is not jitted or the analysis has no count."""
+  lower = getattr(run, "lower", None)
+  if lower is None:
+    return None
+  try:
+    cost = lower(carry, np.int32(start), np.int32(start + 1), *args).cost_analysis()
+  except Exception:  # noqa: BLE001 - an estimate only; the run itself reports real errors
+    return None
+  cost = cost[0] if isinstance(cost, list | tuple) and cost else cost
+  flops = float((cost or {}).get("flops", 0.0))
+  return flops if flops > 0 else None
+
+
+def _warn_if_long(bar, per_step: float, left: int) -> None:
+  import os  # noqa: PLC0415
+
+  import tqdm  # noqa: PLC0415
+
+  limit = float(os.environ.get("MD_LONG_RUN_SECONDS", LONG_RUN_SECONDS))
+  expected = per_step * left
+  if expected > limit:
+    rate = f", {bar.flops / per_step / 1e9:.3g} GFLOP/s" if bar.flops else ""
+    tqdm.tqdm.write(
+      f"warning: {bar.label} needs about {expected:.0f} s more ({per_step:.3g} s per step{rate}); "
+      "fewer steps or a smaller size finish sooner",
+      file=sys.stderr,
+    )
+
+
+def _drive(one, carry, bounds, start, stop, callback, cancel, progress, bar):
+  import time  # noqa: PLC0415
+
   in_flight: SampleState | None = None
+  timed: tuple[float, int] | None = None  # (host time, steps done) after the first chunk
   for lo, hi in zip(bounds[:-1], bounds[1:]):
     timestep = None
     if callback is not None:
       timestep = carry.scheduler.timesteps[carry.scheduler.step]
-    nxt = run(carry, np.int32(lo), np.int32(hi))
+    nxt = one(carry, lo, hi)
     if in_flight is not None:
       jax.block_until_ready(in_flight.calls)  # keep one chunk queued ahead, no more
     in_flight, carry = nxt, nxt
@@ -342,6 +402,15 @@ def _drive(run, carry, bounds, start, stop, callback, cancel, progress, bar):
         raise Cancelled(hi, stop, carry)
     md_progress.report_step(hi - start, stop - start, "denoising")
     if bar is not None:
+      if timed is None:
+        jax.block_until_ready(carry.calls)  # the first chunk holds the compile
+        timed = (time.perf_counter(), hi - start)
+        bar.set_description(bar.label)
+      elif timed[1] is not None and hi < stop:
+        jax.block_until_ready(carry.calls)
+        per_step = (time.perf_counter() - timed[0]) / (hi - start - timed[1])
+        _warn_if_long(bar, per_step, stop - hi)
+        timed = (timed[0], None)
       bar.update(hi - lo)
     elif callable(progress):
       progress(hi - start)

@@ -308,7 +308,7 @@ class StableDiffusionPipeline(mdp.Pipeline):
     """One jitted chunk of steps `[lo, hi)` (traced bounds: one program whatever the chunk)."""
     denoise = self._denoiser(guide.num_branches, guess_mode)
 
-    def run(params, carry, lo, hi, cond, scales, key):
+    def run(carry, lo, hi, params, cond, scales, key):
       return mdsch.run_steps(
         denoise, sched, carry, lo, hi, cond, params=params, guidance=guide, scales=scales,
         cache=cache, key=key,
@@ -677,14 +677,15 @@ class StableDiffusionPipeline(mdp.Pipeline):
       scales = jax.tree.map(jnp.asarray, scales)
       carry = mdsch.init_state(self.place(x), state, cache=cache)
       carry = mdsch.drive(
-        lambda c, lo, hi: run(params, c, lo, hi, cond, scales, k_steps), carry, start, stop,
+        run, carry, start, stop, args=(params, cond, scales, k_steps),
         chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
     self.last_calls, self.last_cache = int(carry.calls), carry.cache
     x = carry.latents
     if output_type == "latent":
       return jnp.transpose(x, (0, 3, 1, 2))
-    return self.decode(x)
+    with self.decoding(progress):
+      return self.decode(x)
 
   # --- helpers ---------------------------------------------------------------------------------------------
   @staticmethod

@@ -262,7 +262,7 @@ class WanVideoPipeline(mdp.Pipeline):
     d1 = self._denoiser(0, mode, guide.num_branches)
     d2 = self._denoiser(1, mode, guide.num_branches) if switch < total else None
 
-    def run(s1, s2, carry, lo, hi, cond, g1, g2):
+    def run(carry, lo, hi, s1, s2, cond, g1, g2):
       experts = [mdsch.Expert(d1, s1, switch, g1)]
       if d2 is not None:
         experts.append(mdsch.Expert(d2, s2, total, g2))
@@ -535,7 +535,7 @@ class WanVideoPipeline(mdp.Pipeline):
       carry = mdsch.init_state(self.place(x), state, cache=cache)
       cond, scales = self.place(cond), [jax.tree.map(jnp.asarray, g) for g in scales]
       carry = mdsch.drive(
-        lambda c, lo, hi: run(s1, s2, c, lo, hi, cond, *scales), carry, 0, total,
+        run, carry, 0, total, args=(s1, s2, cond, *scales),
         chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
     x = carry.latents
@@ -544,7 +544,8 @@ class WanVideoPipeline(mdp.Pipeline):
     self.last_calls, self.last_cache = int(carry.calls), carry.cache
     if output_type == "latent":
       return jnp.transpose(x, (0, 4, 1, 2, 3))
-    return self.decode(x)
+    with self.decoding(progress):
+      return self.decode(x)
 
   def _video_image_tokens(self, image_embeds: Any, batch: int) -> jax.Array:
     """CLIP tokens of one video (`[1, T, D]`; FLF2V: first and last frame, `[2, T, D]`) repeated for
