@@ -71,6 +71,15 @@ def test_wan_usage_errors_are_one_line_before_loading(tmp_path, flag, needle):
   assert not (tmp_path / "out").exists()  # nothing left behind
 
 
+def test_ltx_video_size_is_checked_before_loading(tmp_path):
+  """The LTX-Video multiple and frame step come from the checkpoint's configs (the tiny VAE: 8, 4)."""
+  out = run(
+    "ltx_generate", "apps/configs/ltx.py:tiny", f"--workdir={tmp_path / 'out'}",
+    "--config.height=36", "--config.num_frames=8",
+  )  # fmt: skip
+  one_line_error(out, "height=36 → 32 or 40", "num_frames=8 → 5 or 9")
+
+
 def test_several_problems_are_reported_together(tmp_path):
   out = run(
     "sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path}", "--config.height=30",

@@ -59,6 +59,7 @@ def _conditions(p, config) -> list[tuple[str, int, float]]:
 
 def _check(config, folder):
   import md_attention as mda
+  import md_ltx
 
   p = apps.Problems(config)
   model = apps.check_local(p, "model")
@@ -78,9 +79,14 @@ def _check(config, folder):
   p.dtype("dtype")
   p.choice("attention", mda.IMPLEMENTATIONS)
   p.choice("stg_mode", ("attention_values", "attention_skip"))
-  if upsampler:  # sizes: the pipeline checks them with its VAE's factors
+  if upsampler:  # multi-scale: each pass's size comes from the downscale; the pipeline checks them
     p.fraction("downscale_factor")
     p.positive("second_pass_num_inference_steps")
+  elif model:
+    p.call(
+      md_ltx.check_ltx_size, model[0], config.height, config.width, config.num_frames,
+      transformer=(transformer or [None])[0],
+    )  # fmt: skip
   steps = dict(
     timesteps=_numbers(p, "timesteps", float, "1000,993,987") or None,
     stg_blocks=_numbers(p, "stg_blocks", int, "11,25"),

@@ -41,8 +41,10 @@ from md_ltx._pipeline import (
 from md_ltx._recipes import (
   MultiscaleOutput,
   check_ltx2_size,
+  check_ltx_size,
   generate_multiscale,
   ltx2_size_rules,
+  ltx_size_rules,
 )
 from md_ltx._transformer import (
   LTXAttention,
@@ -80,6 +82,8 @@ from md_ltx._weights import (
 __all__ = [
   "MultiscaleOutput",
   "check_ltx2_size",
+  "check_ltx_size",
+  "ltx_size_rules",
   "generate_multiscale",
   "ltx2_size_rules",
   "LTX2_IMAGE_CRF",

@@ -131,3 +131,42 @@ def check_ltx2_size(
   `height` x `width` and `num_frames` (see `ltx2_size_rules`); reads configs only."""
   multiple, step = ltx2_size_rules(source, transformer=transformer)
   check_video_size("LTX-2 VAE", height, width, num_frames, multiple, step)
+
+
+def ltx_size_rules(
+  source: str | os.PathLike, *, transformer: str | os.PathLike | None = None
+) -> tuple[int, int]:
+  """(multiple of height and width, frame step) an LTX-Video checkpoint takes, from its `vae/` and
+  `transformer/` configs without loading weights: the VAE's compression (given, or from its patch size and
+  scaling blocks, as md-vae computes it) times the transformer's patch; `num_frames = 1 + step * k`.
+  Without readable configs, the published LTX-Video sizes (32, 8)."""
+  import md_vae
+  from md_core import _sources
+  from md_ltx._config import LTXConfig
+
+  spatial, temporal, patch, patch_t = 32, 8, 1, 1
+  try:
+    root = _sources.resolve_source(source, allow_patterns=["*.json"])
+  except FileNotFoundError:
+    root = None
+  if root is not None and (root / "vae" / "config.json").is_file():
+    vae = md_vae.LTXVideoVAEConfig.from_json(root / "vae" / "config.json")
+    spatial, temporal = vae.spatial_ratio, vae.temporal_ratio
+  if root is not None and transformer is None and (root / "transformer" / "config.json").is_file():
+    tr = LTXConfig.from_json(root / "transformer" / "config.json")
+    patch, patch_t = tr.patch_size, tr.patch_size_t
+  return spatial * patch, temporal * patch_t
+
+
+def check_ltx_size(
+  source: str | os.PathLike,
+  height: int,
+  width: int,
+  num_frames: int,
+  *,
+  transformer: str | os.PathLike | None = None,
+) -> None:
+  """Raises `SizeError` (a ValueError) naming the nearest valid sizes unless the LTX-Video checkpoint at
+  `source` takes `height` x `width` and `num_frames` (see `ltx_size_rules`); reads configs only."""
+  multiple, step = ltx_size_rules(source, transformer=transformer)
+  check_video_size("LTX-Video VAE", height, width, num_frames, multiple, step)

@@ -1007,7 +1007,7 @@ def resolve_file(path: str | os.PathLike) -> pathlib.Path:
     )
     raise FileNotFoundError(
       f"{path}: file {filename!r} of hub repo {repo!r} is not available ({how}; {type(e).__name__}); "
-      f"download it (`huggingface-cli download {repo} {filename}`) or pass a local file"
+      f"download it (`hf download {repo} {filename}`) or pass a local file"
     ) from None
 
 
