@@ -6,7 +6,7 @@ uv run python bench/loop.py --steps=50 --repeats=5
 `md_schedulers.drive` runs a jitted `run_steps(carry, lo, hi)` chunk by chunk so progress, per-step
 callbacks, cancellation and Ctrl-C act between steps. This measures what that costs against running every
 step in one call (`chunk=None`, one `fori_loop`, what the pipelines did before): the whole denoising loop's
-wall time (best of --repeats, after a warm-up that compiles), for chunk sizes None, 1 and 4, and the ratio to
+wall time (best of --repeats, after a warm-up that compiles), for chunk sizes None, 1, 4 and "auto" (the pipelines' default), and the ratio to
 `chunk=None`. A small model makes the per-dispatch overhead as visible as it can be. Not part of the tests.
 """
 
@@ -46,7 +46,7 @@ def main():
     prompt_embeds=embeds, negative_prompt_embeds=negative, height=32, width=32, num_frames=9,
     num_inference_steps=args.steps, guidance_scale=5.0, seed=0, progress=False,
   )  # fmt: skip
-  rows = [(chunk, _time(pipe, kw, chunk, args.repeats)) for chunk in (None, 1, 4)]
+  rows = [(chunk, _time(pipe, kw, chunk, args.repeats)) for chunk in (None, 1, 4, "auto")]
   base = rows[0][1]
   print(
     f"# {datetime.date.today()} {platform.processor() or platform.machine()} jax {jax.__version__}"

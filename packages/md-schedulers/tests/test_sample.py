@@ -196,7 +196,7 @@ def test_drive_in_chunks_equals_one_loop_compiles_once_and_reports_each_step():
   cond = jnp.asarray([1.0, 2.0])
   whole = mdsch.sample(_denoise, sched, x, st, cond, params=0.5)
   run, traces = _chunked(sched, cond)
-  for chunk in (1, 4, None):
+  for chunk in (1, 4, None, "auto"):
     out = mdsch.drive(run, mdsch.init_state(x, st), 0, 6, chunk=chunk)
     chex.assert_trees_all_close(out.latents, whole.latents, atol=1e-5, rtol=1e-6)
     assert int(out.calls) == 6
@@ -300,3 +300,27 @@ def test_drive_reports_flops_compile_phase_and_warns_on_long_runs(capsys, monkey
   assert "compiling" in err and "warning: denoising needs about" in err
   whole = mdsch.sample(_denoise, sched, x, st, cond, params=0.5)
   chex.assert_trees_all_close(out.latents, whole.latents, atol=1e-5, rtol=1e-6)
+
+
+def test_auto_chunks_grow_after_the_first_steps(monkeypatch):
+  """chunk="auto": one step, one step, then chunks sized to AUTO_CHUNK_SECONDS of work (here: all
+  the rest at once, as the steps are fast); the result equals one program."""
+  from md_schedulers import _sample
+
+  sched, st, x = _setup(12)
+  cond = jnp.asarray([1.0, 2.0])
+  run, _ = _chunked(sched, cond)
+  seen = []
+
+  def recorded(carry, lo, hi):
+    seen.append((int(lo), int(hi)))
+    return run(carry, lo, hi)
+
+  monkeypatch.setattr(_sample, "AUTO_CHUNK_SECONDS", 10.0)
+  out = mdsch.drive(recorded, mdsch.init_state(x, st), 0, 12)
+  assert seen == [(0, 1), (1, 2), (2, 12)]
+  whole = mdsch.sample(_denoise, sched, x, st, cond, params=0.5)
+  chex.assert_trees_all_close(out.latents, whole.latents, atol=1e-5, rtol=1e-6)
+  with pytest.raises(ValueError, match="chunk=0: expected a positive number of steps"):
+    mdsch.drive(recorded, mdsch.init_state(x, st), 0, 12, chunk=0)
+

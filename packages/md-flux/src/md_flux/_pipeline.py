@@ -170,7 +170,7 @@ class FluxPipeline(mdp.Pipeline):
     callback: Callable[[int, jax.Array, jax.Array], Any] | None = None,
     cancel: Callable[[], bool] | None = None,
     cache: mdsch.StepCache | None = None,
-    chunk: int | None = 1,
+    chunk: int | str | None = "auto",
     progress: bool = True,
   ) -> jax.Array:
     """Generates images from text.
@@ -195,8 +195,9 @@ class FluxPipeline(mdp.Pipeline):
         False stops like `cancel`.
       cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
       cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction.
-      chunk: steps per host dispatch (None: the whole loop in one call; progress, callback and
-        cancel act at chunk boundaries).
+      chunk: steps per host dispatch ("auto": sized to about 50 ms of work after the first steps;
+        None: the whole loop in one call); progress, callback and cancel act
+        between chunks.
       progress: show a progress bar over the steps.
 
     Returns:

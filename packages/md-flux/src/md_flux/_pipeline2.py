@@ -350,7 +350,7 @@ class Flux2KleinPipeline(mdp.Pipeline):
     callback: Callable[[int, jax.Array, jax.Array], Any] | None = None,
     cancel: Callable[[], bool] | None = None,
     cache: mdsch.StepCache | None = None,
-    chunk: int | None = 1,
+    chunk: int | str | None = "auto",
     progress: bool = True,
   ) -> jax.Array:
     """Generates images from text, optionally conditioned on up to 4 reference images.
@@ -385,7 +385,7 @@ class Flux2KleinPipeline(mdp.Pipeline):
       cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
       cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction (in
         KV-cache mode step 0 always runs: it makes the references' K/V).
-      chunk: steps per host dispatch (None: the whole loop in one call, after step 0's own program in
+      chunk: steps per host dispatch ("auto", the default: about 50 ms of work per dispatch; None: the whole loop in one call, after step 0's own program in
         KV-cache mode; progress, callback and cancel act at chunk boundaries).
       progress: show a progress bar over the steps.
 

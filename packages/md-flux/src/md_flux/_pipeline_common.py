@@ -108,7 +108,7 @@ def run_loop(
   *,
   args: tuple[Any, ...] = (),
   cache: mdsch.StepCache | None,
-  chunk: int | None,
+  chunk: int | str | None,
   callback: Callable[[int, Any, Any], Any] | None,
   cancel: Callable[[], bool] | None,
   progress: bool,

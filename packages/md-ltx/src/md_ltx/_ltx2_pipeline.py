@@ -463,7 +463,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
     callback: Callable[[int, jax.Array, Any], Any] | None = None,
     cancel: Callable[[], bool] | None = None,
     cache: mdsch.StepCache | None = None,
-    chunk: int | None = 1,
+    chunk: int | str | None = "auto",
     progress: bool = True,
   ) -> LTX2Output:
     """Generates videos with sound (diffusers' LTX2Pipeline / LTX2ImageToVideoPipeline call, same names
@@ -505,7 +505,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
         stops like `cancel`.
       cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
       cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction.
-      chunk: steps per host dispatch (None: the whole loop in one call; progress, callback and cancel
+      chunk: steps per host dispatch ("auto", the default: about 50 ms of work per dispatch; None: the whole loop in one call; progress, callback and cancel
         act at chunk boundaries).
       progress: a progress bar over the steps.
 

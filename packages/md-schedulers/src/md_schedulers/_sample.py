@@ -273,6 +273,8 @@ def sample(
 
 
 LONG_RUN_SECONDS = 300.0  # drive warns when the steps left are expected to take longer
+AUTO_CHUNK_SECONDS = 0.05  # chunk="auto": the work one dispatch should hold
+AUTO_CHUNK_MAX = 64
 
 
 def drive(
@@ -282,7 +284,7 @@ def drive(
   stop: int,
   *,
   args: tuple[Any, ...] = (),
-  chunk: int | None = 1,
+  chunk: int | str | None = "auto",
   callback: Callable[[int, Any, Any], Any] | None = None,
   cancel: Callable[[], bool] | None = None,
   progress: bool | str | Callable[[int], None] = False,
@@ -300,7 +302,9 @@ def drive(
     carry: the starting carry.
     start, stop: the step range.
     args: the chunk's other arguments (parameters, conditioning, scales), passed after the bounds.
-    chunk: steps per chunk; None runs the whole range in one call.
+    chunk: steps per chunk; None runs the whole range in one call; "auto" starts with one step and
+      then sizes chunks to about `AUTO_CHUNK_SECONDS` of work each (at most `AUTO_CHUNK_MAX` steps), so a
+      fast model pays no per-step dispatch and a slow one still stops within a step.
     callback: `callback(step, timestep, latents)` after each step (forces `chunk=1`); latents are the
       sample after that step. Returning False stops like `cancel`.
     cancel: polled at every step boundary; True stops with `Cancelled`.
@@ -326,8 +330,9 @@ def drive(
     carry = cache.prepare(lambda c: one(c, start, start + 1), carry)
   if callback is not None:
     chunk = 1
-  size = total if chunk is None else max(1, int(chunk))
-  bounds = list(range(start, stop, size)) + [stop]
+  if chunk is not None and chunk != "auto" and (isinstance(chunk, bool) or int(chunk) < 1):
+    raise ValueError(f"chunk={chunk!r}: expected a positive number of steps, 'auto' or None")
+  size = total if chunk is None else 1 if chunk == "auto" else int(chunk)
   bar = None
   if progress is not None and not callable(progress) and progress:
     if md_progress.progress_enabled():
@@ -344,7 +349,7 @@ def drive(
       bar = tqdm.tqdm(total=total, desc="compiling")
       bar.label, bar.flops = label, flops
   try:
-    return _drive(one, carry, bounds, start, stop, callback, cancel, progress, bar)
+    return _drive(one, carry, size, chunk == "auto", start, stop, callback, cancel, progress, bar)
   finally:
     if bar is not None:
       bar.close()
@@ -383,12 +388,14 @@ def _warn_if_long(bar, per_step: float, left: int) -> None:
     )
 
 
-def _drive(one, carry, bounds, start, stop, callback, cancel, progress, bar):
+def _drive(one, carry, size, auto, start, stop, callback, cancel, progress, bar):
   import time  # noqa: PLC0415
 
   in_flight: SampleState | None = None
   timed: tuple[float, int] | None = None  # (host time, steps done) after the first chunk
-  for lo, hi in zip(bounds[:-1], bounds[1:]):
+  lo = start
+  while lo < stop:
+    hi = min(stop, lo + size)
     timestep = None
     if callback is not None:
       timestep = carry.scheduler.timesteps[carry.scheduler.step]
@@ -401,20 +408,25 @@ def _drive(one, carry, bounds, start, stop, callback, cancel, progress, bar):
       if callback(lo, timestep, carry.latents) is False:
         raise Cancelled(hi, stop, carry)
     md_progress.report_step(hi - start, stop - start, "denoising")
-    if bar is not None:
-      if timed is None:
-        jax.block_until_ready(carry.calls)  # the first chunk holds the compile
-        timed = (time.perf_counter(), hi - start)
+    if timed is None and (bar is not None or auto):
+      jax.block_until_ready(carry.calls)  # the first chunk holds the compile
+      timed = (time.perf_counter(), hi - start)
+      if bar is not None:
         bar.set_description(bar.label)
-      elif timed[1] is not None and hi < stop:
-        jax.block_until_ready(carry.calls)
-        per_step = (time.perf_counter() - timed[0]) / (hi - start - timed[1])
+    elif timed is not None and timed[1] is not None and hi < stop:
+      jax.block_until_ready(carry.calls)
+      per_step = (time.perf_counter() - timed[0]) / max(hi - start - timed[1], 1)
+      if bar is not None:
         _warn_if_long(bar, per_step, stop - hi)
-        timed = (timed[0], None)
+      if auto:
+        size = int(min(AUTO_CHUNK_MAX, max(1, AUTO_CHUNK_SECONDS // max(per_step, 1e-9))))
+      timed = (timed[0], None)
+    if bar is not None:
       bar.update(hi - lo)
     elif callable(progress):
       progress(hi - start)
     if cancel is not None and hi < stop and cancel():
       jax.block_until_ready(carry.calls)
       raise Cancelled(hi, stop, carry)
+    lo = hi
   return carry

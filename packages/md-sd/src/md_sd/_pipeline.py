@@ -419,7 +419,7 @@ class StableDiffusionPipeline(mdp.Pipeline):
     callback: Callable[[int, jax.Array, jax.Array], Any] | None = None,
     cancel: Callable[[], bool] | None = None,
     cache: mdsch.StepCache | None = None,
-    chunk: int | None = 1,
+    chunk: int | str | None = "auto",
     progress: bool = True,
   ) -> jax.Array:
     """Generates images.
@@ -485,7 +485,7 @@ class StableDiffusionPipeline(mdp.Pipeline):
         `cancel`.
       cancel: polled at each step boundary; True stops with `md_schedulers.Cancelled`.
       cache: a step cache (md-cache policy) deciding, on device, which steps reuse a prediction.
-      chunk: steps per host dispatch (None: the whole run in one call; progress, callback and cancel
+      chunk: steps per host dispatch ("auto", the default: about 50 ms of work per dispatch; None: the whole run in one call; progress, callback and cancel
         act at chunk boundaries).
       progress: show a progress bar over the steps.
 
