@@ -215,6 +215,12 @@ def read_index(
   return index, cls
 
 
+def model_overrides(**settings: Any) -> dict[str, Any]:
+  """The md-only model settings a loader passes on (`attention=`, `attention_config=`, `remat=`…): those
+  given, without the ones left at None."""
+  return {k: v for k, v in settings.items() if v is not None}
+
+
 def listed(index: Mapping[str, Any], name: str) -> bool:
   """Whether `model_index.json` names a component `name` (entries of `[None, None]` do not count)."""
   entry = index.get(name)

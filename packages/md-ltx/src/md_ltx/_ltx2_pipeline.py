@@ -45,7 +45,7 @@ import md_text
 from md_core import pipeline as mdp
 from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
 from md_ltx._ltx2_weights import load_ltx2_transformer
-from md_ltx._video_tokens import check_video_size, pack_tokens, unpack_tokens
+from md_ltx._video_tokens import check_video_size, decode_inputs, pack_tokens, unpack_tokens
 from md_vae._ltx2_audio import LTX2AudioVAE, pack_audio_latents, unpack_audio_latents
 from md_vae._ltx2_audio_weights import load_vae_ltx2_audio
 from md_vae._ltx2_vae import LTX2VideoVAE
@@ -328,29 +328,9 @@ class LTX2VideoPipeline(mdp.Pipeline):
     noise` (`decode_noise_scale` defaults to `decode_timestep`), `noise` being `decode_noise`
     (`[B, C, f, h, w]`, the reference's layout) or drawn from `seed`.
     """
-    b = latents.shape[0]
-
-    def per_video(v, what):
-      v = [float(v)] * b if np.isscalar(v) else [float(x) for x in v]
-      if len(v) != b:
-        raise ValueError(f"{what} has {len(v)} entries for {b} videos")
-      return jnp.asarray(v, _F32)
-
-    timestep = per_video(decode_timestep, "decode_timestep")
-    scale = (
-      timestep
-      if decode_noise_scale is None
-      else per_video(decode_noise_scale, "decode_noise_scale")
+    timestep, scale, noise, key_vae = decode_inputs(
+      latents, decode_timestep, decode_noise_scale, decode_noise, jax.random.key(int(seed))
     )
-    key_noise, key_vae = jax.random.split(jax.random.key(int(seed)))
-    if decode_noise is None:
-      noise = jax.random.normal(key_noise, latents.shape, _F32)
-    else:
-      noise = jnp.asarray(decode_noise, _F32)
-      want = (b, latents.shape[-1], *latents.shape[1:4])
-      if noise.shape != want:
-        raise ValueError(f"decode_noise must be [B, C, F, H, W] = {want}, got {noise.shape}")
-      noise = jnp.transpose(noise, (0, 2, 3, 4, 1))
     fn = self.jit("decode_video", self._decode_video_fn)
     with self.context():
       return fn(self._vae.state, latents, timestep, scale, noise, key_vae)
@@ -842,13 +822,9 @@ def load_ltx2_pipeline(
     "LTX-2 pipeline (transformer/, vae/, audio_vae/, vocoder/, text_encoder/, connectors/, "
     "tokenizer/, scheduler/)",
   )
-  overrides = {}
-  if attention is not None:
-    overrides["attention"] = attention
-  if attention_config is not None:
-    overrides["attention_config"] = attention_config
-  if remat is not None:
-    overrides["remat"] = remat
+  overrides = mdp.model_overrides(
+    attention=attention, attention_config=attention_config, remat=remat
+  )
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   if isinstance(transformer, LTX2Transformer):
     model = transformer

@@ -44,7 +44,7 @@ from md_ltx._transformer import (
   rope_tables,
   rope_tables_from_coords,
 )
-from md_ltx._video_tokens import check_video_size, pack_tokens, unpack_tokens
+from md_ltx._video_tokens import check_video_size, decode_inputs, pack_tokens, unpack_tokens
 from md_ltx._weights import load_transformer
 
 _CLASSES = ("LTXPipeline", "LTXConditionPipeline", "LTXImageToVideoPipeline")
@@ -324,29 +324,9 @@ class LTXVideoPipeline(mdp.Pipeline):
     )
 
   def _decode(self, latents, decode_timestep, decode_noise_scale, decode_noise, key) -> jax.Array:
-    b = latents.shape[0]
-
-    def per_video(v, what):
-      v = [float(v)] * b if np.isscalar(v) else [float(x) for x in v]
-      if len(v) != b:
-        raise ValueError(f"{what} has {len(v)} entries for {b} videos")
-      return jnp.asarray(v, _F32)
-
-    timestep = per_video(decode_timestep, "decode_timestep")
-    scale = (
-      timestep
-      if decode_noise_scale is None
-      else per_video(decode_noise_scale, "decode_noise_scale")
+    timestep, scale, noise, key_vae = decode_inputs(
+      latents, decode_timestep, decode_noise_scale, decode_noise, key
     )
-    key_noise, key_vae = jax.random.split(key)
-    if decode_noise is None:
-      noise = jax.random.normal(key_noise, latents.shape, _F32)
-    else:
-      noise = jnp.asarray(decode_noise, _F32)
-      want = (b, latents.shape[-1], *latents.shape[1:4])
-      if noise.shape != want:
-        raise ValueError(f"decode_noise must be [B, C, F, H, W] = {want}, got {noise.shape}")
-      noise = jnp.transpose(noise, (0, 2, 3, 4, 1))
     with self.context():
       fn = self.jit("decode", self._decode_fn)
       return fn(self._vae.state, latents, timestep, scale, noise, key_vae)
@@ -970,13 +950,9 @@ def load_pipeline(
       revision=revision,
       progress=progress,
     )
-  overrides = {}
-  if attention is not None:
-    overrides["attention"] = attention
-  if attention_config is not None:
-    overrides["attention_config"] = attention_config
-  if remat is not None:
-    overrides["remat"] = remat
+  overrides = mdp.model_overrides(
+    attention=attention, attention_config=attention_config, remat=remat
+  )
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   if isinstance(transformer, LTXTransformer):
     model = transformer

@@ -1,6 +1,11 @@
-"""What LTX-Video's and LTX-2's pipelines share about video latents: the size rules and token packing."""
+"""What LTX-Video's and LTX-2's pipelines share about video latents: the size rules, token packing and
+the inputs of the timestep-conditioned VAE decode."""
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from md_core.pipeline import SizeError
 
@@ -47,3 +52,36 @@ def unpack_tokens(x, f: int, h: int, w: int, p: int, pt: int):
   b = x.shape[0]
   x = x.reshape(b, f // pt, h // p, w // p, -1, pt, p, p).transpose(0, 1, 5, 2, 6, 3, 7, 4)
   return x.reshape(b, f, h, w, -1)
+
+
+def decode_inputs(latents, decode_timestep, decode_noise_scale, decode_noise, key):
+  """The inputs of a timestep-conditioned LTX VAE decode of `latents` `[B, f, h, w, C]`: per-video
+  timesteps and noise scales `[B]` (a number for all, or one per video; the scale defaults to the
+  timestep), the noise channels-last (`decode_noise` in the reference's `[B, C, f, h, w]`, or drawn from
+  `key`) and the VAE's own key.
+
+  Raises:
+    ValueError: a per-video list of the wrong length, or noise of the wrong shape.
+  """
+  b = latents.shape[0]
+
+  def per_video(v, what):
+    v = [float(v)] * b if np.isscalar(v) else [float(x) for x in v]
+    if len(v) != b:
+      raise ValueError(f"{what} has {len(v)} entries for {b} videos")
+    return jnp.asarray(v, jnp.float32)
+
+  timestep = per_video(decode_timestep, "decode_timestep")
+  scale = (
+    timestep if decode_noise_scale is None else per_video(decode_noise_scale, "decode_noise_scale")
+  )
+  key_noise, key_vae = jax.random.split(key)
+  if decode_noise is None:
+    noise = jax.random.normal(key_noise, latents.shape, jnp.float32)
+  else:
+    noise = jnp.asarray(decode_noise, jnp.float32)
+    want = (b, latents.shape[-1], *latents.shape[1:4])
+    if noise.shape != want:
+      raise ValueError(f"decode_noise must be [B, C, F, H, W] = {want}, got {noise.shape}")
+    noise = jnp.transpose(noise, (0, 2, 3, 4, 1))
+  return timestep, scale, noise, key_vae

@@ -340,14 +340,19 @@ def drive(
 
       label = progress if isinstance(progress, str) else "denoising"
       flops = step_flops(run, carry, start, args)
+      warned = False
       if flops:
         x = jax.tree.leaves(carry.latents)[0]
+        # Expected time at half the device's measured matmul rate (what the DiTs reach on CPU).
+        expected = flops * total / (0.5 * matmul_flops_per_second(x.dtype))
         tqdm.tqdm.write(
-          f"{label}: {total} steps on latents {list(x.shape)}, {flops / 1e9:.3g} GFLOP per step",
+          f"{label}: {total} steps on latents {list(x.shape)}, {flops / 1e9:.3g} GFLOP per step, "
+          f"expected about {expected:.3g} s on {jax.devices()[0].device_kind}",
           file=sys.stderr,
         )
+        warned = _warn_if_long(label, expected / total, total, flops)
       bar = tqdm.tqdm(total=total, desc="compiling")
-      bar.label, bar.flops = label, flops
+      bar.label, bar.flops, bar.warned = label, flops, warned
   try:
     return _drive(one, carry, size, chunk == "auto", start, stop, callback, cancel, progress, bar)
   finally:
@@ -372,20 +377,44 @@ def step_flops(
   return flops if flops > 0 else None
 
 
-def _warn_if_long(bar, per_step: float, left: int) -> None:
+def _warn_if_long(label: str, per_step: float, left: int, flops: float | None) -> bool:
+  """Warns (one line on stderr) when `left` steps of `per_step` seconds exceed the long-run limit."""
   import os  # noqa: PLC0415
 
   import tqdm  # noqa: PLC0415
 
   limit = float(os.environ.get("MD_LONG_RUN_SECONDS", LONG_RUN_SECONDS))
   expected = per_step * left
-  if expected > limit:
-    rate = f", {bar.flops / per_step / 1e9:.3g} GFLOP/s" if bar.flops else ""
-    tqdm.tqdm.write(
-      f"warning: {bar.label} needs about {expected:.0f} s more ({per_step:.3g} s per step{rate}); "
-      "fewer steps or a smaller size finish sooner",
-      file=sys.stderr,
-    )
+  if expected <= limit:
+    return False
+  rate = f", {flops / per_step / 1e9:.3g} GFLOP/s" if flops else ""
+  tqdm.tqdm.write(
+    f"warning: {label} needs about {expected:.0f} s more ({per_step:.3g} s per step{rate}); "
+    "fewer steps or a smaller size finish sooner",
+    file=sys.stderr,
+  )
+  return True
+
+
+_MATMUL_RATE: dict[str, float] = {}
+
+
+def matmul_flops_per_second(dtype: Any = jnp.float32, n: int = 1024) -> float:
+  """The default device's measured FLOP/s on an `n`² matmul (best of three, cached per dtype)."""
+  import time  # noqa: PLC0415
+
+  key = f"{jnp.dtype(dtype).name}:{n}"
+  if key not in _MATMUL_RATE:
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(f(a))
+    best = float("inf")
+    for _ in range(3):
+      t = time.perf_counter()
+      jax.block_until_ready(f(a))
+      best = min(best, time.perf_counter() - t)
+    _MATMUL_RATE[key] = 2 * n**3 / max(best, 1e-9)
+  return _MATMUL_RATE[key]
 
 
 def _drive(one, carry, size, auto, start, stop, callback, cancel, progress, bar):
@@ -416,8 +445,8 @@ def _drive(one, carry, size, auto, start, stop, callback, cancel, progress, bar)
     elif timed is not None and timed[1] is not None and hi < stop:
       jax.block_until_ready(carry.calls)
       per_step = (time.perf_counter() - timed[0]) / max(hi - start - timed[1], 1)
-      if bar is not None:
-        _warn_if_long(bar, per_step, stop - hi)
+      if bar is not None and not bar.warned:
+        bar.warned = _warn_if_long(bar.label, per_step, stop - hi, bar.flops)
       if auto:
         size = int(min(AUTO_CHUNK_MAX, max(1, AUTO_CHUNK_SECONDS // max(per_step, 1e-9))))
       timed = (timed[0], None)

@@ -609,25 +609,12 @@ def load_pipeline(
     ValueError: a pipeline class md does not implement.
   """
   root = md_core.resolve_source(source, revision=revision)
-  index_file = root / "model_index.json"
-  if not index_file.is_file():
-    raise FileNotFoundError(
-      f"{root}: no model_index.json; pass a diffusers Wan pipeline folder (transformer/, vae/, "
-      "text_encoder/, tokenizer/, scheduler/) or its hub id"
-    )
-  index = md_core.read_json(index_file)
-  cls = index.get("_class_name", "")
-  if cls not in _CLASSES:
-    raise ValueError(
-      f"{index_file}: pipeline class {cls!r} is not one md-wan loads; known: {_CLASSES}"
-    )
-  overrides = {}
-  if attention is not None:
-    overrides["attention"] = attention
-  if attention_config is not None:
-    overrides["attention_config"] = attention_config
-  if remat is not None:
-    overrides["remat"] = remat
+  index, cls = mdp.read_index(
+    root, _CLASSES, "Wan pipeline (transformer/, vae/, text_encoder/, tokenizer/, scheduler/)"
+  )
+  overrides = mdp.model_overrides(
+    attention=attention, attention_config=attention_config, remat=remat
+  )
   kw = dict(mesh=mesh, rules=rules, progress=progress)
   transformer = load_transformer(
     mdp.component(root, "transformer", index), subfolder=None, dtype=dtype, **kw, **overrides
