@@ -1,0 +1,29 @@
+"""md-lora: LoRA files read into canonical adapters keyed by md parameter paths; merge, unmerge, extract, save.
+
+A LoRA on a reference module `M` is a delta on its weight `M.weight`; the family's key map
+(`convert_key(name) -> md_core.Target`) says which md parameter that weight is, in which layout, which
+part of a fused tensor and which layer of a stack, so one reader serves every family.
+"""
+
+from md_lora._adapter import Adapter, LoRAWeight, Site
+from md_lora._extract import Extraction, extract_lora, save_peft
+from md_lora._formats import FORMATS, LoRAFileError, detect_format, kohya_module_name
+from md_lora._load import load_lora, lora_factors
+from md_lora._merge import merge, unmerge
+
+__all__ = [
+  "FORMATS",
+  "Adapter",
+  "Extraction",
+  "LoRAFileError",
+  "LoRAWeight",
+  "Site",
+  "detect_format",
+  "extract_lora",
+  "kohya_module_name",
+  "load_lora",
+  "lora_factors",
+  "merge",
+  "save_peft",
+  "unmerge",
+]

@@ -1,0 +1,73 @@
+"""The canonical adapter: LoRA factors in md's layout, keyed by md parameter paths."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from md_core import path_str
+
+Path = tuple[str | int, ...]
+
+
+class Site(NamedTuple):
+  """One md parameter a LoRA adapts: its path, and for a stacked (scanned) parameter the layer index."""
+
+  path: Path  # e.g. ("transformer_blocks", "attn", "to_q", "kernel")
+  layer: int | None = None
+
+  def __str__(self) -> str:
+    text = path_str(self.path)
+    return text if self.layer is None else f"{text}[{self.layer}]"
+
+
+class LoRAWeight(NamedTuple):
+  """A low-rank delta `scale · tensordot(down, up, 1)` with the shape of the adapted parameter (one layer).
+
+  In md's layout: for a linear kernel `(in, out)`, `down` is `[in, r]` and `up` is `[r, out]` (torch's
+  `lora_A` `[r, in]` and `lora_B` `[out, r]` transposed); for a conv kernel `(*k, in, out)`, `down` is
+  `[*k, in, r]` (the `lora_A` / `lora_down` conv permuted as the kernel) and `up` is `[r, out]` (the 1×1
+  `lora_B` / `lora_up`). A parameter md keeps in the reference's own layout (`identity`) has `down = lora_B`
+  `[out, r]` and `up = lora_A` `[r, *in]`.
+  """
+
+  down: Any  # [*in_dims, r]
+  up: Any  # [r, *out_dims]
+  scale: float  # alpha / r as the file defines it (the user's multiplier comes at merge time)
+
+  @property
+  def rank(self) -> int:
+    return int(np.shape(self.down)[-1])
+
+  def delta(self) -> np.ndarray:
+    """The dense delta (float32, host): for tests and small layers."""
+    down = np.asarray(self.down, np.float32)
+    up = np.asarray(self.up, np.float32)
+    return np.float32(self.scale) * np.tensordot(down, up, 1)
+
+
+class Adapter(NamedTuple):
+  """One LoRA file read for one model.
+
+  Attributes:
+    weights: `{Site: LoRAWeight}` for every adapted md parameter (per layer for stacked ones).
+    names: `{Site: reference module name}` it came from (`down_blocks.0.attentions.0.proj_in`).
+    source: the file read (or a description, e.g. "extracted").
+    format: the file format: "peft" (diffusers / PEFT `lora_A` / `lora_B`) or "kohya" (`lora_down` /
+      `lora_up` / `.alpha`).
+    skipped: file keys the caller allowed to stay unmatched (`allow_unmatched`).
+  """
+
+  weights: dict[Site, LoRAWeight]
+  names: dict[Site, str]
+  source: str
+  format: str
+  skipped: tuple[str, ...] = ()
+
+  def __repr__(self) -> str:
+    ranks = sorted({w.rank for w in self.weights.values()})
+    return (
+      f"Adapter({self.source!r}, format={self.format!r}, {len(self.weights)} sites, ranks {ranks}, "
+      f"{len(self.skipped)} skipped)"
+    )

@@ -1,0 +1,110 @@
+"""Merging adapters into a model's weights: `W + s · scale · tensordot(down, up)`, on the weights' devices."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from md_lora._adapter import Adapter, Site
+
+
+def _scales(adapters: Sequence[tuple[Adapter, float]]) -> list[float]:
+  out = []
+  for i, pair in enumerate(adapters):
+    if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], Adapter)):
+      raise TypeError(f"adapters[{i}] must be an (Adapter, scale) pair, got {type(pair).__name__}")
+    s = pair[1]
+    if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s):
+      raise TypeError(f"adapters[{i}] ({pair[0].source}): scale {s!r} is not a finite number")
+    out.append(float(s))
+  return out
+
+
+def _value(var: Any) -> Any:
+  return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def merge(
+  model_or_state: Any, adapters: Sequence[tuple[Adapter, float]], *, sign: float = 1.0
+) -> Any:
+  """Adds each adapter's delta, times its scale, into the weights it adapts.
+
+  One jitted program per call: the deltas are formed on the weights' devices (sharded weights stay
+  sharded; only the small factors travel), added in float32 and cast back to each weight's dtype. The
+  input is left as it was.
+
+  Args:
+    model_or_state: an NNX module, or its `nnx.State`.
+    adapters: `(Adapter, scale)` pairs, e.g. `[(style, 0.8), (detail, 0.5)]`.
+    sign: -1 removes them again (see `unmerge`).
+
+  Returns:
+    A new module (for a module) or state (for a state) with the merged weights.
+
+  Raises:
+    TypeError: a pair that is not `(Adapter, number)`.
+    ValueError: an adapter site the model does not have, or of another shape.
+  """
+  scales = _scales(adapters)
+  graphdef = None
+  state = model_or_state
+  if isinstance(model_or_state, nnx.Module):
+    graphdef, state = nnx.split(model_or_state)
+  flat = list(nnx.to_flat_state(state))
+  index = {tuple(p): i for i, (p, _) in enumerate(flat)}
+
+  touched: dict[tuple, Any] = {}
+  factors: list[tuple[Site, Any, Any, float]] = []
+  for (adapter, s), _ in zip(adapters, scales):
+    for site, w in adapter.weights.items():
+      if site.path not in index:
+        raise ValueError(f"{adapter.source}: {str(site)!r} is not a parameter of this model")
+      value = _value(flat[index[site.path]][1])
+      want = tuple(value.shape[1:] if site.layer is not None else value.shape)
+      got = tuple(w.down.shape[:-1]) + tuple(w.up.shape[1:])
+      if got != want:
+        raise ValueError(
+          f"{adapter.source}: delta for {str(site)!r} is {got}, the weight is {want}"
+        )
+      touched[site.path] = value
+      factors.append((site, w.down, w.up, sign * float(s) * w.scale))
+  if not factors:
+    return model_or_state
+
+  paths = list(touched)
+  sites = [(f[0].path, f[0].layer) for f in factors]
+
+  def apply(weights, downs, ups, mults):
+    acc = {p: weights[i].astype(jnp.float32) for i, p in enumerate(paths)}
+    for (path, layer), d, u, m in zip(sites, downs, ups, mults):
+      delta = m * jnp.tensordot(
+        d.astype(jnp.float32), u.astype(jnp.float32), 1, precision=jax.lax.Precision.HIGHEST
+      )
+      acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
+    return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
+
+  weights = [touched[p] for p in paths]
+  shardings = [getattr(w, "sharding", None) for w in weights]
+  out_shardings = shardings if all(s is not None for s in shardings) else None
+  new = jax.jit(apply, out_shardings=out_shardings)(
+    weights,
+    [f[1] for f in factors],
+    [f[2] for f in factors],
+    jnp.asarray([f[3] for f in factors], jnp.float32),
+  )
+  replaced = dict(zip(paths, new))
+  merged = nnx.from_flat_state(
+    [(p, v.replace(replaced[tuple(p)]) if tuple(p) in replaced else v) for p, v in flat]
+  )
+  return merged if graphdef is None else nnx.merge(graphdef, merged)
+
+
+def unmerge(model_or_state: Any, adapters: Sequence[tuple[Adapter, float]]) -> Any:
+  """Subtracts what `merge` added (exact in float32; low-precision weights keep a rounding residue)."""
+  return merge(model_or_state, adapters, sign=-1.0)
