@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -39,7 +40,7 @@ def extract_lora(
 ) -> Extraction:
   """Extracts a rank-`rank` LoRA from `finetuned - base` by truncated SVD, per adapted weight and layer.
 
-  Every parameter named `kernels` with two or more axes (a linear `(in, out)` or a conv `(*k, in, out)`
+  Every parameter whose name matches `kernels` with two or more axes (a linear `(in, out)` or a conv `(*k, in, out)`
   kernel; stacked ones per layer, by their leading `layers` logical axis) whose delta exceeds `atol` is
   factored: `delta.reshape(-1, out) ≈ U S Vᵀ`, `down = U √S`, `up = √S Vᵀ`, scale 1.
 
@@ -47,7 +48,7 @@ def extract_lora(
     base, finetuned: two NNX modules (or states) of the same architecture.
     rank: the rank kept (smaller layers keep their full rank).
     atol: deltas whose largest entry is at most this are left out.
-    kernels: the parameter name to factor.
+    kernels: a regex over parameter names (the last path part) to factor.
 
   Returns:
     `Extraction(adapter, energy)`.
@@ -61,7 +62,7 @@ def extract_lora(
   weights, energy = {}, {}
   for path, (w0, axes) in a.items():
     w1 = b[path][0]
-    if path[-1] != kernels or np.ndim(w0) < 2:
+    if not re.fullmatch(kernels, str(path[-1])) or np.ndim(w0) < 2:
       continue
     if tuple(np.shape(w0)) != tuple(np.shape(w1)):
       raise ValueError(f"{md_core.path_str(path)}: shapes {np.shape(w0)} and {np.shape(w1)} differ")

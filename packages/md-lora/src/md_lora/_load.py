@@ -72,7 +72,7 @@ def lora_factors(a: np.ndarray, b: np.ndarray, target: Target) -> tuple[np.ndarr
 
 
 def _nearest(module: str, paths: Sequence[str]) -> str:
-  guess = module.replace(".", "/")
+  guess = module.replace(".", "/") + "/kernel"
   close = difflib.get_close_matches(guess, paths, n=1, cutoff=0.5)
   return f"; nearest md parameter {close[0]!r}" if close else ""
 
