@@ -12,8 +12,8 @@ base |h3| ≈ 0.53, a five-pointed star |h5| ≈ 0.53, a diamond (corners on the
 axis-aligned square Re h4 ≈ −0.28, a circle none. The kind is the one whose harmonic, divided by its ideal
 value, is largest, or "circle" when none reaches 0.4.
 
-The position is the grid cell of the centroid. For a video every frame is analysed; the kind, colours and
-position are the majority over frames and the direction is the sign of the larger component of the
+The position is the grid cell of the centroid. For a video every frame is analysed; the kind is read from the
+harmonics averaged over frames, the colours and position are the majority over frames, and the direction is the sign of the larger component of the
 centroid's straight-line fit over time.
 """
 
@@ -145,6 +145,9 @@ def _analyse_image(x: np.ndarray) -> Analysis:
   border = np.concatenate([x[0], x[-1], x[:, 0], x[:, -1]])
   bg = np.median(border, axis=0)
   background = _nearest(bg, BACKGROUNDS)
+  # The mean, not the median, of the border pixels near the median: noise clipped at 0 or 1 biases the
+  # background's mean, and the coverage below is linear in it.
+  bg = border[np.abs(border - bg).max(-1) < 0.3].mean(0)
   dist = np.sqrt(((_mean3(x) - bg) ** 2).sum(-1))
   peak = np.percentile(dist, 99.5)
   if peak < _MIN_CONTRAST:
@@ -224,14 +227,15 @@ def analyse(pixels) -> Analysis:
     elif abs(dy) / h > abs(dx) / w and abs(dy) >= _MIN_TRAVEL * h:
       direction = "down" if dy > 0 else "up"
   cx, cy = (float(v) for v in np.nanmean(track, 0))
+  features = ShapeFeatures(*(float(v) for v in np.mean([a.features for a in found], 0)))
   return Analysis(
     _majority(a.colour for a in frames),
-    _majority(a.shape for a in frames),
+    _kind(features),
     _majority(a.background for a in frames),
     _majority(a.position for a in frames),
     direction,
     (cx, cy),
-    None,
+    features,
     track,
   )
 

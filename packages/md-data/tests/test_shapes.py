@@ -1,0 +1,124 @@
+import json
+
+import numpy as np
+import pytest
+
+import md_data as mdd
+
+VIDEO = mdd.ShapesConfig(size=32, frames=5)
+
+
+@pytest.mark.parametrize("config", [mdd.ShapesConfig(), VIDEO], ids=["image", "video"])
+def test_same_seed_same_arrays_other_seed_differs(config):
+  a = [mdd.shapes_sample(config, 3, i) for i in range(8)]
+  b = [mdd.shapes_sample(config, 3, i) for i in range(8)]
+  c = [mdd.shapes_sample(config, 4, i) for i in range(8)]
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x.pixels, y.pixels)
+    assert x.caption == y.caption and x.label == y.label
+  assert any(not np.array_equal(x.pixels, z.pixels) for x, z in zip(a, c))
+  assert [x.caption for x in a] != [z.caption for z in c]
+
+
+def test_pixels_layout():
+  image = mdd.shapes_sample(mdd.ShapesConfig(size=48), 0, 0).pixels
+  video = mdd.shapes_sample(VIDEO, 0, 0).pixels
+  assert image.shape == (48, 48, 3) and video.shape == (5, 32, 32, 3)
+  for x in (image, video):
+    assert x.dtype == np.float32 and 0.0 <= x.min() and x.max() <= 1.0
+  # Anti-aliased: some edge pixels lie strictly between the background and the shape.
+  bg = np.asarray(
+    mdd.BACKGROUNDS[mdd.shapes_sample(mdd.ShapesConfig(size=48), 0, 0).label.background]
+  )
+  far = np.abs(image - bg).max(-1)
+  assert ((far > 0.05) & (far < 0.5 * far.max())).any()
+
+
+def test_caption_matches_label():
+  for config in (mdd.ShapesConfig(split="all"), mdd.ShapesConfig(size=32, frames=3, split="all")):
+    for i in range(100):
+      s = mdd.shapes_sample(config, 1, i)
+      assert mdd.parse_caption(s.caption) == mdd.Caption(*s.label)
+      video = config.frames is not None
+      assert (s.label.position is None) == video and (s.label.direction is None) != video
+
+
+def test_split_is_respected():
+  train = {
+    (s.label.colour, s.label.shape)
+    for s in (mdd.shapes_sample(mdd.ShapesConfig(size=24), 0, i) for i in range(400))
+  }
+  held = {
+    (s.label.colour, s.label.shape)
+    for s in (
+      mdd.shapes_sample(mdd.ShapesConfig(size=24, split="held_out"), 0, i) for i in range(50)
+    )
+  }
+  assert not train & mdd.HELD_OUT
+  assert train == set(mdd.split("train"))  # 400 draws cover all 20 training pairs
+  assert held == mdd.HELD_OUT
+
+
+def test_iterator_batches_are_the_samples():
+  it = mdd.ShapesIterator(VIDEO, seed=5, batch_size=3)
+  next(it)
+  batch = next(it)
+  assert batch.pixels.shape == (3, 5, 32, 32, 3)
+  for j, i in enumerate(range(3, 6)):
+    s = mdd.shapes_sample(VIDEO, 5, i)
+    np.testing.assert_array_equal(batch.pixels[j], s.pixels)
+    assert batch.captions[j] == s.caption and batch.labels[j] == s.label
+
+
+def test_iterator_resumes_exactly():
+  config = mdd.ShapesConfig(size=32)
+  straight = mdd.ShapesIterator(config, seed=9, batch_size=4)
+  expected = [next(straight) for _ in range(5)]
+  first = mdd.ShapesIterator(config, seed=9, batch_size=4)
+  for _ in range(2):
+    next(first)
+  saved = json.loads(json.dumps(first.state()))  # survives a round trip through a checkpoint file
+  resumed = mdd.ShapesIterator(config, seed=9, batch_size=4)
+  resumed.restore(saved)
+  for want in expected[2:]:
+    got = next(resumed)
+    np.testing.assert_array_equal(got.pixels, want.pixels)
+    assert got.captions == want.captions and got.labels == want.labels
+
+
+def test_restore_rejects_another_dataset():
+  state = mdd.ShapesIterator(mdd.ShapesConfig(size=32), seed=1, batch_size=2).state()
+  with pytest.raises(ValueError, match="seed=2 from a state with seed=1"):
+    mdd.ShapesIterator(mdd.ShapesConfig(size=32), seed=2, batch_size=2).restore(state)
+  with pytest.raises(ValueError, match="batch_size=4 from a state with batch_size=2"):
+    mdd.ShapesIterator(mdd.ShapesConfig(size=32), seed=1, batch_size=4).restore(state)
+  with pytest.raises(ValueError, match="cannot restore a shapes iterator with config="):
+    mdd.ShapesIterator(mdd.ShapesConfig(size=48), seed=1, batch_size=2).restore(state)
+  with pytest.raises(ValueError, match="index=-1"):
+    mdd.ShapesIterator(mdd.ShapesConfig(size=32), seed=1, batch_size=2).restore(
+      {**state, "index": -1}
+    )
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"size": 16}, "size=16 must be an int >= 24"),
+    ({"frames": 1}, "frames=1 must be None"),
+    ({"split": "test"}, "unknown split 'test'"),
+    ({"extent": (0.9, 0.5)}, "extent=.* must satisfy"),
+    ({"travel": (0.1, 0.9)}, "travel=.* must satisfy"),
+  ],
+)
+def test_config_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    mdd.ShapesConfig(**kwargs)
+
+
+def test_bad_seed_index_and_batch():
+  with pytest.raises(ValueError, match="index=-1 must be a non-negative int"):
+    mdd.shapes_sample(mdd.ShapesConfig(), 0, -1)
+  with pytest.raises(ValueError, match="batch_size=0 must be a positive int"):
+    mdd.ShapesIterator(mdd.ShapesConfig(), seed=0, batch_size=0)
+  with pytest.raises(ValueError, match="seed=-3 must be a non-negative int"):
+    mdd.ShapesIterator(mdd.ShapesConfig(), seed=-3, batch_size=1)
