@@ -1,0 +1,152 @@
+"""TaylorSeer: on cached steps, extrapolate the prediction with a Taylor series whose derivatives are
+finite differences of the predictions of the last computed steps."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import md_schedulers as mdsch
+from md_cache import _common as c
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class TaylorSeerState(NamedTuple):
+  """TaylorSeer's loop state.
+
+  Attributes:
+    interval: (), int32. A full step every `interval` steps after the warm-up.
+    warmup_steps: (), int32. Steps before it always run.
+    stop_step: (), int32. Steps from it on always run (-1: none).
+    orders: (), int32. Taylor terms held in `factors` (0 before the first computed step).
+    last_step: (), int32. The last computed step (-1: none).
+    computed: (num_steps,), bool. Steps where the denoiser ran.
+    factors: like the latents, each leaf `[max_order + 1, B, …]` in the factors' dtype: the prediction
+      at the last computed step and its divided differences of orders 1…max_order.
+  """
+
+  interval: jax.Array
+  warmup_steps: jax.Array
+  stop_step: jax.Array
+  orders: jax.Array
+  last_step: jax.Array
+  computed: jax.Array
+  factors: Any
+
+
+def taylorseer(
+  interval: int = 5,
+  *,
+  warmup_steps: int = 3,
+  stop_step: int | None = None,
+  max_order: int = 1,
+  factors_dtype: str = "float32",
+) -> mdsch.StepCache:
+  """Runs the denoiser on the first `warmup_steps` steps, then on every `interval`-th step (steps
+  `warmup_steps + 1 + k * interval`) and on every step from `stop_step` on; at the other steps the
+  prediction is `sum_k f_k · d^k / k!`, with `d` the steps since the last computed one and `f_k` the
+  k-th divided difference (over step indices) of the computed predictions, up to `max_order`.
+  A step-level cache: it applies to every denoiser (UNet included); guidance branches are extrapolated
+  together (the guided prediction), which equals extrapolating each branch for fixed linear guidance.
+
+  Published defaults (diffusers' TaylorSeerCacheConfig): `interval=5`, `warmup_steps=3`, `max_order=1`;
+  diffusers keeps the factors in bfloat16 by default, md in float32 (`factors_dtype="bfloat16"` for
+  diffusers' default numerics). The schedule follows diffusers' lite mode (the model output is
+  extrapolated); diffusers' default mode extrapolates each attention output instead.
+
+  Args:
+    interval: steps between full computations after the warm-up (traced).
+    warmup_steps: leading steps that always run (traced); a step with no computed step before it
+      always runs.
+    stop_step: steps from this one on always run (traced; None: none).
+    max_order: the highest Taylor order (static: it sizes the state).
+    factors_dtype: the dtype the factors are stored in.
+
+  Returns:
+    A step-level `md_schedulers.StepCache`.
+  """
+  if int(interval) < 1:
+    raise ValueError(f"taylorseer: interval={interval} must be at least 1")
+  if int(max_order) < 0:
+    raise ValueError(f"taylorseer: max_order={max_order} must be at least 0")
+  if factors_dtype not in _DTYPES:
+    raise ValueError(f"taylorseer: factors_dtype={factors_dtype!r}, expected one of {_DTYPES}")
+  values = dict(
+    interval=int(interval), warmup_steps=int(warmup_steps),
+    stop_step=-1 if stop_step is None else int(stop_step),
+  )  # fmt: skip
+  static = (int(max_order), factors_dtype)
+  return _policy(*static)._replace(init=c._Init("taylorseer", static, _init(*static), values))
+
+
+@functools.cache
+def _init(max_order: int, factors_dtype: str):
+  def make(values, latents, num_steps: int) -> TaylorSeerState:
+    factors = jax.tree.map(
+      lambda a: jnp.zeros((max_order + 1,) + a.shape, factors_dtype), latents
+    )
+    return TaylorSeerState(
+      interval=jnp.int32(values["interval"]),
+      warmup_steps=jnp.int32(values["warmup_steps"]),
+      stop_step=jnp.int32(values["stop_step"]),
+      orders=jnp.int32(0),
+      last_step=jnp.int32(-1),
+      computed=jnp.zeros((num_steps,), bool),
+      factors=factors,
+    )
+
+  return make
+
+
+@functools.cache
+def _policy(max_order: int, factors_dtype: str) -> mdsch.StepCache:
+  del factors_dtype  # in the state's arrays
+
+  def decide(st: TaylorSeerState, step, t, sample):
+    del t
+    step = jnp.asarray(step, jnp.int32)
+    run = (
+      (step < st.warmup_steps)
+      | ((step - st.warmup_steps - 1) % st.interval == 0)
+      | ((st.stop_step >= 0) & (step >= st.stop_step))
+      | (st.orders == 0)
+    )
+    d = (step - st.last_step).astype(jnp.float32)
+
+    def extrapolate(f, x):
+      out = jnp.zeros(f.shape[1:], x.dtype)
+      for k in range(max_order + 1):
+        coeff = jnp.where(k < st.orders, d**k / math.factorial(k), 0.0).astype(x.dtype)
+        out = out + f[k].astype(x.dtype) * coeff
+      return out
+
+    return ~run, jax.tree.map(extrapolate, st.factors, sample)
+
+  def update(st: TaylorSeerState, step, t, sample, prediction, reused):
+    del t, sample
+
+    def refresh():
+      d = (step - st.last_step).astype(jnp.float32)
+
+      def differences(f, p):
+        new, prev = [p], f.astype(p.dtype)
+        for k in range(max_order):
+          new.append(jnp.where(k < st.orders, (new[k] - prev[k]) / d.astype(p.dtype), 0))
+        return jnp.stack(new).astype(f.dtype)
+
+      factors = jax.tree.map(differences, st.factors, prediction)
+      return st._replace(
+        orders=jnp.minimum(st.orders + 1, max_order + 1).astype(jnp.int32),
+        last_step=jnp.asarray(step, jnp.int32),
+        computed=st.computed.at[step].set(True),
+        factors=factors,
+      )
+
+    return jax.lax.cond(reused, lambda: st, refresh)
+
+  return mdsch.StepCache(init=None, decide=decide, update=update)
