@@ -117,6 +117,14 @@ def shapes_sample(config: ShapesConfig, seed: int, index: int) -> ShapesSample:
 class ShapesIterator:
   """Batches of the shapes dataset, resumable from `state()`.
 
+  Batch `b` holds samples `start + b·batch_size …` of `shapes_sample(config, seed, ·)`.
+
+  Args:
+    config: sizes and split.
+    seed: the dataset's seed, a non-negative int.
+    batch_size: samples per batch.
+    start: index of the first sample.
+
   >>> it = ShapesIterator(ShapesConfig(size=32), seed=0, batch_size=2)
   >>> batch = next(it)
   >>> batch.pixels.shape, len(batch.captions)
@@ -124,12 +132,6 @@ class ShapesIterator:
   """
 
   def __init__(self, config: ShapesConfig, *, seed: int, batch_size: int, start: int = 0):
-    """Args:
-    config: sizes and split.
-    seed: the dataset's seed.
-    batch_size: samples per batch.
-    start: index of the first sample.
-    """
     if not isinstance(batch_size, int) or batch_size < 1:
       raise ValueError(f"batch_size={batch_size!r} must be a positive int")
     if not isinstance(seed, int) or seed < 0:
