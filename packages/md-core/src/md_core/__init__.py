@@ -18,6 +18,16 @@ from md_core._keymap import (
 )
 from md_core._layers import stack_layers
 from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
+from md_core._lora import (
+  LoRASlot,
+  LoRAWeight,
+  add_lora_slots,
+  clear_lora,
+  dense_layers,
+  lora_paths,
+  lora_rank,
+  set_lora,
+)
 from md_core._orbax import restore_converted, save_converted
 from md_core._safetensors import (
   Checkpoint,
@@ -30,6 +40,14 @@ from md_core._scan import REMAT_POLICIES, BlockHook, block_hook, num_layers_of, 
 from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json, resolve_source
 
 __all__ = [
+  "LoRASlot",
+  "LoRAWeight",
+  "add_lora_slots",
+  "clear_lora",
+  "dense_layers",
+  "lora_paths",
+  "lora_rank",
+  "set_lora",
   "apps",
   "BlockHook",
   "block_hook",

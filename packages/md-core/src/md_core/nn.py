@@ -60,11 +60,20 @@ class Dense(nnx.Module):
     self.kernel = _param(rngs, init, (in_features, out_features), param_dtype, axes)
     self.bias = _param(rngs, init, (out_features,), param_dtype, axes[-1:]) if use_bias else None
 
+  # Run-time LoRA slots (`md_core.add_lora_slots`): None unless added.
+  lora_a: nnx.Variable | None = None
+  lora_b: nnx.Variable | None = None
+
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = self.dtype or x.dtype
-    y = jnp.matmul(x.astype(dtype), self.kernel[...].astype(dtype))
+    x = x.astype(dtype)
+    y = jnp.matmul(x, self.kernel[...].astype(dtype))
     if self.bias is not None:
       y = y + _last(self.bias[...].astype(dtype), y.ndim)
+    if self.lora_a is not None:
+      y = y + jnp.matmul(
+        jnp.matmul(x, self.lora_a[...].astype(dtype)), self.lora_b[...].astype(dtype)
+      )
     return y
 
 

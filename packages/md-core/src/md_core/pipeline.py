@@ -32,10 +32,15 @@ class Split:
 
   graphdef: Any
   state: Any
+  module: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @classmethod
   def of(cls, module: nnx.Module | None) -> Split | None:
-    return None if module is None else cls(*nnx.split(module))
+    return None if module is None else cls(*nnx.split(module), module=module)
+
+  def refresh(self) -> None:
+    """Splits the module again (after its graph changed, e.g. LoRA slots were added)."""
+    self.graphdef, self.state = nnx.split(self.module)
 
   def merge(self, state: Any | None = None) -> nnx.Module:
     """The module with `state` (a traced copy inside jit; default: the stored state)."""
@@ -181,6 +186,43 @@ class Pipeline:
   def place(self, x: Any) -> Any:
     """Batch inputs placed on the mesh (see `place_batch`)."""
     return place_batch(self.mesh, x)
+
+  # --- run-time LoRA -------------------------------------------------------------------------------------
+  def _splits_of(self, component: str) -> tuple[nnx.Module, list[Split]]:
+    module = getattr(self, component, None)
+    if not isinstance(module, nnx.Module):
+      raise ValueError(f"{type(self).__name__} has no model component {component!r}")
+    found = []
+    for value in vars(self).values():
+      for item in value if isinstance(value, list | tuple) else [value]:
+        if isinstance(item, Split) and item.module is module:
+          found.append(item)
+    return module, found
+
+  def add_lora_slots(
+    self, rank: int, *, component: str = "transformer", targets: Any = None
+  ) -> list[str]:
+    """Adds run-time LoRA slots of `rank` to a component's Dense layers (see `md_core.add_lora_slots`);
+    the programs compile once for them, and `set_lora` then swaps adapters without recompiling."""
+    from md_core._lora import add_lora_slots  # noqa: PLC0415
+
+    module, splits = self._splits_of(component)
+    paths = add_lora_slots(module, rank, targets=targets)
+    for split in splits:
+      split.refresh()
+    self._memo.clear()  # the state's tree changed: programs compiled before take the old one
+    return paths
+
+  def set_lora(self, adapters: Any, *, component: str = "transformer") -> None:
+    """Puts adapters (`{dense path: md_core.LoRAWeight}`, or a list of them used together) into the
+    component's LoRA slots; the same compiled programs run them."""
+    from md_core._lora import set_lora  # noqa: PLC0415
+
+    _, splits = self._splits_of(component)
+    if not splits:
+      raise ValueError(f"{component!r} is not a split module of this pipeline")
+    for split in splits:
+      split.state = set_lora(split.state, adapters)
 
   def decoding(self, progress: bool = True):
     """The "decoding" phase around a VAE decode (announced on stderr when progress is on)."""
