@@ -347,7 +347,7 @@ def drive(
         expected = flops * total / (0.5 * matmul_flops_per_second(x.dtype))
         tqdm.tqdm.write(
           f"{label}: {total} steps on latents {list(x.shape)}, {flops / 1e9:.3g} GFLOP per step, "
-          f"expected about {expected:.3g} s on {jax.devices()[0].device_kind}",
+          f"expected {_duration(expected)} on {jax.devices()[0].device_kind}",
           file=sys.stderr,
         )
         warned = _warn_if_long(label, expected / total, total, flops)
@@ -394,6 +394,14 @@ def _warn_if_long(label: str, per_step: float, left: int, flops: float | None) -
     file=sys.stderr,
   )
   return True
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 1:
+    return "under a second"
+  if seconds < 120:
+    return f"about {seconds:.0f} s"
+  return f"about {seconds / 60:.0f} min"
 
 
 _MATMUL_RATE: dict[str, float] = {}
