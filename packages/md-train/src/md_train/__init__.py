@@ -1,0 +1,60 @@
+"""md-train: train state, optax optimizers, diffusion losses and timestep samplers for md.
+
+The family losses (SD UNet, Flux.1, Wan 2.1) are in `md_train.families` (it imports the family packages).
+"""
+
+from md_train._losses import (
+  FLOW_SAMPLERS,
+  PREDICTION_TYPES,
+  NoisedBatch,
+  diffusion_inputs,
+  diffusion_loss,
+  flow_sigmas,
+  min_snr_weights,
+  uniform_timesteps,
+)
+from md_train._optim import (
+  SCHEDULES,
+  EmaState,
+  Optimizer,
+  OptimizerConfig,
+  ema_of,
+  ema_params,
+  learning_rate_schedule,
+  make_optimizer,
+)
+from md_train._step import (
+  Frozen,
+  LossFn,
+  TrainState,
+  init_state,
+  loss_and_grads,
+  split_trainable,
+  train_step,
+)
+
+__all__ = [
+  "FLOW_SAMPLERS",
+  "PREDICTION_TYPES",
+  "SCHEDULES",
+  "EmaState",
+  "Frozen",
+  "LossFn",
+  "NoisedBatch",
+  "Optimizer",
+  "OptimizerConfig",
+  "TrainState",
+  "diffusion_inputs",
+  "diffusion_loss",
+  "ema_of",
+  "ema_params",
+  "flow_sigmas",
+  "init_state",
+  "learning_rate_schedule",
+  "loss_and_grads",
+  "make_optimizer",
+  "min_snr_weights",
+  "split_trainable",
+  "train_step",
+  "uniform_timesteps",
+]

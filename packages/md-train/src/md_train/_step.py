@@ -1,0 +1,100 @@
+"""The train state and the jitted, donated training step."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from md_train._optim import Optimizer
+
+# loss_fn(params, batch, key) -> (loss: () float32, aux: dict of arrays)
+LossFn = Callable[[Any, Any, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class TrainState(NamedTuple):
+  """Everything a training step reads and writes (a pytree; the step donates it).
+
+  Attributes:
+    step: (), int32: micro-batches taken so far.
+    params: the trainable NNX state (`nnx.State` of `nnx.Param`s), dtypes as the model holds them.
+    opt_state: the optimizer's state over `params` (Adam moments, float32 like the params; the EMA).
+    rng: a PRNG key (uint32 [2] or a typed key), split once per step for the loss's random draws.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+
+
+class Frozen(NamedTuple):
+  """The part of a split module that does not train: its graph definition and non-trainable state."""
+
+  graphdef: Any
+  rest: tuple[Any, ...]
+
+  def merge(self, params: Any) -> nnx.Module:
+    """The module with trainable state `params` (a traced copy inside jit)."""
+    return nnx.merge(self.graphdef, params, *self.rest)
+
+
+def split_trainable(module: nnx.Module, wrt: Any = nnx.Param) -> tuple[Frozen, Any]:
+  """Splits `module` once into (its frozen part, the trainable state selected by the filter `wrt`)."""
+  graphdef, params, *rest = nnx.split(module, wrt, ...)
+  return Frozen(graphdef, tuple(rest)), params
+
+
+def init_state(params: Any, optimizer: Optimizer, rng: jax.Array | int = 0) -> TrainState:
+  """A fresh train state: step 0, the optimizer initialised on `params`."""
+  if isinstance(rng, int):
+    rng = jax.random.key(rng)
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.tx.init(params), rng)
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "optimizer"), donate_argnames=("state",))
+def train_step(
+  state: TrainState, batch: Any, loss_fn: LossFn, optimizer: Optimizer
+) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One training step: loss and gradients, the optimizer's update, the new state.
+
+  Compiled once per (batch shapes, `loss_fn`, `optimizer`): build both once and reuse them. `state` is
+  donated: use the returned one.
+
+  Args:
+    state: the current state.
+    batch: the loss's inputs (a pytree of arrays).
+    loss_fn: `loss_fn(params, batch, key) -> (loss, aux)`.
+    optimizer: from `make_optimizer`.
+
+  Returns:
+    (the new state, metrics: `loss`, `grad_norm` (global norm before clipping), `lr` (this step's learning
+    rate), and `loss_fn`'s aux values).
+  """
+  rng, key = jax.random.split(state.rng)
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
+  updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {
+    "loss": loss,
+    "grad_norm": optax.tree.norm(grads),
+    "lr": jnp.asarray(optimizer.learning_rate_at(state.step), jnp.float32),
+    **aux,
+  }
+  return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+
+def loss_and_grads(loss_fn: LossFn, params: Any, batch: Any, key: jax.Array | None = None):
+  """`(loss, aux), grads` of one batch, jitted (for checks against a reference; `train_step` trains)."""
+  key = jax.random.key(0) if key is None else key
+  return _loss_and_grads(loss_fn, params, batch, key)
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn",))
+def _loss_and_grads(loss_fn, params, batch, key):
+  return jax.value_and_grad(loss_fn, has_aux=True)(params, batch, key)

@@ -1,0 +1,160 @@
+"""Training losses of the model families: the same model calls the pipelines' denoisers make, on given (or
+drawn) noise and timesteps.
+
+Each factory takes the frozen part of a split model (`split_trainable`) and returns
+`loss_fn(params, batch, key) -> (loss, aux)` for `train_step`. A batch holds the clean latents and the text
+conditioning; `noise` and the noise level (`timesteps` / `sigmas`) are drawn from `key` when absent, so
+the same loss serves training (drawn) and checks against a reference (given).
+
+    import md_train as mdt
+    import md_train.families as mtf
+    frozen, params = mdt.split_trainable(unet)
+    loss_fn = mtf.sd_loss(frozen, alphas_cumprod=scheduler.alphas_cumprod)
+    state = mdt.init_state(params, mdt.make_optimizer(learning_rate=1e-5))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import md_flux
+from md_train._losses import (
+  diffusion_inputs,
+  diffusion_loss,
+  flow_sigmas,
+  min_snr_weights,
+  uniform_timesteps,
+)
+from md_train._step import Frozen, LossFn
+
+
+def _noise(batch: Mapping[str, Any], key: jax.Array) -> jax.Array:
+  latents = batch["latents"]
+  if "noise" in batch:
+    if batch["noise"].shape != latents.shape:
+      raise ValueError(f"noise has shape {batch['noise'].shape}, latents {latents.shape}")
+    return batch["noise"]
+  return jax.random.normal(key, latents.shape, jnp.float32).astype(latents.dtype)
+
+
+def sd_loss(
+  unet: Frozen,
+  *,
+  alphas_cumprod,
+  prediction_type: str = "epsilon",
+  snr_gamma: float | None = None,
+  num_train_timesteps: int | None = None,
+) -> LossFn:
+  """The SD 1.x / 2.x / XL UNet loss of diffusers' train_text_to_image.py.
+
+  Batch: `latents [B, h, w, C]` (channels-last, already scaled by the VAE's scaling factor),
+  `encoder_hidden_states [B, S, D]`, optional `noise [B, h, w, C]`, `timesteps [B]` int and, for SDXL,
+  `added_cond_kwargs` (`text_embeds [B, D2]`, `time_ids [B, 6]`).
+
+  Args:
+    unet: the UNet's frozen part.
+    alphas_cumprod: the training schedule (`md_schedulers.ddpm(...).alphas_cumprod`).
+    prediction_type: `epsilon` or `v_prediction` (the target).
+    snr_gamma: Min-SNR-γ weighting (None: the plain MSE).
+    num_train_timesteps: the range timesteps are drawn from (default: the schedule's length).
+  """
+  if prediction_type not in ("epsilon", "v_prediction"):
+    raise ValueError(f"prediction_type={prediction_type!r}; expected 'epsilon' or 'v_prediction'")
+  acp = jnp.asarray(alphas_cumprod, jnp.float32)
+  n = int(num_train_timesteps or acp.shape[0])
+
+  def loss_fn(params, batch, key):
+    k_noise, k_t = jax.random.split(key)
+    latents = batch["latents"]
+    noise = _noise(batch, k_noise)
+    t = batch["timesteps"] if "timesteps" in batch else uniform_timesteps(k_t, latents.shape[0], n)
+    noisy, target = diffusion_inputs(prediction_type, latents, noise, t, alphas_cumprod=acp)
+    model = unet.merge(params)
+    pred = model(
+      noisy, t, batch["encoder_hidden_states"], added_cond_kwargs=batch.get("added_cond_kwargs")
+    )
+    weights = None
+    if snr_gamma is not None:
+      weights = min_snr_weights(acp, t, snr_gamma, prediction_type)
+    return diffusion_loss(pred, target, weights), {}
+
+  return loss_fn
+
+
+def flux_loss(
+  transformer: Frozen,
+  *,
+  guidance: float | None = None,
+  sampler: str = "logit_normal",
+  **sampler_options: Any,
+) -> LossFn:
+  """The Flux.1 flow-matching loss of diffusers' train_dreambooth_flux.py (weighting `none`).
+
+  Batch: `latents [B, h, w, C]` (channels-last, VAE-normalised, h and w even), `encoder_hidden_states
+  [B, S, D]`, `pooled_projections [B, P]`, `txt_ids [S, 3]`, optional `noise [B, h, w, C]` and `sigmas
+  [B]` in (0, 1]. The noisy latents are packed 2x2 as the pipeline packs them; the model sees timestep σ
+  (×1000 inside) and, for guidance-distilled (dev) models, `guidance` per example.
+
+  Args:
+    transformer: the transformer's frozen part.
+    guidance: the embedded guidance scale for dev-style models (None for schnell-style ones).
+    sampler, sampler_options: how σ is drawn when absent (`flow_sigmas`).
+  """
+
+  def loss_fn(params, batch, key):
+    k_noise, k_t = jax.random.split(key)
+    latents = batch["latents"]
+    b, h, w, _ = latents.shape
+    if h % 2 or w % 2:
+      raise ValueError(f"Flux latents need even height and width, got {latents.shape}")
+    noise = _noise(batch, k_noise)
+    sigmas = (
+      batch["sigmas"]
+      if "sigmas" in batch
+      else flow_sigmas(k_t, b, sampler=sampler, **sampler_options)
+    )
+    noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
+    g = None if guidance is None else jnp.full((b,), guidance, jnp.float32)
+    img_ids = jnp.asarray(md_flux.image_ids(h // 2, w // 2))
+    model = transformer.merge(params)
+    pred = model(
+      md_flux.pack_latents(noisy), batch["encoder_hidden_states"], batch["pooled_projections"],
+      sigmas, img_ids, batch["txt_ids"], g,
+    )  # fmt: skip
+    return diffusion_loss(md_flux.unpack_latents(pred, h, w), target), {}
+
+  return loss_fn
+
+
+def wan_loss(
+  transformer: Frozen, *, sampler: str = "shifted", shift: float = 5.0, **sampler_options: Any
+) -> LossFn:
+  """The Wan 2.1 text-to-video flow-matching loss (weighting `none`).
+
+  Batch: `latents [B, F, H, W, C]` (channels-last, VAE-normalised), `encoder_hidden_states [B, S, D]`,
+  optional `noise` like the latents and `sigmas [B]`. The model sees timestep 1000 σ.
+
+  Args:
+    transformer: the transformer's frozen part.
+    sampler, shift, sampler_options: how σ is drawn when absent (`flow_sigmas`; Wan trains with shifted
+      uniform sampling, shift 5).
+  """
+
+  def loss_fn(params, batch, key):
+    k_noise, k_t = jax.random.split(key)
+    latents = batch["latents"]
+    noise = _noise(batch, k_noise)
+    if "sigmas" in batch:
+      sigmas = batch["sigmas"]
+    else:
+      sigmas = flow_sigmas(k_t, latents.shape[0], sampler=sampler, shift=shift, **sampler_options)
+    noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
+    model = transformer.merge(params)
+    pred = model(noisy, sigmas * 1000, batch["encoder_hidden_states"], None, layout="BFHWC")
+    return diffusion_loss(pred, target), {}
+
+  return loss_fn

@@ -1,0 +1,176 @@
+"""One training step against PyTorch autograd (tools/fixtures/train_step.py): the loss of diffusers' training
+scripts within 1e-5 and the gradients within 1e-4 for SD 1.x (epsilon, v, Min-SNR-γ), Flux.1 dev and Wan
+2.1, and AdamW (+ global-norm clipping) steps against torch.optim.AdamW within 1e-5."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import md_core
+import md_flux
+import md_schedulers as mdsch
+import md_sd
+import md_train as mdt
+import md_train.families as mtf
+import md_wan
+from md_core.testing import fixture_path, load_arrays
+
+LOSS_TOL, GRAD_TOL, ADAM_TOL = 1e-5, 1e-4, 1e-5
+
+
+def _ref(name):
+  return load_arrays(fixture_path("train_step") / f"{name}.npz")
+
+
+def _flat(state):
+  return {
+    tuple(p): np.asarray(v[...] if isinstance(v, nnx.Variable) else v)
+    for p, v in nnx.to_flat_state(state)
+  }
+
+
+def _check_grads(grads, ref, prefix, keymap):
+  """Every reference gradient under `prefix` against md's, through the family's key map (layout and
+  stacked layer); returns the largest error."""
+  flat, worst, names = _flat(grads), 0.0, [k for k in ref if k.startswith(prefix)]
+  assert len(names) >= 8
+  for key in names:
+    targets = keymap(key[len(prefix) :])
+    for target in [targets] if isinstance(targets, md_core.Target) else targets:  # fused: parts
+      got = flat[target.path]
+      got = got if target.layer is None else got[target.layer]
+      want = md_core.convert(ref[key], target)
+      assert np.abs(want).max() > 0, key  # the parameter takes part in the loss
+      chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
+      worst = max(worst, float(np.abs(got - want).max()))
+  return worst
+
+
+def _nhwc(x):
+  return jnp.asarray(x).transpose(0, 2, 3, 1)
+
+
+SCHED = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+SD_KINDS = {
+  "eps": dict(prediction_type="epsilon"),
+  "v": dict(prediction_type="v_prediction"),
+  "eps_snr": dict(prediction_type="epsilon", snr_gamma=5.0),
+}
+
+
+def _sd_batch(ref):
+  return {
+    "latents": _nhwc(ref["latents"]),
+    "noise": _nhwc(ref["noise"]),
+    "timesteps": jnp.asarray(ref["timesteps"]),
+    "encoder_hidden_states": jnp.asarray(ref["encoder_hidden_states"]),
+  }
+
+
+@pytest.fixture(scope="module")
+def sd():
+  """The three SD losses and their gradients from one compiled program (the UNet's backward is the
+  slow compile here)."""
+  unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
+  frozen, params = mdt.split_trainable(unet)
+  ref = _ref("sd")
+  acp = mdsch.ddpm(**SCHED).alphas_cumprod
+  fns = {k: mtf.sd_loss(frozen, alphas_cumprod=acp, **o) for k, o in SD_KINDS.items()}
+
+  @jax.jit
+  def run(params, batch):
+    key = jax.random.key(0)
+    return {k: jax.value_and_grad(f, has_aux=True)(params, batch, key) for k, f in fns.items()}
+
+  return unet, run(params, _sd_batch(ref)), ref
+
+
+@pytest.mark.parametrize("kind", SD_KINDS)
+def test_sd_loss_and_grads_match_torch(sd, kind):
+  unet, out, ref = sd
+  (loss, _), grads = out[kind]
+  np.testing.assert_allclose(float(loss), ref[f"loss_{kind}"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(
+    float(optax.tree.norm(grads)), ref[f"grad_norm_{kind}"], atol=GRAD_TOL, rtol=0
+  )
+  _check_grads(grads, ref, f"grad_{kind}/", md_sd.unet_key_map(unet.cfg))
+
+
+def test_flux_loss_and_grads_match_torch():
+  model = md_flux.load_flux(fixture_path("flux_transformer") / "dev")
+  frozen, params = mdt.split_trainable(model)
+  ref = _ref("flux")
+  assert np.all(ref["guidance"] == 3.5)
+  loss_fn = mtf.flux_loss(frozen, guidance=3.5)
+  batch = {
+    k: jnp.asarray(ref[k])
+    for k in ("sigmas", "encoder_hidden_states", "pooled_projections", "txt_ids")
+  }
+  batch.update(latents=_nhwc(ref["latents"]), noise=_nhwc(ref["noise"]))
+  (loss, _), grads = mdt.loss_and_grads(loss_fn, params, batch)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  _check_grads(grads, ref, "grad/", md_flux.convert_key)
+
+
+@pytest.fixture(scope="module")
+def wan():
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / "t2v")
+  frozen, params = mdt.split_trainable(model)
+  ref = _ref("wan")
+  bfhwc = lambda x: jnp.asarray(x).transpose(0, 2, 3, 4, 1)  # noqa: E731
+  batch = {
+    "latents": bfhwc(ref["latents"]),
+    "noise": bfhwc(ref["noise"]),
+    "sigmas": jnp.asarray(ref["sigmas"]),
+    "encoder_hidden_states": jnp.asarray(ref["encoder_hidden_states"]),
+  }
+  return frozen, params, ref, batch
+
+
+def test_wan_loss_and_grads_match_torch(wan):
+  frozen, params, ref, batch = wan
+  (loss, _), grads = mdt.loss_and_grads(mtf.wan_loss(frozen), params, batch)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  _check_grads(grads, ref, "grad/", md_wan.convert_key)
+
+
+def test_adamw_steps_match_torch():
+  """Two steps of clip_grad_norm_(0.05) + torch.optim.AdamW(lr 1e-3, weight decay 1e-2) on the SD
+  reference gradients (the clipping is active: their norm is far above 0.05)."""
+  ref = _ref("sd")
+  names = [k.removeprefix("adamw_param/") for k in ref if k.startswith("adamw_param/")]
+  params = {n: jnp.asarray(ref[f"adamw_param/{n}"]) for n in names}
+  grads = {n: jnp.asarray(ref[f"adamw_grad/{n}"]) for n in names}
+  assert float(optax.tree.norm(grads)) > 0.5
+  opt = mdt.make_optimizer(learning_rate=1e-3, weight_decay=1e-2, max_grad_norm=0.05)
+  opt_state, update = opt.tx.init(params), jax.jit(opt.tx.update)
+  for k in (1, 2):
+    updates, opt_state = update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    want = {n: ref[f"adamw_step{k}/{n}"] for n in names}
+    chex.assert_trees_all_close(params, want, atol=ADAM_TOL, rtol=0)
+    moved = max(float(np.abs(want[n] - ref[f"adamw_param/{n}"]).max()) for n in names)
+    assert moved > 1e-4 * k  # the step is much larger than the tolerance
+
+
+def test_train_step_matches_torch(wan):
+  """train_step's loss and grad norm are the reference's; the step moves the parameters by AdamW."""
+  frozen, params, ref, batch = wan
+  opt = mdt.make_optimizer(learning_rate=1e-3)
+  before = _flat(params)
+  state = mdt.init_state(jax.tree.map(jnp.copy, params), opt, rng=0)
+  state, metrics = mdt.train_step(state, batch, mtf.wan_loss(frozen), opt)
+  np.testing.assert_allclose(float(metrics["loss"]), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), ref["grad_norm"], atol=GRAD_TOL)
+  assert float(metrics["lr"]) == pytest.approx(1e-3)
+  assert int(state.step) == 1
+  after = _flat(state.params)
+  # Adam's first step moves every parameter with a non-zero gradient by about lr.
+  moved = max(float(np.abs(after[p] - before[p]).max()) for p in before)
+  assert 5e-4 < moved < 2e-3
