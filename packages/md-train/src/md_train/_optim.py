@@ -117,9 +117,9 @@ def ema_params(decay: float) -> optax.GradientTransformation:
   parameters after each step. Put it last in a chain (it needs the final updates and `params`)."""
 
   def init(params):
-    return EmaState(
-      jnp.zeros((), jnp.int32), jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
-    )
+    # A copy: the EMA must not share buffers with the parameters (train_step donates both).
+    ema = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
+    return EmaState(jnp.zeros((), jnp.int32), ema)
 
   def update(updates, state, params=None):
     if params is None:

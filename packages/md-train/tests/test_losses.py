@@ -1,0 +1,79 @@
+"""Losses, targets, samplers and weights against closed forms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import md_schedulers as mdsch
+import md_train as mdt
+
+ACP = mdsch.ddpm(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012).alphas_cumprod
+
+
+def _arrays():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return jax.random.normal(k1, (3, 4, 4, 2)), jax.random.normal(k2, (3, 4, 4, 2))
+
+
+def test_diffusion_loss_is_the_weighted_mse():
+  pred, target = _arrays()
+  per = np.mean((np.asarray(pred) - np.asarray(target)) ** 2, axis=(1, 2, 3))
+  assert float(mdt.diffusion_loss(pred, target)) == pytest.approx(per.mean(), rel=1e-6)
+  w = jnp.asarray([0.5, 2.0, 0.0])
+  got = float(mdt.diffusion_loss(pred, target, w))
+  assert got == pytest.approx((per * np.asarray(w)).mean(), rel=1e-6)
+  assert mdt.diffusion_loss(pred.astype(jnp.bfloat16), target).dtype == jnp.float32
+  with pytest.raises(ValueError, match="target"):
+    mdt.diffusion_loss(pred, target[:2])
+  with pytest.raises(ValueError, match="one per example"):
+    mdt.diffusion_loss(pred, target, jnp.ones(2))
+
+
+def test_targets():
+  x0, noise = _arrays()
+  t = jnp.asarray([0, 500, 999])
+  a = np.asarray(ACP)[np.asarray(t)][:, None, None, None]
+  eps = mdt.diffusion_inputs("epsilon", x0, noise, t, alphas_cumprod=ACP)
+  np.testing.assert_allclose(eps.noisy, np.sqrt(a) * x0 + np.sqrt(1 - a) * noise, atol=1e-6)
+  np.testing.assert_array_equal(eps.target, noise)
+  v = mdt.diffusion_inputs("v_prediction", x0, noise, t, alphas_cumprod=ACP)
+  np.testing.assert_allclose(v.target, np.sqrt(a) * noise - np.sqrt(1 - a) * x0, atol=1e-6)
+  s = jnp.asarray([0.0, 0.5, 1.0])
+  flow = mdt.diffusion_inputs("flow", x0, noise, s)
+  np.testing.assert_allclose(flow.noisy[0], x0[0])
+  np.testing.assert_allclose(flow.noisy[2], noise[2])
+  np.testing.assert_allclose(flow.target, noise - x0, atol=1e-6)
+  with pytest.raises(ValueError, match="alphas_cumprod"):
+    mdt.diffusion_inputs("epsilon", x0, noise, t)
+  with pytest.raises(ValueError, match="prediction_type"):
+    mdt.diffusion_inputs("sample", x0, noise, t, alphas_cumprod=ACP)
+
+
+def test_samplers():
+  t = mdt.uniform_timesteps(jax.random.key(1), 4096, 1000)
+  assert t.dtype == jnp.int32 and int(t.min()) >= 0 and int(t.max()) <= 999
+  assert abs(float(t.mean()) - 499.5) < 20
+  key = jax.random.key(2)
+  for sampler in mdt.FLOW_SAMPLERS:
+    s = mdt.flow_sigmas(key, 4096, sampler=sampler, shift=3.0)
+    assert s.shape == (4096,) and s.dtype == jnp.float32
+    assert float(s.min()) > 0 and float(s.max()) <= 1
+  # Logit-normal(0, 1) is symmetric about 1/2; a shift > 1 moves uniform sigmas toward noise.
+  assert abs(float(mdt.flow_sigmas(key, 4096).mean()) - 0.5) < 0.02
+  shifted = mdt.flow_sigmas(key, 4096, sampler="shifted", shift=5.0)
+  assert float(shifted.mean()) > 0.7
+  with pytest.raises(ValueError, match="sampler"):
+    mdt.flow_sigmas(key, 2, sampler="cosmap")
+
+
+def test_min_snr_weights():
+  t = jnp.asarray([10, 300, 900])
+  acp = np.asarray(ACP)[np.asarray(t)]
+  snr = acp / (1 - acp)
+  np.testing.assert_allclose(
+    mdt.min_snr_weights(ACP, t, 5.0), np.minimum(snr, 5.0) / snr, rtol=1e-5
+  )
+  np.testing.assert_allclose(
+    mdt.min_snr_weights(ACP, t, 5.0, "v_prediction"), np.minimum(snr, 5.0) / (snr + 1), rtol=1e-5
+  )
