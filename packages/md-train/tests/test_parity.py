@@ -1,6 +1,6 @@
 """One training step against PyTorch autograd (tools/fixtures/train_step.py): the loss of diffusers' training
-scripts within 1e-5 and the gradients within 1e-4 for SD 1.x (epsilon, v, Min-SNR-γ), Flux.1 dev and Wan
-2.1, and AdamW (+ global-norm clipping) steps against torch.optim.AdamW within 1e-5."""
+scripts within 1e-5 and the gradients within 1e-4 for SD 1.x (epsilon, v, Min-SNR-γ), SDXL, Flux.1 dev and
+Wan 2.1, and AdamW (+ global-norm clipping) steps against torch.optim.AdamW within 1e-5."""
 
 import chex
 import jax
@@ -98,6 +98,20 @@ def test_sd_loss_and_grads_match_torch(sd, kind):
     float(optax.tree.norm(grads)), ref[f"grad_norm_{kind}"], atol=GRAD_TOL, rtol=0
   )
   _check_grads(grads, ref, f"grad_{kind}/", md_sd.unet_key_map(unet.cfg))
+
+
+def test_sdxl_loss_and_grads_match_torch():
+  """train_text_to_image_sdxl.py's epsilon loss, with the added text embeds and time ids."""
+  unet = md_sd.load_unet(fixture_path("unet") / "sdxl", subfolder=None, progress=False)
+  frozen, params = mdt.split_trainable(unet)
+  ref = _ref("sdxl")
+  loss_fn = mtf.sd_loss(frozen, alphas_cumprod=mdsch.ddpm(**SCHED).alphas_cumprod)
+  batch = _sd_batch(ref)
+  batch["added_cond_kwargs"] = {k: jnp.asarray(ref[k]) for k in ("text_embeds", "time_ids")}
+  (loss, _), grads = mdt.loss_and_grads(loss_fn, params, batch)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  _check_grads(grads, ref, "grad/", md_sd.unet_key_map(unet.cfg))
 
 
 def test_flux_loss_and_grads_match_torch():
