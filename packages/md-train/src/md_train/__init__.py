@@ -29,7 +29,9 @@ from md_train._step import (
   TrainState,
   init_state,
   loss_and_grads,
+  make_train_step,
   split_trainable,
+  state_shardings,
   train_step,
 )
 
@@ -53,8 +55,10 @@ __all__ = [
   "learning_rate_schedule",
   "loss_and_grads",
   "make_optimizer",
+  "make_train_step",
   "min_snr_weights",
   "split_trainable",
+  "state_shardings",
   "train_step",
   "uniform_timesteps",
 ]

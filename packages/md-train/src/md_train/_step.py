@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from md_train._optim import Optimizer
 
@@ -51,10 +52,88 @@ def split_trainable(module: nnx.Module, wrt: Any = nnx.Param) -> tuple[Frozen, A
 
 
 def init_state(params: Any, optimizer: Optimizer, rng: jax.Array | int = 0) -> TrainState:
-  """A fresh train state: step 0, the optimizer initialised on `params`."""
+  """A fresh train state: step 0, the optimizer initialised on `params`.
+
+  The optimizer state is built by one jitted `init`, so moments follow the parameters' shardings; when
+  the parameters live on a mesh, `step` and `rng` are replicated on it.
+  """
   if isinstance(rng, int):
     rng = jax.random.key(rng)
-  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.tx.init(params), rng)
+  step = jnp.zeros((), jnp.int32)
+  mesh = _mesh_of(params)
+  if mesh is None:
+    return TrainState(step, params, jax.jit(optimizer.tx.init)(params), rng)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  step, rng = jax.device_put((step, rng), replicated)
+  # Moments (and the EMA) shard like their parameters; counters are replicated.
+  shardings = optax.tree_map_params(
+    optimizer.tx,
+    lambda _, param: param.sharding,
+    jax.eval_shape(optimizer.tx.init, params),
+    params,
+    transform_non_params=lambda _: replicated,
+  )
+  opt_state = jax.jit(optimizer.tx.init, out_shardings=shardings)(params)
+  return TrainState(step, params, opt_state, rng)
+
+
+def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  return None
+
+
+def state_shardings(state: TrainState) -> TrainState:
+  """The shardings the arrays of `state` have (a `TrainState` of `Sharding`s), e.g. for `make_train_step`."""
+  return jax.tree.map(lambda a: a.sharding, state)
+
+
+def _step(state, batch, loss_fn, optimizer):
+  rng, key = jax.random.split(state.rng)
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
+  updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {
+    "loss": loss,
+    "grad_norm": optax.tree.norm(grads),
+    "lr": jnp.asarray(optimizer.learning_rate_at(state.step), jnp.float32),
+    **aux,
+  }
+  return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+
+def make_train_step(
+  loss_fn: LossFn,
+  optimizer: Optimizer,
+  *,
+  state_sharding: TrainState | None = None,
+  batch_sharding: Any = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+  """`train_step` for one `loss_fn` and `optimizer`, jitted with pinned shardings and the state donated.
+
+  Args:
+    loss_fn: `loss_fn(params, batch, key) -> (loss, aux)`.
+    optimizer: from `make_optimizer`.
+    state_sharding: the state's shardings in and out (`state_shardings(state)` of a state built by
+      `init_state` on parameters placed by a family loader under a mesh); None: follow the inputs.
+    batch_sharding: the batch's shardings (a sharding or a pytree of them); None: follow the inputs.
+
+  Returns:
+    `step(state, batch) -> (state, metrics)`; metrics come back replicated.
+  """
+  fn = functools.partial(_step, loss_fn=loss_fn, optimizer=optimizer)
+  if state_sharding is None:
+    return jax.jit(fn, donate_argnums=0)
+  mesh = _mesh_of(state_sharding.params) if state_sharding is not None else None
+  metrics_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+  return jax.jit(
+    fn,
+    in_shardings=(state_sharding, batch_sharding),
+    out_shardings=(state_sharding, metrics_sharding),
+    donate_argnums=0,
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("loss_fn", "optimizer"), donate_argnames=("state",))
@@ -76,17 +155,7 @@ def train_step(
     (the new state, metrics: `loss`, `grad_norm` (global norm before clipping), `lr` (this step's learning
     rate), and `loss_fn`'s aux values).
   """
-  rng, key = jax.random.split(state.rng)
-  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, key)
-  updates, opt_state = optimizer.tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  metrics = {
-    "loss": loss,
-    "grad_norm": optax.tree.norm(grads),
-    "lr": jnp.asarray(optimizer.learning_rate_at(state.step), jnp.float32),
-    **aux,
-  }
-  return TrainState(state.step + 1, params, opt_state, rng), metrics
+  return _step(state, batch, loss_fn, optimizer)
 
 
 def loss_and_grads(loss_fn: LossFn, params: Any, batch: Any, key: jax.Array | None = None):

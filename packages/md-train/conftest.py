@@ -1,0 +1,19 @@
+"""Shared test settings: 8 virtual CPU devices and strict numerics.
+
+This file is identical at the workspace root and in every package, so a package's tests behave the same when run
+alone (`uv run --package md-core python -m pytest packages/md-core`) and inside the whole suite.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_threefry_partitionable", True)
