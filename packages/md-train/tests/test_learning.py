@@ -50,3 +50,19 @@ def test_loss_falls_with_drawn_noise(setup):
   frozen, params, batch = setup
   losses = _train(frozen, params, batch)
   assert losses[-5:].mean() < 0.9 * losses[:5].mean(), losses
+
+
+def test_wan_table_weighting(setup):
+  """With the DiffSynth / MaxDiffusion table, the squared error is weighted by the entry nearest 1000 σ:
+  at equal sigmas the loss is that weight times the plain loss."""
+  frozen, params, batch = setup
+  table = mdt.flow_training_table(1000, shift=5.0)
+  given = dict(batch, noise=jax.random.normal(jax.random.key(5), (2, 2, 4, 4, 4)))
+  given["sigmas"] = jnp.asarray([0.6, 0.6])
+  plain = jax.jit(lambda p, b: mtf.wan_loss(frozen)(p, b, jax.random.key(0))[0])(params, given)
+  weighted = jax.jit(lambda p, b: mtf.wan_loss(frozen, table=table)(p, b, jax.random.key(0))[0])(
+    params, given
+  )
+  _, w = mdt.table_lookup(table, jnp.asarray([600.0]))
+  np.testing.assert_allclose(float(weighted), float(w[0]) * float(plain), rtol=1e-5)
+  assert 0.5 < float(w[0]) < 2.0

@@ -77,3 +77,32 @@ def test_min_snr_weights():
   np.testing.assert_allclose(
     mdt.min_snr_weights(ACP, t, 5.0, "v_prediction"), np.minimum(snr, 5.0) / (snr + 1), rtol=1e-5
   )
+
+
+def test_biased_uniform_timesteps():
+  key = jax.random.key(3)
+  later = mdt.uniform_timesteps(key, 4096, bias="later", bias_portion=0.5)
+  assert later.dtype == jnp.int32 and int(later.max()) <= 999
+  assert float((later >= 750).mean()) > 0.55  # half the batch from the last quarter, plus its share
+  ranged = mdt.uniform_timesteps(
+    key, 4096, bias="range", bias_portion=1.0, bias_begin=200, bias_end=300
+  )
+  assert 200 <= int(ranged.min()) and int(ranged.max()) < 300
+  with pytest.raises(ValueError, match="bias options"):
+    mdt.uniform_timesteps(key, 2, bias_portion=0.5)
+
+
+def test_flow_training_table():
+  """N sigmas from 1 to 0.003/1.002, shifted; bell weights over 1000 σ with minimum 0 and mean 1."""
+  table = mdt.flow_training_table(1000, shift=5.0)
+  s = np.linspace(1.0, 0.003 / 1.002, 1000)
+  want = 5 * s / (1 + 4 * s)
+  np.testing.assert_allclose(table.sigmas, want, rtol=0, atol=1e-6)  # float32
+  np.testing.assert_allclose(table.timesteps, want * 1000, rtol=0, atol=1e-3)
+  bell = np.exp(-2 * ((want * 1000 - 500) / 1000) ** 2)
+  bell = bell - bell.min()
+  np.testing.assert_allclose(table.weights, bell * 1000 / bell.sum(), rtol=1e-4, atol=1e-6)
+  assert float(table.weights.mean()) == pytest.approx(1.0, rel=1e-5)
+  sigmas, weights = mdt.table_lookup(table, jnp.asarray([1000.0, table.timesteps[400] + 0.01]))
+  np.testing.assert_allclose(sigmas, [table.sigmas[0], table.sigmas[400]])
+  np.testing.assert_allclose(weights, [table.weights[0], table.weights[400]])

@@ -6,11 +6,14 @@ The family losses (SD UNet, Flux.1, Wan 2.1) are in `md_train.families` (it impo
 from md_train._losses import (
   FLOW_SAMPLERS,
   PREDICTION_TYPES,
+  FlowTable,
   NoisedBatch,
   diffusion_inputs,
   diffusion_loss,
   flow_sigmas,
+  flow_training_table,
   min_snr_weights,
+  table_lookup,
   uniform_timesteps,
 )
 from md_train._optim import (
@@ -40,6 +43,7 @@ __all__ = [
   "PREDICTION_TYPES",
   "SCHEDULES",
   "EmaState",
+  "FlowTable",
   "Frozen",
   "LossFn",
   "NoisedBatch",
@@ -51,6 +55,7 @@ __all__ = [
   "ema_of",
   "ema_params",
   "flow_sigmas",
+  "flow_training_table",
   "init_state",
   "learning_rate_schedule",
   "loss_and_grads",
@@ -59,6 +64,7 @@ __all__ = [
   "min_snr_weights",
   "split_trainable",
   "state_shardings",
+  "table_lookup",
   "train_step",
   "uniform_timesteps",
 ]

@@ -7,7 +7,7 @@ every non-batch axis, times a per-example weight, averaged over the batch; with 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,9 +85,30 @@ def diffusion_inputs(
   return NoisedBatch(noisy, mdsch.velocity(alphas_cumprod, latents, noise, timesteps))
 
 
-def uniform_timesteps(key: jax.Array, batch: int, num_train_timesteps: int = 1000) -> jax.Array:
-  """`[B]` int32 timesteps uniform in [0, num_train_timesteps), as diffusers' scripts draw them."""
-  return jax.random.randint(key, (batch,), 0, num_train_timesteps, jnp.int32)
+def uniform_timesteps(
+  key: jax.Array,
+  batch: int,
+  num_train_timesteps: int = 1000,
+  *,
+  bias: str = "none",
+  **bias_options: Any,
+) -> jax.Array:
+  """`[B]` int32 timesteps in [0, num_train_timesteps).
+
+  Args:
+    bias: `none` draws uniformly, as diffusers' scripts do; `earlier`, `later` or `range` draw a portion
+      of the batch from a biased range (MaxDiffusion's `timestep_bias` strategies; `bias_options`:
+      `bias_portion`, `bias_begin`, `bias_end`, `bias_multiplier`, see
+      `md_schedulers.sample_timesteps`).
+  """
+  if bias == "none":
+    if bias_options:
+      raise ValueError(f"bias options {sorted(bias_options)} need a bias other than 'none'")
+    return jax.random.randint(key, (batch,), 0, num_train_timesteps, jnp.int32)
+  sigmas, _ = mdsch.sample_timesteps(
+    key, batch, num_train_timesteps=num_train_timesteps, bias=bias, **bias_options
+  )
+  return mdsch.discrete_timesteps(sigmas, num_train_timesteps)
 
 
 def flow_sigmas(
@@ -122,3 +143,37 @@ def min_snr_weights(
   """`[B]` Min-SNR-γ loss weights (Hang et al. 2023) as train_text_to_image.py's `--snr_gamma`:
   min(SNR, γ) / SNR for epsilon, min(SNR, γ) / (SNR + 1) for v-prediction."""
   return mdsch.min_snr_weight(mdsch.snr(alphas_cumprod, timesteps), gamma, prediction_type)
+
+
+class FlowTable(NamedTuple):
+  """A discrete flow-matching training schedule (DiffSynth / MaxDiffusion's Wan training)."""
+
+  sigmas: jax.Array  # [N] float32, descending from sigma_max, shifted
+  timesteps: jax.Array  # [N] float32, 1000-scaled sigmas
+  weights: jax.Array  # [N] float32 Gaussian-bell loss weights, summing to N
+
+
+def flow_training_table(
+  num_train_timesteps: int = 1000,
+  *,
+  shift: float = 3.0,
+  sigma_max: float = 1.0,
+  sigma_min: float = 0.003 / 1.002,
+) -> FlowTable:
+  """The training table Wan trainers draw from: N sigmas evenly spaced from `sigma_max` to `sigma_min`,
+  shifted (σ → shift σ / (1 + (shift - 1) σ)), and bell weights exp(-2 ((t - N/2) / N)²) over their
+  timesteps t = 1000 σ, less their minimum and scaled to sum to N (mean weight 1 over the table)."""
+  n = int(num_train_timesteps)
+  sigmas = mdsch.shift_sigmas(jnp.linspace(sigma_max, sigma_min, n, dtype=jnp.float32), shift)
+  timesteps = sigmas * n
+  bell = jnp.exp(-2 * ((timesteps - n / 2) / n) ** 2)
+  bell = bell - bell.min()
+  return FlowTable(sigmas, timesteps, bell * (n / bell.sum()))
+
+
+def table_lookup(table: FlowTable, timesteps: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(sigmas [B], weights [B])` of the table entries whose timestep is nearest each of `timesteps`."""
+  idx = jnp.argmin(
+    jnp.abs(table.timesteps[None, :] - jnp.asarray(timesteps, jnp.float32)[:, None]), 1
+  )
+  return table.sigmas[idx], table.weights[idx]

@@ -23,10 +23,12 @@ import jax.numpy as jnp
 
 import md_flux
 from md_train._losses import (
+  FlowTable,
   diffusion_inputs,
   diffusion_loss,
   flow_sigmas,
   min_snr_weights,
+  table_lookup,
   uniform_timesteps,
 )
 from md_train._step import Frozen, LossFn
@@ -131,30 +133,45 @@ def flux_loss(
 
 
 def wan_loss(
-  transformer: Frozen, *, sampler: str = "shifted", shift: float = 5.0, **sampler_options: Any
+  transformer: Frozen,
+  *,
+  sampler: str = "shifted",
+  shift: float = 5.0,
+  table: FlowTable | None = None,
+  **sampler_options: Any,
 ) -> LossFn:
-  """The Wan 2.1 text-to-video flow-matching loss (weighting `none`).
+  """The Wan 2.1 text-to-video flow-matching loss.
 
   Batch: `latents [B, F, H, W, C]` (channels-last, VAE-normalised), `encoder_hidden_states [B, S, D]`,
   optional `noise` like the latents and `sigmas [B]`. The model sees timestep 1000 σ.
 
   Args:
     transformer: the transformer's frozen part.
-    sampler, shift, sampler_options: how σ is drawn when absent (`flow_sigmas`; Wan trains with shifted
-      uniform sampling, shift 5).
+    sampler, shift, sampler_options: how σ is drawn when absent and `table` is None (`flow_sigmas`;
+      Wan trains with shifted uniform sampling, shift 5); the loss is then the plain MSE.
+    table: train as DiffSynth / MaxDiffusion train Wan (`flow_training_table`): σ is a uniformly drawn
+      entry of the table, and each example's squared error is weighted by its entry's bell weight
+      (given sigmas take the weight of the nearest entry).
   """
 
   def loss_fn(params, batch, key):
     k_noise, k_t = jax.random.split(key)
     latents = batch["latents"]
+    b = latents.shape[0]
     noise = _noise(batch, k_noise)
+    weights = None
     if "sigmas" in batch:
       sigmas = batch["sigmas"]
+      if table is not None:
+        _, weights = table_lookup(table, sigmas * 1000)
+    elif table is not None:
+      idx = jax.random.randint(k_t, (b,), 0, table.sigmas.shape[0])
+      sigmas, weights = table.sigmas[idx], table.weights[idx]
     else:
-      sigmas = flow_sigmas(k_t, latents.shape[0], sampler=sampler, shift=shift, **sampler_options)
+      sigmas = flow_sigmas(k_t, b, sampler=sampler, shift=shift, **sampler_options)
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
     model = transformer.merge(params)
     pred = model(noisy, sigmas * 1000, batch["encoder_hidden_states"], None, layout="BFHWC")
-    return diffusion_loss(pred, target), {}
+    return diffusion_loss(pred, target, weights), {}
 
   return loss_fn
