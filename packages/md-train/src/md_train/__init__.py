@@ -36,6 +36,7 @@ from md_train._step import (
   split_trainable,
   state_shardings,
   train_step,
+  with_master_weights,
 )
 
 __all__ = [
@@ -67,4 +68,5 @@ __all__ = [
   "table_lookup",
   "train_step",
   "uniform_timesteps",
+  "with_master_weights",
 ]

@@ -158,6 +158,22 @@ def train_step(
   return _step(state, batch, loss_fn, optimizer)
 
 
+def with_master_weights(params: Any, loss_fn: LossFn) -> tuple[Any, LossFn]:
+  """Float32 master weights for a model held in lower precision (e.g. loaded with `dtype=bfloat16`, the
+  reference's float32 tables kept): returns (float32 copies of `params`, a loss that casts each leaf back
+  to its model dtype before calling `loss_fn`). The optimizer then updates the float32 copies, and the
+  gradients reach them through the casts in float32.
+  """
+  dtypes = jax.tree.map(lambda a: a.dtype, params)
+  master = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), params)
+
+  def cast_loss(master_params, batch, key):
+    model_params = jax.tree.map(lambda a, d: a.astype(d), master_params, dtypes)
+    return loss_fn(model_params, batch, key)
+
+  return master, cast_loss
+
+
 def loss_and_grads(loss_fn: LossFn, params: Any, batch: Any, key: jax.Array | None = None):
   """`(loss, aux), grads` of one batch, jitted (for checks against a reference; `train_step` trains)."""
   key = jax.random.key(0) if key is None else key
