@@ -15,10 +15,15 @@ from md_cache._magcache import (
   save_mag_ratios,
 )
 from md_cache._report import computed_steps
+from md_cache._taylorseer import TaylorSeerState, taylorseer
+from md_cache._teacache import TEACACHE_COEFFICIENTS, TeaCacheState, teacache
 
 __all__ = [
   "FirstBlockCacheState",
   "MagCacheState",
+  "TEACACHE_COEFFICIENTS",
+  "TaylorSeerState",
+  "TeaCacheState",
   "calibrated_ratios",
   "computed_steps",
   "first_block_cache",
@@ -27,4 +32,6 @@ __all__ = [
   "prepare",
   "resample_ratios",
   "save_mag_ratios",
+  "taylorseer",
+  "teacache",
 ]

@@ -87,9 +87,7 @@ def taylorseer(
 @functools.cache
 def _init(max_order: int, factors_dtype: str):
   def make(values, latents, num_steps: int) -> TaylorSeerState:
-    factors = jax.tree.map(
-      lambda a: jnp.zeros((max_order + 1,) + a.shape, factors_dtype), latents
-    )
+    factors = jax.tree.map(lambda a: jnp.zeros((max_order + 1,) + a.shape, factors_dtype), latents)
     return TaylorSeerState(
       interval=jnp.int32(values["interval"]),
       warmup_steps=jnp.int32(values["warmup_steps"]),

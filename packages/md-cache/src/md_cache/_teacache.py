@@ -1,0 +1,189 @@
+"""TeaCache: skip the block stacks while the accumulated, polynomially rescaled relative L1 change of
+block 0's input stays under a threshold, adding the stacks' residual of the last computed step."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import md_schedulers as mdsch
+from md_cache import _common as c
+
+# Published rescaling polynomials (highest power first), fitted per model on the relative L1 change of
+# the modulated input of block 0 (Wan: of the timestep modulation, its "ret_steps" mode).
+TEACACHE_COEFFICIENTS: dict[str, tuple[float, ...]] = {
+  "flux": (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01),
+  "ltx-video": (2.14700694e01, -1.28016453e01, 2.31279151e00, 7.92487521e-01, 9.69274326e-03),
+  "wan2.1-t2v-1.3b": (
+    -5.21862437e04,
+    9.23041404e03,
+    -5.28275948e02,
+    1.36987616e01,
+    -4.99875664e-02,
+  ),
+  "wan2.1-t2v-14b": (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
+  "wan2.1-i2v-480p": (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01),
+  "wan2.1-i2v-720p": (8.10705460e03, 2.13393892e03, -3.72934672e02, 1.66203073e01, -4.17769401e-02),
+  "identity": (1.0, 0.0),
+}
+
+
+class TeaCacheState(NamedTuple):
+  """TeaCache's loop state.
+
+  Attributes:
+    threshold: (), float32. Accumulated rescaled distance under which a step is skipped.
+    coefficients: (K,), float32. The rescaling polynomial, highest power first.
+    valid: (), bool. A computed step has filled `prev` and `slots`.
+    computed: (num_steps,), bool. Steps where the blocks ran (for any guidance branch).
+    distance: [R], float32. Per row, the rescaled distance accumulated since its last computed step
+      (None until sized).
+    prev: [R, S, D], float32. Block 0's input at the previous step (None until sized).
+    slots: per hooked block stack, its carry's residual at the last computed step (None until sized).
+  """
+
+  threshold: jax.Array
+  coefficients: jax.Array
+  valid: jax.Array
+  computed: jax.Array
+  distance: Any
+  prev: Any
+  slots: Any
+
+
+def teacache(
+  threshold: float = 0.25, coefficients: str | Sequence[float] = "identity"
+) -> mdsch.StepCache:
+  """At every step, measures the relative L1 change of block 0's input since the previous step
+  (`mean|x - x_prev| / mean|x_prev|`), rescales it with a polynomial (clamped at 0) and accumulates
+  it; while the sum stays under `threshold` the block stacks are skipped (each adds its residual of the
+  last computed step), otherwise they run and the sum restarts at 0. The first and the last step always
+  run. Guidance branches decide separately.
+
+  Published defaults: `threshold=0.25` with the model's polynomial (`TEACACHE_COEFFICIENTS`: "flux",
+  "ltx-video", "wan2.1-…"; 0.4 / 0.6 / 0.8 trade more quality for speed on Flux). TeaCache measures the
+  *modulated* input of block 0 (its norm with the timestep's shift and scale); md's block hook sees the
+  block's input hidden states, so the change is measured there and the published polynomials are only
+  an approximation until md_core's scan_layers hands the hook block 0's modulated input.
+
+  Args:
+    threshold: the accumulated-distance threshold (traced: changing it never recompiles).
+    coefficients: a name in `TEACACHE_COEFFICIENTS` or the polynomial, highest power first.
+
+  Returns:
+    A block-level `md_schedulers.StepCache`.
+  """
+  if isinstance(coefficients, str):
+    if coefficients not in TEACACHE_COEFFICIENTS:
+      raise ValueError(
+        f"teacache: unknown coefficients {coefficients!r}; expected one of "
+        f"{sorted(TEACACHE_COEFFICIENTS)} or a list of floats (highest power first)"
+      )
+    coefficients = TEACACHE_COEFFICIENTS[coefficients]
+  coeffs = np.asarray(coefficients, np.float32).reshape(-1)
+  if not coeffs.size:
+    raise ValueError("teacache: coefficients is empty")
+  values = dict(threshold=float(threshold), coefficients=coeffs)
+  return _policy()._replace(init=c._Init("teacache", (int(coeffs.size),), _init, values))
+
+
+def rescaled(coefficients: jax.Array, x: jax.Array) -> jax.Array:
+  """The polynomial (highest power first) at `x`, by Horner's rule, clamped at 0."""
+  out = jnp.zeros_like(x)
+  for k in range(coefficients.shape[0]):
+    out = out * x + coefficients[k]
+  return jnp.maximum(out, 0.0)
+
+
+def _init(values, latents, num_steps: int) -> TeaCacheState:
+  del latents
+  return TeaCacheState(
+    threshold=jnp.float32(values["threshold"]),
+    coefficients=jnp.asarray(values["coefficients"]),
+    valid=jnp.zeros((), bool),
+    computed=jnp.zeros((num_steps,), bool),
+    distance=None,
+    prev=None,
+    slots=None,
+  )
+
+
+@functools.cache
+def _policy() -> mdsch.StepCache:
+  def hook(state, step, t, sample):
+    del t
+    return _Hook(state, step, sample)
+
+  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook, prepare=c.prepare)
+
+
+class _Hook:
+  def __init__(self, state: TeaCacheState, step, sample):
+    self._st, self._step, self._sample = state, step, sample
+    self._shapes: dict[int, Any] = {}
+    self._slots: dict[int, Any] = {}
+    self._rows = self._any = self._distance = self._prev = None
+
+  def _decide(self, head: jax.Array) -> None:
+    st = self._st
+    x = head.astype(jnp.float32)  # [R, S, D]
+    rows = x.shape[0]
+    g = c.groups_of(rows, self._sample)
+    cur, prev = x.reshape(g, -1), st.prev.reshape(g, -1)
+    change = jnp.abs(cur - prev).mean(-1) / jnp.abs(prev).mean(-1)  # [G]
+    total = st.distance.reshape(g, -1)[:, 0] + rescaled(st.coefficients, change)
+    last = self._step == st.computed.shape[0] - 1
+    recompute = ~st.valid | last | (total >= st.threshold)  # [G]
+    self._rows, self._any = c.per_row(recompute, rows), jnp.any(recompute)
+    self._distance = c.per_row(jnp.where(recompute, 0.0, total), rows)
+    self._prev = x
+
+  def __call__(self, run, carry, *, num_layers: int, index: int):
+    st = self._st
+    if st.slots is None:  # the slot probe
+      self._shapes[index] = c.avals(carry)
+      return run(carry, 0, num_layers)
+    if index >= len(st.slots):
+      raise ValueError(f"teacache: block stack {index} was not seen when the slots were sized")
+    if index == 0:
+      self._decide(c.first(carry))
+    if self._rows is None:
+      raise ValueError("teacache: the first hooked stack must be block stack 0")
+    slot = st.slots[index]
+    reused = c.add(carry, slot)
+    full = jax.lax.cond(self._any, lambda: run(carry, 0, num_layers), lambda: reused)
+    out = c.select_rows(self._rows, full, reused)
+    self._slots[index] = c.select_rows(self._rows, c.sub(out, carry), slot)
+    return out
+
+  @property
+  def state(self) -> TeaCacheState:
+    st = self._st
+    if st.slots is None:
+      if not self._shapes:
+        raise c.no_stacks_error("teacache")
+      shapes = [self._shapes[i] for i in sorted(self._shapes)]
+      head = c.first(shapes[0])
+
+      def fill(s):
+        return s._replace(
+          distance=jnp.zeros(head.shape[:1], jnp.float32),
+          prev=jnp.zeros(head.shape, jnp.float32),
+          slots=tuple(map(c.zeros, shapes)),
+        )
+
+      raise c._Sized(fill)
+    if self._rows is None:
+      raise c.no_stacks_error("teacache")
+    return st._replace(
+      valid=jnp.ones((), bool),
+      computed=st.computed.at[self._step].set(self._any),
+      distance=self._distance,
+      prev=self._prev,
+      slots=tuple(self._slots.get(i, s) for i, s in enumerate(st.slots)),
+    )
