@@ -156,7 +156,7 @@ def make_optimizer(config: OptimizerConfig | None = None, **overrides: Any) -> O
   the inner chain, schedule and EMA advance once per optimizer step).
 
   >>> opt = make_optimizer(learning_rate=1e-3, warmup_steps=10)
-  >>> float(opt.learning_rate(5))
+  >>> round(float(opt.learning_rate(5)), 6)
   0.0005
   """
   config = dataclasses.replace(config or OptimizerConfig(), **overrides)
