@@ -134,8 +134,8 @@ def test_sd_without_guidance(sd, outputs):
   "sched,strength", [("ddim", 0.7), pytest.param("euler", 0.5, marks=pytest.mark.slow)]
 )
 def test_sd_image_to_image(sd, outputs, sched, strength):
-  """Also: the run starts part-way (3 steps at strength 0.7 or 0.5: calls 1 and 2), which the callback
-  sees with the scheduler's timesteps."""
+  """Also: the run starts part-way (3 steps at strength 0.7: calls 1 and 2; at 0.5: call 2), which the
+  callback sees with the scheduler's timesteps."""
   case = outputs[f"img2img_{sched}"]
   seen = []
   images = sd(
@@ -150,9 +150,13 @@ def test_sd_image_to_image(sd, outputs, sched, strength):
     **COMMON,
   )
   check(images, case["images"])
-  state = sd.make_scheduler(SCHEDULER[sched]).init(3, shape=(2, 4, 4, 4))
-  assert [i for i, _ in seen] == [1, 2] and sd.last_calls == 2
-  np.testing.assert_array_equal([t for _, t in seen], np.asarray(state.timesteps[1:], np.float32))
+  scheduler = sd.make_scheduler(SCHEDULER[sched])
+  state = scheduler.init(3, shape=(2, 4, 4, 4))
+  begin = mdsch.strength_start(3, strength, mdsch.scheduler_order(scheduler))
+  assert [i for i, _ in seen] == list(range(begin, 3)) and sd.last_calls == 3 - begin
+  np.testing.assert_array_equal(
+    [t for _, t in seen], np.asarray(state.timesteps[begin:], np.float32)
+  )
 
 
 @pytest.mark.parametrize("sched", ["ddim", pytest.param("dpm", marks=pytest.mark.slow)])
