@@ -123,6 +123,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Attention implementation ("" = automatic; "ulysses" / "ring" for context parallelism).
   c.attention = ""
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
+  md_apps.add_cache_config(c)  # cache, cache_options (md-cache)
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -127,6 +127,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.motion_speed = 1.0
   c.needs_image = False
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
+  md_apps.add_cache_config(c)  # cache, cache_options (md-cache)
   c.update(VARIANTS[name])
   c.lock()
   return c

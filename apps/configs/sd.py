@@ -194,6 +194,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.control_guidance_start = 0.0
   c.control_guidance_end = 1.0
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
+  md_apps.add_cache_config(c)  # cache, cache_options (md-cache)
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -58,6 +58,7 @@ def _check(config, folder):
     p.add(
       f"--config.text_layers={config.text_layers!r}: give comma-separated layer indices, e.g. 9,18,27"
     )
+  p.call(apps.make_cache, config, "flux")
   return apps.finish_checks(p, config, folder), model[0], images, layers
 
 
@@ -102,6 +103,7 @@ def main(argv):
     num_images_per_prompt=config.num_images_per_prompt,
     max_sequence_length=config.max_sequence_length,
     seed=config.seed,
+    cache=apps.make_cache(config, "flux"),
   )
   negative = config.negative_prompt or None
   start = time.perf_counter()
@@ -128,6 +130,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
+        cache_report=apps.cache_report(pipe),
         scheduler_config=pipe.scheduler_config,
         image_size=list(images.shape[1:3]),
         kv_cache_used=bool(klein and references and (config.kv_cache or pipe.use_kv_cache)),
@@ -140,6 +143,10 @@ def main(argv):
     f"wrote {len(names)} image(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
     f"{loaded:.1f}s)"
   )
+
+  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  if line:
+    print(line)
 
 
 if __name__ == "__main__":

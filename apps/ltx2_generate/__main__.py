@@ -69,6 +69,7 @@ def _check(config, folder):
       md_ltx.check_ltx2_size, model[0], config.height, config.width, config.num_frames,
       transformer=(transformer or [None])[0],
     )  # fmt: skip
+  p.call(apps.make_cache, config, "ltx2")
   mesh = apps.finish_checks(p, config, folder)
   return mesh, model[0], (transformer or [None])[0], (image or [None])[0], sigmas, blocks
 
@@ -131,6 +132,7 @@ def main(argv):
         decode_noise_scale=config.decode_noise_scale,
         use_cross_timestep=config.use_cross_timestep,
         max_sequence_length=config.max_sequence_length,
+        cache=apps.make_cache(config, "ltx2"),
         progress=True,
       )
     except ValueError as e:
@@ -149,6 +151,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
+        cache_report=apps.cache_report(pipe),
         num_frames_generated=int(frames.shape[1]),
         frame_size=dict(height=int(frames.shape[2]), width=int(frames.shape[3])),
         mode="i2v" if (image or pipe.image_to_video) else "t2v",
@@ -167,6 +170,10 @@ def main(argv):
     f"wrote {len(names)} video(s) with audio and settings.json to {folder.path} ({seconds:.1f}s, "
     f"load {loaded:.1f}s)"
   )
+
+  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  if line:
+    print(line)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def _check(config, folder):
     stg_blocks=_numbers(p, "stg_blocks", int, "11,25"),
   )
   conditions = _conditions(p, config)
+  p.call(apps.make_cache, config, "ltx")
   mesh = apps.finish_checks(p, config, folder)
   return (
     mesh,
@@ -153,6 +154,7 @@ def main(argv):
     num_inference_steps=config.num_inference_steps,
     timesteps=lists["timesteps"],
     image_cond_noise_scale=config.image_cond_noise_scale,
+    cache=apps.make_cache(config, "ltx"),
   )
   prompt, negative = config.prompt, config.negative_prompt or None
   start = time.perf_counter()
@@ -183,6 +185,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
+        cache_report=apps.cache_report(pipe),
         num_frames_generated=int(frames.shape[1]),
         passes=[dict(height=h, width=w) for h, w in passes],
         mode="condition" if (conditions or pipe.condition_pipeline) else "t2v",
@@ -196,6 +199,10 @@ def main(argv):
     f"wrote {len(names)} video(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
     f"{loaded:.1f}s)"
   )
+
+  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  if line:
+    print(line)
 
 
 if __name__ == "__main__":

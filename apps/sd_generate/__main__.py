@@ -62,6 +62,7 @@ def _check(config, folder):
     p.fraction("refiner_start", high_open=True)
   if model:
     apps.scheduler_steps_problem(p, model[0])
+  p.call(apps.make_cache, config, "sd")
   mesh = apps.finish_checks(p, config, folder)
   return mesh, dict(model=model[0], nets=nets, refiner=refiner, unet=unet), images
 
@@ -124,6 +125,7 @@ def main(argv):
       control_guidance_start=config.control_guidance_start,
       control_guidance_end=config.control_guidance_end,
     )
+  kwargs["cache"] = apps.make_cache(config, "sd")
   start = time.perf_counter()
   negative = config.negative_prompt or None
   with md_progress.phase("generating", announce=True):
@@ -145,6 +147,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
+        cache_report=apps.cache_report(pipe),
         scheduler=sched.name,
         scheduler_config=dict(sched.config),
         images=names,
@@ -156,6 +159,10 @@ def main(argv):
     f"wrote {len(names)} image(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
     f"{loaded:.1f}s)"
   )
+
+  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  if line:
+    print(line)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def _check(config, folder):
   if source is None:
     _size_problems(problems, config, model)
     apps.scheduler_steps_problem(problems, model)
+  problems.call(apps.make_cache, config, "wan")
   return apps.finish_checks(problems, config, folder), model, images
 
 
@@ -123,6 +124,7 @@ def main(argv):
         num_videos_per_prompt=config.num_videos_per_prompt,
         seed=config.seed,
         scheduler_options=options,
+        cache=apps.make_cache(config, "wan"),
         **pixels,
       )
     except ValueError as e:
@@ -140,6 +142,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
+        cache_report=apps.cache_report(pipe),
         num_frames_generated=int(frames.shape[1]),
         scheduler=sched.name,
         scheduler_config=dict(sched.config),
@@ -152,6 +155,10 @@ def main(argv):
     f"wrote {len(names)} video(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
     f"{loaded:.1f}s)"
   )
+
+  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  if line:
+    print(line)
 
 
 if __name__ == "__main__":

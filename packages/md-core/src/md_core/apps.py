@@ -655,3 +655,106 @@ def define_output_flags(default_workdir: str, what: str = "outputs") -> tuple[An
     "overwrite", False, "Write into a non-empty --workdir, replacing the earlier run's outputs."
   )
   return workdir, overwrite
+
+
+# The step / block caches every generate app offers (md-cache): `--config.cache=<policy>` and the
+# policy's keyword arguments under `--config.cache_options.*` (unset options keep the defaults).
+CACHE_OPTIONS: dict[str, type] = {
+  "threshold": float,
+  "max_skip_steps": int,
+  "retention_ratio": float,
+  "mag_ratios": str,
+  "calibrate": bool,
+  "interval": int,
+  "warmup_steps": int,
+  "stop_step": int,
+  "max_order": int,
+  "factors_dtype": str,
+  "coefficients": str,
+}
+# Which policy takes which options; whether it needs transformer block stacks (md-sd's UNet has none).
+_CACHE_POLICIES: dict[str, tuple[tuple[str, ...], bool]] = {
+  "first_block_cache": (("threshold",), True),
+  "magcache": (("mag_ratios", "threshold", "max_skip_steps", "retention_ratio", "calibrate"), True),
+  "taylorseer": (("interval", "warmup_steps", "stop_step", "max_order", "factors_dtype"), False),
+  "teacache": (("threshold", "coefficients"), True),
+}
+# TeaCache's published polynomial per family where one is known (md_cache.TEACACHE_COEFFICIENTS).
+_TEACACHE_FAMILY = {"flux": "flux", "ltx": "ltx-video"}
+_UNET_FAMILIES = ("sd",)
+
+
+def add_cache_config(config: Any) -> Any:
+  """Adds `config.cache` (None or an md-cache policy name) and `config.cache_options` (the policies'
+  keyword arguments, each None until set) to an app config and returns it."""
+  import ml_collections
+  from ml_collections import config_dict
+
+  config.cache = config_dict.placeholder(str)
+  config.cache_options = ml_collections.ConfigDict(
+    {k: config_dict.placeholder(t) for k, t in CACHE_OPTIONS.items()}
+  )
+  return config
+
+
+def make_cache(config: Any, family: str) -> Any:
+  """The md-cache policy `config.cache` names with the set `config.cache_options`, for a pipeline's
+  `cache=` (None when `config.cache` is unset).
+
+  Raises:
+    ValueError: an unknown policy (with the list), options the policy does not take, a block-level
+      policy on a UNet family (naming the step-level ones that apply), or the policy's own refusal
+      (e.g. MagCache without ratios).
+  """
+  name = config.get("cache")
+  if not name:
+    return None
+  if name not in _CACHE_POLICIES:
+    hint = suggest(name, list(_CACHE_POLICIES))
+    raise ValueError(
+      f"--config.cache={name!r} is not an md-cache policy; expected one of "
+      f"{sorted(_CACHE_POLICIES)}" + (f" (did you mean {hint!r}?)" if hint else "")
+    )
+  takes, blocks = _CACHE_POLICIES[name]
+  if blocks and family in _UNET_FAMILIES:
+    steps = sorted(k for k, (_, b) in _CACHE_POLICIES.items() if not b)
+    raise ValueError(
+      f"--config.cache={name}: a block-level cache needs transformer block stacks, and the {family} "
+      f"UNet has none; step-level caches apply: {steps}"
+    )
+  options = {k: v for k, v in dict(config.cache_options).items() if v is not None}
+  extra = sorted(set(options) - set(takes))
+  if extra:
+    raise ValueError(f"--config.cache_options: {name} takes {list(takes)}, not {extra}")
+  if name == "teacache" and "coefficients" not in options and family in _TEACACHE_FAMILY:
+    options["coefficients"] = _TEACACHE_FAMILY[family]
+  if name == "magcache" and "mag_ratios" in options:
+    options["mag_ratios"] = repo_path(options["mag_ratios"], config_file())
+  import md_cache
+
+  return getattr(md_cache, name)(**options)
+
+
+def cache_report(pipe: Any) -> dict:
+  """What the last call's cache did, for settings.json: the steps it computed (empty without one),
+  and the denoiser calls made."""
+  import numpy as np
+
+  state = getattr(pipe, "last_cache", None)
+  calls = getattr(pipe, "last_calls", None)
+  out: dict[str, Any] = {"denoiser_calls": None if calls is None else int(np.asarray(calls))}
+  if state is not None and hasattr(state, "computed"):
+    computed = np.asarray(state.computed, bool)
+    out["steps_computed"] = int(computed.sum())
+    out["steps_reused"] = int((~computed).sum())
+  if getattr(state, "calibration", None) is not None and getattr(state, "prev", None) is not None:
+    out["mag_ratios"] = [float(r) for r in np.asarray(state.calibration)]  # MagCache calibration
+  return out
+
+
+def cache_line(name: str | None, report: dict) -> str:
+  """One line for the end of a run: steps computed vs reused (empty without a cache)."""
+  if not name or "steps_computed" not in report:
+    return ""
+  done, reused = report["steps_computed"], report["steps_reused"]
+  return f"cache {name}: {done} of {done + reused} steps computed, {reused} reused"
