@@ -69,3 +69,27 @@ def test_mag_ratios_json_round_trip(tmp_path):
   np.testing.assert_allclose(md_cache.load_mag_ratios(path), [1.0, 0.9, 1.05], rtol=1e-7)
   st = md_cache.magcache(path).init(jnp.zeros((1,)), 3)
   np.testing.assert_allclose(st.mag_ratios, [1.0, 0.9, 1.05], rtol=1e-7)
+
+
+def test_taylorseer_and_teacache_identity_and_errors():
+  assert md_cache.taylorseer(5) == md_cache.taylorseer(2, warmup_steps=1, stop_step=3)
+  assert md_cache.taylorseer(max_order=1) != md_cache.taylorseer(max_order=2)
+  assert md_cache.teacache(0.1, "flux") == md_cache.teacache(0.6, "ltx-video")
+  with pytest.raises(ValueError, match="interval=0 must be at least 1"):
+    md_cache.taylorseer(0)
+  with pytest.raises(ValueError, match="factors_dtype='int8'"):
+    md_cache.taylorseer(factors_dtype="int8")
+  st = md_cache.taylorseer(3, max_order=2).init({"v": jnp.zeros((1, 4)), "a": jnp.zeros((1, 2))}, 6)
+  assert st.factors["v"].shape == (3, 1, 4) and st.factors["a"].shape == (3, 1, 2)
+
+
+def test_teacache_polynomial_is_horner_clamped():
+  from md_cache import _teacache
+
+  coeffs = jnp.asarray(md_cache.TEACACHE_COEFFICIENTS["flux"], jnp.float32)
+  x = jnp.asarray([0.0, 0.05, 0.1, 0.3], jnp.float32)
+  want = np.maximum(
+    np.polyval(np.asarray(md_cache.TEACACHE_COEFFICIENTS["flux"]), np.asarray(x)), 0
+  )
+  np.testing.assert_allclose(_teacache.rescaled(coeffs, x), want, rtol=1e-5)
+  assert float(_teacache.rescaled(jnp.asarray([-1.0]), jnp.float32(0.2))) == 0.0

@@ -110,6 +110,14 @@ def select_rows(rows: jax.Array, a: Any, b: Any) -> Any:
   return jax.tree.map(pick, a, b)
 
 
+def rows_for(rows: jax.Array, any_row: jax.Array, carry: Any) -> jax.Array:
+  """The per-row flags for a block stack's carry: `rows` when it has the decided rows; otherwise (a
+  second model call in the same step with other rows, as LTX-2's isolated-modality call) the step's
+  any-branch decision on each of its rows."""
+  n = first(carry).shape[0]
+  return rows if n == rows.shape[0] else jnp.broadcast_to(any_row, (n,))
+
+
 def groups_of(rows: int, sample: Any) -> int:
   """Guidance branches stacked on the batch axis: the model's rows over the sample's batch."""
   b = jax.tree.leaves(sample)[0].shape[0]

@@ -105,10 +105,11 @@ class _Hook:
     if self._rows is None:
       raise ValueError("first_block_cache: the first hooked stack must be block stack 0")
     slot = st.slots[index]
+    rows = c.rows_for(self._rows, self._any, carry)
     reused = c.add(x, slot)
     full = jax.lax.cond(self._any, lambda: run(x, start, num_layers), lambda: reused)
-    out = c.select_rows(self._rows, full, reused)
-    self._slots[index] = c.select_rows(self._rows, c.sub(out, x), slot)
+    out = c.select_rows(rows, full, reused)
+    self._slots[index] = c.select_rows(rows, c.sub(out, x), slot)
     return out
 
   @property

@@ -155,10 +155,11 @@ class _Hook:
     if self._rows is None:
       raise ValueError("teacache: the first hooked stack must be block stack 0")
     slot = st.slots[index]
+    rows = c.rows_for(self._rows, self._any, carry)
     reused = c.add(carry, slot)
     full = jax.lax.cond(self._any, lambda: run(carry, 0, num_layers), lambda: reused)
-    out = c.select_rows(self._rows, full, reused)
-    self._slots[index] = c.select_rows(self._rows, c.sub(out, carry), slot)
+    out = c.select_rows(rows, full, reused)
+    self._slots[index] = c.select_rows(rows, c.sub(out, carry), slot)
     return out
 
   @property

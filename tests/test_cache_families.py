@@ -1,0 +1,120 @@
+"""Every md-cache policy on every family's tiny pipeline (few steps): the steps computed are the ones the
+setting implies, a setting that computes every step equals the uncached run, and block-level policies on
+md-sd's UNet raise an error naming the step-level ones that apply."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import md_cache
+from md_core import testing
+
+STEPS = 4
+IMAGE = np.random.RandomState(0).randint(0, 256, (32, 32, 3)).astype(np.uint8)
+REF_IMAGE = np.random.RandomState(7).randint(0, 256, (64, 64, 3)).astype(np.uint8)
+
+
+def _flux(folder, **kw):
+  import md_flux
+
+  return md_flux.load_pipeline(testing.fixture_path(folder[0]) / folder[1]), kw
+
+
+_KLEIN = dict(height=64, width=64, max_sequence_length=40, text_encoder_out_layers=(1, 2, 3))
+_WAN = dict(height=32, width=32)
+
+
+def _load(family: str):
+  import md_ltx
+  import md_sd
+  import md_wan
+
+  if family == "sd":
+    return md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd"), dict(
+      height=32, width=32, guidance_scale=5.0
+    )
+  if family == "flux":
+    return _flux(("flux_pipeline", "dev"), height=32, width=48, max_sequence_length=8)
+  if family == "klein":
+    return _flux(("flux2_pipeline", "klein"), guidance_scale=4.0, **_KLEIN)
+  if family == "klein_kv_edit":
+    return _flux(("flux2_pipeline", "klein_kv"), image=REF_IMAGE, **_KLEIN)
+  if family == "wan22_experts":
+    pipe = md_wan.load_pipeline(testing.fixture_path("wan_pipeline") / "t2v_a14b")
+    return pipe, dict(num_frames=5, guidance_scale=4.0, guidance_scale_2=3.0, **_WAN)
+  if family == "wan_i2v":
+    pipe = md_wan.load_pipeline(testing.fixture_path("wan_pipeline") / "i2v")
+    return pipe, dict(num_frames=5, image=IMAGE, guidance_scale=5.0, **_WAN)
+  if family == "ltx":
+    pipe = md_ltx.load_pipeline(testing.fixture_path("ltx_pipeline") / "t2v")
+    return pipe, dict(height=32, width=32, num_frames=9, max_sequence_length=8)
+  assert family == "ltx2"
+  pipe = md_ltx.load_ltx2_pipeline(testing.fixture_path("ltx2_pipeline") / "pipe")
+  kw = dict(height=32, width=64, num_frames=9, max_sequence_length=16)
+  return pipe, dict(spatio_temporal_guidance_blocks=(1,), **kw)
+
+
+FAMILIES = ("sd", "flux", "klein", "klein_kv_edit", "wan22_experts", "wan_i2v", "ltx", "ltx2")
+# Per policy: (a setting that computes every step, a setting and the steps it computes).
+POLICIES = {
+  "first_block_cache": (
+    lambda: md_cache.first_block_cache(0.0),
+    lambda: md_cache.first_block_cache(1e9),
+    [1, 0, 0, 0],
+  ),
+  "magcache": (
+    lambda: md_cache.magcache(calibrate=True),
+    lambda: md_cache.magcache([1.0] * STEPS, threshold=1.0, retention_ratio=0.0),
+    [1, 0, 0, 0],
+  ),
+  "taylorseer": (
+    lambda: md_cache.taylorseer(5, warmup_steps=STEPS),
+    lambda: md_cache.taylorseer(2, warmup_steps=1),
+    [1, 0, 1, 0],
+  ),
+  "teacache": (lambda: md_cache.teacache(0.0), lambda: md_cache.teacache(1e9), [1, 0, 0, 1]),
+}
+STEP_LEVEL = ("taylorseer",)
+
+
+@functools.cache
+def _family(family: str):
+  pipe, kw = _load(family)
+  kw = dict(prompt="a cat", seed=0, progress=False, num_inference_steps=STEPS, **kw)
+  kw["output_type"] = "latent"
+  return pipe, kw, _flat(pipe(**kw))
+
+
+def _flat(x):
+  if hasattr(x, "frames"):  # LTX-2: video and audio latents
+    x = (x.frames, x.audio)
+  return np.concatenate([np.asarray(a, np.float32).ravel() for a in jax.tree.leaves(x)])
+
+
+@pytest.mark.filterwarnings("ignore:prompt")
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_policy_on_family(family, policy):
+  pipe, kw, plain = _family(family)
+  every, some, want = POLICIES[policy]
+  if family == "sd" and policy not in STEP_LEVEL:
+    with pytest.raises(ValueError, match="no hookable block stack.*step-level"):
+      pipe(**kw, cache=every())
+    return
+  if family == "klein_kv_edit" and policy not in STEP_LEVEL:
+    # md-flux runs the KV edit's step 0 (the reference K/V extraction) outside the loop's block hook, and
+    # md_cache.prepare sizes the slots by tracing step 0: nothing to size. Needs md-flux to hand
+    # `StepCache.prepare` its first cached-KV step (step 1) instead.
+    with pytest.raises(ValueError, match="no hookable block stack"):
+      pipe(**kw, cache=every())
+    pytest.xfail("block-level caches on the Klein KV edit need an md-flux change (see the test)")
+  out = _flat(pipe(**kw, cache=every()))
+  assert md_cache.computed_steps(pipe.last_cache).all()
+  np.testing.assert_allclose(out, plain, atol=1e-5, rtol=0)
+  out = _flat(pipe(**kw, cache=some()))
+  np.testing.assert_array_equal(md_cache.computed_steps(pipe.last_cache), want)
+  calls = sum(want) if policy in STEP_LEVEL else STEPS
+  assert int(pipe.last_calls) == calls
+  assert np.isfinite(out).all() and float(np.abs(out - plain).max()) > 1e-6
