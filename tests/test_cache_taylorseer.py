@@ -39,7 +39,10 @@ def test_parity_with_diffusers_taylorseer(pipe, case):
   np.testing.assert_array_equal(md_cache.computed_steps(pipe.last_cache), want)
   assert int(pipe.last_calls) == int(want.sum())
   err = float(np.abs(out - REF[f"{case}/latents"]).max())
-  assert err < 1e-3, f"{case}: max |md - diffusers| = {err:.2e}"
+  # bfloat16 factors: an f32 difference of one ulp between torch and XLA can flip a factor's bfloat16
+  # rounding (2^-8 relative) and the Euler step carries it into the latents; measured 9.9e-4.
+  tol = 3e-3 if CASES[case]["factors_dtype"] == "bfloat16" else 1e-3
+  assert err < tol, f"{case}: max |md - diffusers| = {err:.2e}"
   assert float(np.abs(out - NONE).max()) > 1e-3  # the cache changed the output
 
 
