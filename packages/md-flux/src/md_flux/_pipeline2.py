@@ -522,6 +522,12 @@ class Flux2KleinPipeline(mdp.Pipeline):
       lambda: pc.run_fn(self._denoiser(mode, s_img), sched, guide, cache),
     )
     params = self._tr.state
+    if kv and cache is not None and cache.hook is not None:
+      raise ValueError(
+        "a block-level step cache (FirstBlockCache, MagCache, TeaCache) does not run on the Klein KV edit "
+        "yet: its step 0 (the references' K/V) is a program of its own outside the block hook; a "
+        "step-level cache (md_cache.taylorseer) works, and so do block caches without the KV cache"
+      )
     if kv:
       first = self.jit(("first", sched_key, cache), lambda: self._first_step_fn(sched, cache))
       first_cond = dict(
