@@ -22,7 +22,9 @@ def test_a_string_is_one_prompt_and_bad_prompts_are_refused():
 
 def test_size_errors_name_the_nearest_valid_sizes():
   assert mdp.check_multiple("height", 64, 16) == 64
-  with pytest.raises(mdp.SizeError, match="height=70 is not a multiple of 16; the nearest valid: 64 or 80"):
+  with pytest.raises(
+    mdp.SizeError, match="height=70 is not a multiple of 16; the nearest valid: 64 or 80"
+  ):
     mdp.check_multiple("height", 70, 16)
   with pytest.raises(mdp.SizeError, match="width=8 is too small: the smallest valid width is 16"):
     mdp.check_multiple("width", 8, 16)
@@ -46,7 +48,7 @@ def test_batch_placement_over_data_and_fsdp():
 def test_jit_memo_is_bounded_and_reuses():
   memo = mdp.JitMemo(capacity=2)
   made = []
-  make = lambda k: (lambda: made.append(k) or k)  # noqa: E731
+  make = lambda k: lambda: made.append(k) or k  # noqa: E731
   assert memo("a", make("a")) == "a" and memo("a", make("a")) == "a"
   memo("b", make("b"))
   memo("c", make("c"))
@@ -64,13 +66,19 @@ def test_seed_key():
 
 def test_components(tmp_path):
   (tmp_path / "model_index.json").write_text(
-    json.dumps({"_class_name": "WanPipeline", "vae": ["diffusers", "X"], "transformer_2": [None, None]})
+    json.dumps(
+      {"_class_name": "WanPipeline", "vae": ["diffusers", "X"], "transformer_2": [None, None]}
+    )
   )
   (tmp_path / "vae").mkdir()
   index, cls = mdp.read_index(tmp_path, ("WanPipeline",), "Wan pipeline")
-  assert cls == "WanPipeline" and mdp.listed(index, "vae") and not mdp.listed(index, "transformer_2")
+  assert (
+    cls == "WanPipeline" and mdp.listed(index, "vae") and not mdp.listed(index, "transformer_2")
+  )
   assert mdp.component(tmp_path, "vae", index) == tmp_path / "vae"
-  with pytest.raises(FileNotFoundError, match=r"component 'transformer' is missing .* lists \['vae'\]"):
+  with pytest.raises(
+    FileNotFoundError, match=r"component 'transformer' is missing .* lists \['vae'\]"
+  ):
     mdp.component(tmp_path, "transformer", index)
   with pytest.raises(ValueError, match="pipeline class 'WanPipeline' is not one md loads here"):
     mdp.read_index(tmp_path, ("FluxPipeline",), "Flux pipeline")

@@ -324,4 +324,3 @@ def test_auto_chunks_grow_after_the_first_steps(monkeypatch):
   chex.assert_trees_all_close(out.latents, whole.latents, atol=1e-5, rtol=1e-6)
   with pytest.raises(ValueError, match="chunk=0: expected a positive number of steps"):
     mdsch.drive(recorded, mdsch.init_state(x, st), 0, 12, chunk=0)
-
