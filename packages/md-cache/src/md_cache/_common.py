@@ -16,6 +16,7 @@ slots of those shapes (the policy's `valid` flag says no step has filled them ye
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -124,6 +125,20 @@ def groups_of(rows: int, sample: Any) -> int:
   if rows % b:
     raise ValueError(f"md-cache: the block stack carries {rows} rows, not a multiple of batch {b}")
   return rows // b
+
+
+@functools.cache
+def block_policy(make_hook: Callable[..., Any]) -> Any:
+  """The `StepCache` of a block-level policy: its hook object made by `make_hook(state, step, sample)`,
+  never a step-level reuse, slots sized by `prepare`. Cached per hook maker, so every policy of one kind
+  is the same object (the pipelines' jit memo reuses its programs)."""
+  import md_schedulers as mdsch  # noqa: PLC0415
+
+  def hook(state, step, t, sample):
+    del t
+    return make_hook(state, step, sample)
+
+  return mdsch.StepCache(init=None, decide=never, update=keep, hook=hook, prepare=prepare)
 
 
 def never(state, step, t, sample):

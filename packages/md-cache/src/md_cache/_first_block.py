@@ -3,7 +3,6 @@ moved since the last fully computed step."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -64,13 +63,8 @@ def _init(values, latents, num_steps: int) -> FirstBlockCacheState:
   )
 
 
-@functools.cache
 def _policy() -> mdsch.StepCache:
-  def hook(state, step, t, sample):
-    del t
-    return _Hook(state, step, sample)
-
-  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook, prepare=c.prepare)
+  return c.block_policy(_Hook)
 
 
 class _Hook:

@@ -134,13 +134,17 @@ def _init(values, latents, num_steps: int) -> MagCacheState:
   )
 
 
-@functools.cache
 def _policy(calibrate: bool) -> mdsch.StepCache:
-  def hook(state, step, t, sample):
-    del t, sample
+  return c.block_policy(_hook_maker(calibrate))
+
+
+@functools.cache
+def _hook_maker(calibrate: bool):
+  def make(state, step, sample):
+    del sample
     return _Hook(state, step, calibrate)
 
-  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook, prepare=c.prepare)
+  return make
 
 
 class _Hook:

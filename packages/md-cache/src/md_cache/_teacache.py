@@ -3,7 +3,6 @@ block 0's input stays under a threshold, adding the stacks' residual of the last
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -113,13 +112,8 @@ def _init(values, latents, num_steps: int) -> TeaCacheState:
   )
 
 
-@functools.cache
 def _policy() -> mdsch.StepCache:
-  def hook(state, step, t, sample):
-    del t
-    return _Hook(state, step, sample)
-
-  return mdsch.StepCache(init=None, decide=c.never, update=c.keep, hook=hook, prepare=c.prepare)
+  return c.block_policy(_Hook)
 
 
 class _Hook:
