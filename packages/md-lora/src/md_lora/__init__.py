@@ -8,7 +8,7 @@ part of a fused tensor and which layer of a stack, so one reader serves every fa
 from md_lora._adapter import Adapter, LoRAWeight, Site
 from md_lora._extract import Extraction, extract_lora, save_peft
 from md_lora._formats import FORMATS, LoRAFileError, detect_format, kohya_module_name
-from md_lora._load import load_lora, lora_factors
+from md_lora._load import load_lora, lora_factors, lora_report
 from md_lora._merge import merge, unmerge
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
   "kohya_module_name",
   "load_lora",
   "lora_factors",
+  "lora_report",
   "merge",
   "save_peft",
   "unmerge",

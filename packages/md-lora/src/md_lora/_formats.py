@@ -1,13 +1,25 @@
 """LoRA file formats: reading a file's tensors into per-module factors in the reference's (torch) layout.
 
-Two formats so far, told apart by their key names:
-  peft:   `<prefix><module>.lora_A.weight` `[r, in, *k]`, `<prefix><module>.lora_B.weight` `[out, r, *1]`
-          (diffusers' `save_lora_weights` with prefixes `unet.` / `transformer.` / `text_encoder.`, PEFT's
-          `save_pretrained` with `base_model.model.`); alpha from `adapter_config.json` beside the file,
-          diffusers' `lora_adapter_metadata` in the safetensors header, or `<module>.alpha` tensors; without
-          any, alpha = r (scale 1), as diffusers loads such files.
-  kohya:  `lora_unet_<module with _ for .>.lora_down.weight` / `.lora_up.weight` / `.alpha` (kohya-ss
-          sd-scripts, A1111, ComfyUI), SD UNet names in diffusers' module tree.
+Four formats, told apart by their key names (`format=` forces one):
+  peft:    `<prefix><module>.lora_A.weight` `[r, in, *k]`, `<prefix><module>.lora_B.weight` `[out, r, *1]`
+           (diffusers' `save_lora_weights` with prefixes `unet.` / `transformer.` / `text_encoder.`, PEFT's
+           `save_pretrained` with `base_model.model.`, AI-Toolkit's Flux files with `.alpha` tensors);
+           `lora_B.bias` (PEFT's `lora_bias`) is a bias delta scaled like the weight's. Alpha from
+           `adapter_config.json` beside the file, diffusers' `lora_adapter_metadata` in the header, or
+           `<module>.alpha` tensors; without any, alpha = r (scale 1), as diffusers loads such files.
+  kohya:   `lora_unet_<module with _ for .>.lora_down.weight` / `.lora_up.weight` / `.alpha` (kohya-ss
+           sd-scripts, A1111, musubi-tuner): UNet names in diffusers' tree or SGM's (`input_blocks_4_1_…`,
+           kohya's SDXL files), text encoders `lora_te_` / `lora_te1_` / `lora_te2_`, Flux in BFL names,
+           Wan in its original names. A module without `.alpha` in a file whose other modules have one is
+           an error (`default_alpha=` assumes one); a file without any alpha gets alpha = r, as sd-scripts.
+  comfyui: `diffusion_model.<module>.lora_A|lora_down.weight` / `lora_B|lora_up.weight` / `.alpha`, names as
+           the model's original code has them (BFL Flux, Wan: also lightx2v's distillation LoRAs, LTX-2),
+           plus full deltas `<module>.diff` (weight) and `<module>.diff_b` (bias), not scaled; alpha = r where
+           a module has none.
+  xlabs:   XLabs' Flux files: `double_blocks.N.processor.qkv_lora1|qkv_lora2|proj_lora1|proj_lora2.down|up.
+           weight`, `single_blocks.N.processor.qkv_lora|proj_lora.…`; no alpha (scale 1, as XLabs applies
+           them).
+Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
 from __future__ import annotations
@@ -22,22 +34,50 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-FORMATS = ("peft", "kohya")
+FORMATS = ("peft", "kohya", "comfyui", "xlabs")
 
 # The component prefixes a file may carry; with `prefix=None` the one most keys start with is used.
 PEFT_PREFIXES = ("unet.", "transformer.", "base_model.model.", "diffusion_model.", "")
 KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
+COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.", "")
 OTHER_COMPONENTS = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_te1_", "lora_te2_")
+_PREFIXES = {
+  "peft": PEFT_PREFIXES,
+  "kohya": KOHYA_PREFIXES + ("lora_te_", "lora_te1_", "lora_te2_", "lora_"),
+  "comfyui": COMFY_PREFIXES,
+  "xlabs": ("diffusion_model.", ""),
+}
 
-_PEFT_FACTOR = re.compile(
-  r"(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[A-Za-z_]\w*))?\.weight"
-)
+_FACTORS = {
+  "peft": re.compile(
+    r"(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[A-Za-z_]\w*))?\.(?P<kind>weight|bias)"
+  ),
+  "kohya": re.compile(r"(?P<module>[^.]+)\.lora_(?P<ab>down|up)\.(?P<kind>weight)"),
+  "comfyui": re.compile(r"(?P<module>.+)\.lora_(?P<ab>A|B|down|up)\.(?P<kind>weight)"),
+  "xlabs": re.compile(r"(?P<module>.+\.processor\.\w+)\.(?P<ab>down|up)\.(?P<kind>weight)"),
+}
+_PEFT_FACTOR = _FACTORS["peft"]
+_KOHYA_FACTOR = _FACTORS["kohya"]
 _ALPHA = re.compile(r"(?P<module>.+)\.alpha")
-_KOHYA_FACTOR = re.compile(r"(?P<module>[^.]+)\.lora_(?P<ab>down|up)\.weight")
+_DIFF = re.compile(r"(?P<module>.+)\.(?P<kind>diff|diff_b)")
+_XLABS = re.compile(
+  r"(?:diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.\w+\.(down|up)\.weight"
+)
 
-# Module-name words that hold an underscore in diffusers' module trees (kohya writes every `.` as `_`).
 _FACTOR_SLOT = {"A": "a", "B": "b", "down": "a", "up": "b"}
+# XLabs' processor LoRAs → the BFL modules they adapt.
+_XLABS_MODULES = {
+  "double": {
+    "qkv_lora1": "img_attn.qkv",
+    "qkv_lora2": "txt_attn.qkv",
+    "proj_lora1": "img_attn.proj",
+    "proj_lora2": "txt_attn.proj",
+  },
+  "single": {"qkv_lora": "linear1", "proj_lora": "linear2"},
+}
 
+# Module-name words that hold an underscore in the module trees kohya names (it writes every `.` as `_`):
+# diffusers' UNet / transformers, SGM's UNet, transformers' CLIP, BFL's Flux, Wan's original modules.
 _COMPOUND = tuple(
   sorted(
     {
@@ -75,6 +115,60 @@ _COMPOUND = tuple(
       "timestep_embedder",
       "guidance_embedder",
       "text_embedder",
+      "norm_q",
+      "norm_k",
+      "norm_added_q",
+      "norm_added_k",
+      # SGM UNet
+      "input_blocks",
+      "output_blocks",
+      "middle_block",
+      "in_layers",
+      "out_layers",
+      "emb_layers",
+      "skip_connection",
+      "time_embed",
+      "label_emb",
+      # transformers CLIP
+      "text_model",
+      "self_attn",
+      "q_proj",
+      "k_proj",
+      "v_proj",
+      "out_proj",
+      "layer_norm1",
+      "layer_norm2",
+      "final_layer_norm",
+      "text_projection",
+      # BFL Flux.1
+      "double_blocks",
+      "single_blocks",
+      "img_attn",
+      "txt_attn",
+      "img_mlp",
+      "txt_mlp",
+      "img_mod",
+      "txt_mod",
+      "img_in",
+      "txt_in",
+      "time_in",
+      "vector_in",
+      "guidance_in",
+      "in_layer",
+      "out_layer",
+      "final_layer",
+      "adaLN_modulation",
+      "query_norm",
+      "key_norm",
+      # Wan original
+      "cross_attn",
+      "k_img",
+      "v_img",
+      "norm_k_img",
+      "text_embedding",
+      "time_projection",
+      "img_emb",
+      "patch_embedding",
     },
     key=lambda w: -w.count("_"),
   )
@@ -93,6 +187,16 @@ class RawLoRA(NamedTuple):
   b: np.ndarray  # [out, r, *1] (lora_B / lora_up)
   alpha: float | None  # None: the format gives none (scale 1)
   keys: tuple[str, ...]  # the file keys it came from
+  bias: np.ndarray | None = None  # [out] PEFT `lora_B.bias`: a bias delta scaled as the weight's
+
+
+class RawDelta(NamedTuple):
+  """A full (not low-rank) delta on one tensor, as lightx2v's `diff` / `diff_b` keys hold them."""
+
+  module: str
+  kind: str  # "weight" or "bias"
+  delta: np.ndarray  # the tensor's shape, torch layout
+  key: str
 
 
 def kohya_module_name(name: str) -> str:
@@ -118,15 +222,25 @@ def kohya_module_name(name: str) -> str:
 
 
 def detect_format(keys: Sequence[str], where: str) -> str:
-  """The format of a LoRA file from its key names; LoRAFileError (with examples) when none fits."""
+  """The format of a LoRA file from its key names; LoRAFileError (with examples) when none fits.
+
+  >>> detect_format(["diffusion_model.blocks.0.self_attn.q.lora_down.weight"], "f")
+  'comfyui'
+  """
+  if any(_XLABS.fullmatch(k) for k in keys):
+    return "xlabs"
+  factors = [k for k in keys if _FACTORS["comfyui"].fullmatch(k) or _DIFF.fullmatch(k)]
+  if factors and sum(k.startswith(COMFY_PREFIXES[:2]) for k in factors) * 2 > len(factors):
+    return "comfyui"
   if any(_PEFT_FACTOR.fullmatch(k) for k in keys):
     return "peft"
   if any(_KOHYA_FACTOR.fullmatch(k) and k.startswith("lora_") for k in keys):
     return "kohya"
   shown = ", ".join(repr(k) for k in list(keys)[:5])
   raise LoRAFileError(
-    f"{where}: unknown LoRA format: no `lora_A`/`lora_B` (diffusers / PEFT) or `lora_down`/`lora_up` "
-    f"(kohya) keys among {len(keys)} tensors (first: {shown}); md reads {FORMATS}"
+    f"{where}: unknown LoRA format: no `lora_A`/`lora_B` (diffusers / PEFT), `lora_down`/`lora_up` "
+    f"(kohya), `diffusion_model.` (ComfyUI) or `processor.*_lora` (XLabs) keys among {len(keys)} "
+    f"tensors (first: {shown}); md reads {FORMATS} (LyCORIS LoHa / LoKr not yet)"
   )
 
 
@@ -175,6 +289,49 @@ def _pattern_value(patterns: Mapping[str, Any], module: str) -> Any:
   return None
 
 
+def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
+  """`(module, slot)` of a file key: slot a / b / bias / alpha / diff / diff_b; None for other keys."""
+  m = _FACTORS[fmt].fullmatch(key)
+  if m:
+    slot = _FACTOR_SLOT[m["ab"]]
+    if m["kind"] == "bias":
+      if slot != "b":
+        return None
+      slot = "bias"
+    module = m["module"]
+    if fmt == "xlabs":
+      module = _xlabs_module(module)
+      if module is None:
+        return None
+    return module, slot
+  m = _ALPHA.fullmatch(key)
+  if m:
+    return m["module"], "alpha"
+  if fmt in ("comfyui", "peft"):
+    m = _DIFF.fullmatch(key)
+    if m:
+      return m["module"], m["kind"]
+  return None
+
+
+def _xlabs_module(module: str) -> str | None:
+  m = re.fullmatch(r"(.*)(double|single)_blocks\.(\d+)\.processor\.(\w+)", module)
+  if m is None:
+    return None
+  head, stack, i, proc = m.groups()
+  target = _XLABS_MODULES[stack].get(proc)
+  return None if target is None else f"{head}{stack}_blocks.{i}.{target}"
+
+
+def _alpha_of(value: Any, what: str) -> float:
+  value = np.asarray(value)
+  if value.size != 1:
+    raise LoRAFileError(f"{what} has shape {value.shape}; an alpha is one number")
+  if not np.issubdtype(value.dtype, np.number) or np.issubdtype(value.dtype, np.bool_):
+    raise LoRAFileError(f"{what} has dtype {value.dtype}; an alpha is a number")
+  return _check_scalar(float(value.reshape(())), what)
+
+
 def read_modules(
   tensors: Mapping[str, np.ndarray],
   metadata: Mapping[str, str],
@@ -183,38 +340,48 @@ def read_modules(
   prefix: str | None,
   config: Any = None,
   default_alpha: float | None = None,
-) -> tuple[list[RawLoRA], list[tuple[str, str]], bool]:
+) -> tuple[list[RawLoRA], list[RawDelta], list[tuple[str, str]], bool]:
   """Groups a file's keys into modules of the chosen component.
 
   Returns:
-    (modules, leftovers, rslora): `leftovers` are `(key, why)` for keys that are no factor of this
-    component; `rslora`: scales are alpha / sqrt(r). A problem with a module (rank mismatch, a bad or
-    missing alpha) raises LoRAFileError.
+    (modules, deltas, leftovers, rslora): `deltas` are full `diff` / `diff_b` deltas; `leftovers` are
+    `(key, why)` for keys that are no factor of this component; `rslora`: scales are alpha / sqrt(r).
+    A problem with a module (rank mismatch, a bad or missing alpha) raises LoRAFileError.
   """
   if fmt not in FORMATS:
-    raise ValueError(f"format={fmt!r}; md reads {FORMATS}")
-  factor_re = _PEFT_FACTOR if fmt == "peft" else _KOHYA_FACTOR
+    raise LoRAFileError(f"{path}: format={fmt!r}; md reads {FORMATS}")
   parts: dict[str, dict[str, str]] = {}
   leftovers: list[tuple[str, str]] = []
   for key in tensors:
-    m = factor_re.fullmatch(key)
-    if m:
-      parts.setdefault(m["module"], {})[_FACTOR_SLOT[m["ab"]]] = key
+    found = _split_key(key, fmt)
+    if found is None:
+      lycoris = re.search(r"\.(hada_w[12]_[ab]|lokr_w[12](_[ab])?|dora_scale|lora_mid)", key)
+      why = (
+        f"is a LyCORIS / DoRA tensor ({lycoris[1]}), which md does not read yet"
+        if lycoris
+        else f"is no tensor of a {fmt} LoRA"
+      )
+      leftovers.append((key, why))
       continue
-    m = _ALPHA.fullmatch(key)
-    if m:
-      parts.setdefault(m["module"], {})["alpha"] = key
-      continue
-    leftovers.append(
-      (key, "is not a LoRA factor md reads (DoRA, LoRA bias and LyCORIS are not yet)")
-    )
+    module, slot = found
+    if slot in parts.get(module, {}):
+      raise LoRAFileError(
+        f"{path}: {key!r} and {parts[module][slot]!r} are both the {slot} of module {module!r}"
+      )
+    parts.setdefault(module, {})[slot] = key
 
-  candidates = PEFT_PREFIXES if fmt == "peft" else KOHYA_PREFIXES + ("lora_",)
   if prefix is None:
-    prefix = _choose_prefix(list(parts), candidates)
+    prefix = _choose_prefix(list(parts), _PREFIXES[fmt])
   cfg = _peft_config(path, metadata, prefix, config) if fmt == "peft" else None
   rslora = bool(cfg.get("use_rslora", False)) if cfg else False
+  some_alpha = any("alpha" in found for found in parts.values())
   modules: list[RawLoRA] = []
+  deltas: list[RawDelta] = []
+  names = {"a": "lora_A", "b": "lora_B"} if fmt in ("peft", "comfyui") else {}
+  if fmt == "kohya":
+    names = {"a": "lora_down", "b": "lora_up"}
+  elif fmt == "xlabs":
+    names = {"a": "down", "b": "up"}
   for module, found in parts.items():
     keys = tuple(found.values())
     if not module.startswith(prefix):
@@ -224,9 +391,13 @@ def read_modules(
     name = module[len(prefix) :]
     if fmt == "kohya":
       name = kohya_module_name(name)
+    for slot, kind in (("diff", "weight"), ("diff_b", "bias")):
+      if slot in found:
+        deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
+    if not ({"a", "b", "alpha", "bias"} & set(found)):
+      continue
     if "a" not in found or "b" not in found:
-      have = {"a": "lora_A", "b": "lora_B"} if fmt == "peft" else {"a": "lora_down", "b": "lora_up"}
-      lacking = [have[x] for x in ("a", "b") if x not in found]
+      lacking = [names[x] for x in ("a", "b") if x not in found]
       raise LoRAFileError(f"{path}: module {module!r} has no {' / '.join(lacking)} ({keys})")
     a, b = tensors[found["a"]], tensors[found["b"]]
     if a.ndim < 2 or b.ndim < 2 or a.shape[0] != b.shape[1] or any(d != 1 for d in b.shape[2:]):
@@ -237,23 +408,26 @@ def read_modules(
     rank = a.shape[0]
     alpha = None
     if "alpha" in found:
-      value = np.asarray(tensors[found["alpha"]])
-      if value.size != 1:
-        raise LoRAFileError(
-          f"{path}: {found['alpha']!r} has shape {value.shape}; an alpha is one number"
-        )
-      alpha = _check_scalar(float(value.reshape(())), f"{path}: {found['alpha']!r}")
+      alpha = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}")
     elif fmt == "kohya" and default_alpha is not None:
       alpha = _check_scalar(default_alpha, "default_alpha")
-    elif fmt == "kohya":
+    elif fmt == "kohya" and some_alpha:
       raise LoRAFileError(
-        f"{path}: module {module!r} has no {module + '.alpha'!r}: kohya files give every module its "
-        "alpha (pass default_alpha= to assume one, e.g. the rank for scale 1)"
+        f"{path}: module {module!r} has no {module + '.alpha'!r} while the file's other modules "
+        "have one (a damaged file?); pass default_alpha= to assume one, e.g. the rank for scale 1"
       )
     elif cfg is not None:
       alpha = _pattern_value(cfg.get("alpha_pattern") or {}, name)
       if alpha is None:
         alpha = cfg.get("lora_alpha", rank)
       alpha = _check_scalar(alpha, f"{path}: lora_alpha for {name!r} (adapter config)")
-    modules.append(RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys))
-  return modules, leftovers, rslora
+    bias = None
+    if "bias" in found:
+      bias = np.asarray(tensors[found["bias"]])
+      if bias.shape != (b.shape[0],):
+        raise LoRAFileError(
+          f"{path}: {found['bias']!r} has shape {bias.shape}, expected ({b.shape[0]},) as "
+          f"{found['b']!r} {b.shape} has rows"
+        )
+    modules.append(RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias))
+  return modules, deltas, leftovers, rslora

@@ -16,7 +16,15 @@ from flax import nnx
 import md_core
 from md_core import KeyMap, Target, path_str
 from md_lora._adapter import Adapter, LoRAWeight, Site
-from md_lora._formats import LoRAFileError, RawLoRA, detect_format, read_modules
+from md_lora._formats import (
+  FORMATS,
+  LoRAFileError,
+  RawDelta,
+  RawLoRA,
+  detect_format,
+  read_modules,
+)
+from md_lora._layouts import detect_layout, guess_model, translator
 
 _MAX_LISTED = 20
 _PERMUTATIONS = {
@@ -71,6 +79,72 @@ def lora_factors(a: np.ndarray, b: np.ndarray, target: Target) -> tuple[np.ndarr
   return np.transpose(a, perm), b2.T
 
 
+def delta_factors(delta: np.ndarray, target: Target) -> tuple[np.ndarray, np.ndarray]:
+  """A full delta (torch layout of the base tensor) → md-layout `(down, up)` with `tensordot(down, up, 1)`
+  equal to it: `down` is the delta itself, `up` the identity (vectors: `down = [1]`, `up = [delta]`)."""
+  if target.split is not None:
+    index, parts, axis = target.split
+    if delta.shape[axis] % parts:
+      raise ValueError(
+        f"cannot take part {index} of {parts} along axis {axis} of shape {delta.shape}"
+      )
+    size = delta.shape[axis] // parts
+    delta = np.take(delta, np.arange(index * size, (index + 1) * size), axis=axis)
+  if target.layout != "identity":
+    perm = _PERMUTATIONS[target.layout]
+    if delta.ndim != len(perm):
+      raise ValueError(
+        f"layout {target.layout!r} takes a {len(perm)}-d weight, the delta is {delta.ndim}-d"
+      )
+    delta = np.transpose(delta, perm)
+  if delta.ndim == 1:
+    return np.ones((1,), delta.dtype), delta[None]
+  return delta, np.eye(delta.shape[-1], dtype=delta.dtype)
+
+
+def _translate(
+  modules: list[RawLoRA], deltas: list[RawDelta], paths: Sequence[tuple], layout: str | None
+) -> tuple[list[RawLoRA], list[RawDelta], list[tuple[str, str]]]:
+  """Module names of `layout` → diffusers names, a fused module split into its parts' rows."""
+  move = translator(layout, paths)
+  if move is None:
+    return modules, deltas, []
+  features = {m.module: m.a.shape[1] for m in modules}
+  unknown: list[tuple[str, str]] = []
+  why = f"is no module md knows in the {layout} layout"
+  out_modules = []
+  for mod in modules:
+    pieces = move(mod.module, mod.b.shape[0], mod.a.shape[1])
+    if pieces is None:
+      unknown += [(k, why + f" ({mod.module!r})") for k in mod.keys]
+      continue
+    for name, rows in pieces:
+      if rows is None:
+        out_modules.append(mod._replace(module=name))
+      elif len(rows):
+        bias = None if mod.bias is None else mod.bias[rows]
+        out_modules.append(mod._replace(module=name, b=mod.b[rows], bias=bias))
+  features.update({d.module: d.delta.shape[1] for d in deltas if d.delta.ndim > 1})
+  out_deltas = []
+  for d in deltas:
+    width = features.get(d.module, 0)
+    pieces = move(d.module, d.delta.shape[0], width)
+    if pieces is None:
+      unknown.append((d.key, why + f" ({d.module!r})"))
+      continue
+    if not width and any(rows is not None for _, rows in pieces):
+      unknown.append(
+        (d.key, f"is a delta on fused {d.module!r}, which md splits only beside its weight's")
+      )
+      continue
+    for name, rows in pieces:
+      if rows is None:
+        out_deltas.append(d._replace(module=name))
+      elif len(rows):
+        out_deltas.append(d._replace(module=name, delta=d.delta[rows]))
+  return out_modules, out_deltas, unknown
+
+
 def _nearest(module: str, paths: Sequence[str]) -> str:
   guess = module.replace(".", "/") + "/kernel"
   close = difflib.get_close_matches(guess, paths, n=1, cutoff=0.5)
@@ -90,76 +164,125 @@ def load_lora(
 ) -> Adapter:
   """Reads a LoRA file for one md model, checking every key before anything is computed.
 
-  Each module's base weight name (`<module>.weight`) goes through the family's `convert_key`; its
-  Target (path, layout, split, layer) says where the delta lands and how it converts. Names only the
-  model's shapes are used (an abstract model from `nnx.eval_shape` serves).
+  The file's format (`FORMATS`) and module-name layout (diffusers names, BFL Flux, Wan's original
+  names, SGM's UNet, LTX-2's original names) are read off its keys; modules in another layout are renamed
+  to the family's diffusers names first, fused ones (BFL `qkv`, `linear1`) split into their parts. Each
+  module's base weight name (`<module>.weight`) then goes through the family's `convert_key`; its Target
+  (path, layout, split, layer) says where the delta lands and how it converts. Full deltas (`diff`,
+  `diff_b`, PEFT `lora_B.bias`) land on `<module>.weight` / `<module>.bias`. Only the model's shapes are
+  used (an abstract model from `nnx.eval_shape` serves).
 
   Args:
     file: a `.safetensors` LoRA file.
-    convert_key: the family's key map for this component (`md_sd.unet_key_map(cfg)`,
-      `md_flux.convert_key`, `md_wan.convert_key`…).
+    convert_key: the family's diffusers key map for this component (`md_sd.unet_key_map(cfg)`,
+      `md_flux.convert_key`, `md_wan.convert_key`, `md_ltx.ltx2_convert_key`,
+      `md_text.clip_text_convert_key`…).
     params_or_model: the md module (or its `nnx.State`, or `{path: array or shape}`) the LoRA adapts.
-    prefix: the component's prefix in the file's names (`"unet."`, `"transformer."`, `"lora_unet_"`);
-      default: the known prefix most keys carry.
-    format: force "peft" or "kohya" (default: detected from the keys).
+    prefix: the component's prefix in the file's names (`"unet."`, `"text_encoder_2."`, `"lora_te1_"`,
+      `"diffusion_model."`); default: the known prefix most keys carry.
+    format: force one of `FORMATS` (default: detected from the keys).
     config: PEFT `LoraConfig` fields (a dict, or an `adapter_config.json` path); default: the
       `adapter_config.json` beside the file, else the file's `lora_adapter_metadata`, else alpha = r.
-    default_alpha: for kohya files without `.alpha` tensors, the alpha to assume.
+    default_alpha: for kohya files whose modules lack `.alpha` tensors, the alpha to assume.
     allow_unmatched: regexes over file keys that may map to nothing (e.g. `r"text_encoder\\..*"`); they
       are listed in `Adapter.skipped`.
 
   Returns:
-    The Adapter, keyed by md parameter site.
+    The Adapter, keyed by md parameter site (`lora_report` lists it).
 
   Raises:
     SafetensorsError: the file is not a readable safetensors file (e.g. truncated).
     LoRAFileError: an unknown format, a rank mismatch, a missing or non-numeric alpha, keys that map to
       nothing or to parameters of other shapes (all listed, with file and key), or a LoRA made for
-      another model (said first).
+      another model (said first, with the model its names suggest).
   """
   path = pathlib.Path(file)
   tensors = md_core.SafetensorsFile(path)
   keys = list(tensors)
+  if format is not None and format not in FORMATS:
+    raise LoRAFileError(f"{path}: format={format!r}; md reads {FORMATS}")
   fmt = format or detect_format(keys, str(path))
-  modules, leftovers, rslora = read_modules(
+  modules, deltas, leftovers, rslora = read_modules(
     tensors, tensors.metadata, path, fmt, prefix, config, default_alpha
   )
   shapes = param_shapes(params_or_model)
   known = [path_str(p) for p in shapes]
+  source_names = [m.module for m in modules] + [d.module for d in deltas]
+  source_ids = {m.keys[0] for m in modules} | {d.key for d in deltas}
+  layout = detect_layout(source_names)
+  modules, deltas, untranslated = _translate(modules, deltas, list(shapes), layout)
+  leftovers += untranslated
 
   weights: dict[Site, LoRAWeight] = {}
   names: dict[Site, str] = {}
-  unmatched: list[tuple[RawLoRA, str]] = []
+  unmatched: list[tuple[tuple[str, ...], str, str]] = []  # (keys, module, why)
   misshaped: list[str] = []
-  for mod in modules:
-    targets = convert_key(mod.module + ".weight")
+  bad_ids = {k for k, _ in untranslated}  # the first key of each source module with a problem
+
+  def place(site: Site, weight: LoRAWeight, module: str, key: str, what: str) -> None:
+    shape = shapes[site.path]
+    want = shape[1:] if site.layer is not None else shape
+    got = tuple(np.shape(weight.down)[:-1]) + tuple(np.shape(weight.up)[1:])
+    if got != want:
+      bad_ids.add(key)
+      misshaped.append(
+        f"{path}: {key!r}: the delta of {module!r} ({what}) is {got} in md's layout, the model's "
+        f"{str(site)!r} is {want}"
+      )
+    elif site in weights:
+      raise LoRAFileError(f"{path}: {module!r} and {names[site]!r} both adapt {str(site)!r}")
+    else:
+      weights[site], names[site] = weight, module
+
+  def targets_of(name: str, keys: tuple[str, ...], module: str) -> list[Target]:
+    targets = convert_key(name)
     if targets is None:
-      unmatched.append((mod, "maps to no parameter of the model" + _nearest(mod.module, known)))
-      continue
+      bad_ids.add(keys[0])
+      unmatched.append(
+        (keys, module, "maps to no parameter of the model" + _nearest(module, known))
+      )
+      return []
+    out = []
     for target in (targets,) if isinstance(targets, Target) else targets:
+      if tuple(target.path) not in shapes:
+        bad_ids.add(keys[0])
+        site = Site(tuple(target.path), target.layer)
+        unmatched.append((keys, module, f"maps to {str(site)!r}, which the model does not have"))
+      else:
+        out.append(target)
+    return out
+
+  for mod in modules:
+    rank = mod.a.shape[0]
+    alpha = float(rank) if mod.alpha is None else mod.alpha
+    scale = alpha / (math.sqrt(rank) if rslora else rank)
+    what = f"lora_A {mod.a.shape}, lora_B {mod.b.shape}"
+    for target in targets_of(mod.module + ".weight", mod.keys, mod.module):
       site = Site(tuple(target.path), target.layer)
-      shape = shapes.get(site.path)
-      if shape is None:
-        unmatched.append((mod, f"maps to {str(site)!r}, which the model does not have"))
-        continue
-      want = shape[1:] if target.layer is not None else shape
       try:
         down, up = lora_factors(mod.a, mod.b, target)
-        got = tuple(down.shape[:-1]) + tuple(up.shape[1:])
       except ValueError as e:
-        got = f"unconvertible ({e})"
-      if got != want:
         misshaped.append(
-          f"{path}: {mod.keys[0]!r}: the delta of {mod.module!r} (lora_A {mod.a.shape}, lora_B "
-          f"{mod.b.shape}) is {got} in md's layout, the model's {str(site)!r} is {want}"
+          f"{path}: {mod.keys[0]!r}: {mod.module!r} cannot follow {str(site)!r} ({e})"
         )
         continue
-      if site in weights:
-        raise LoRAFileError(f"{path}: {mod.module!r} and {names[site]!r} both adapt {str(site)!r}")
-      rank = mod.a.shape[0]
-      alpha = float(rank) if mod.alpha is None else mod.alpha
-      scale = alpha / (math.sqrt(rank) if rslora else rank)
-      weights[site], names[site] = LoRAWeight(down, up, scale), mod.module
+      place(site, LoRAWeight(down, up, scale), mod.module, mod.keys[0], what)
+    if mod.bias is not None:
+      bias_key = next(k for k in mod.keys if k.endswith(".bias"))
+      for target in targets_of(mod.module + ".bias", (bias_key,), mod.module):
+        site = Site(tuple(target.path), target.layer)
+        down, up = delta_factors(mod.bias, target)
+        place(site, LoRAWeight(down, up, scale), mod.module, bias_key, f"bias {mod.bias.shape}")
+  for d in deltas:
+    for target in targets_of(f"{d.module}.{d.kind}", (d.key,), d.module):
+      site = Site(tuple(target.path), target.layer)
+      try:
+        down, up = delta_factors(d.delta, target)
+      except ValueError as e:
+        bad_ids.add(d.key)
+        misshaped.append(f"{path}: {d.key!r}: {d.module!r} cannot follow {str(site)!r} ({e})")
+        continue
+      place(site, LoRAWeight(down, up, 1.0), f"{d.module}.{d.kind}", d.key, f"diff {d.delta.shape}")
 
   def allowed(keys: Sequence[str]) -> bool:
     return all(any(re.fullmatch(p, k) for p in allow_unmatched) for k in keys)
@@ -167,28 +290,45 @@ def load_lora(
   problems, skipped = [], []
   for k, why in leftovers:
     (skipped.append(k) if allowed([k]) else problems.append(f"{path}: {k!r} {why}"))
-  for mod, why in unmatched:
-    if allowed(mod.keys):
-      skipped += mod.keys
+  for mkeys, module, why in unmatched:
+    if allowed(mkeys):
+      skipped += [k for k in mkeys if k not in skipped]
     else:
-      problems.append(f"{path}: {mod.keys[0]!r} ({mod.module!r}) {why}")
+      problems.append(f"{path}: {mkeys[0]!r} ({module!r}) {why}")
   problems += misshaped
   if problems:
-    bad = len(unmatched) + len(misshaped)
-    head = f"{path}: {len(problems)} problem(s) applying this {fmt} LoRA to {_model_name(params_or_model)}"
-    if modules and bad * 2 > len(modules):
+    n_modules = len(source_ids)
+    bad = len(bad_ids & source_ids)
+    model = _model_name(params_or_model)
+    head = f"{path}: {len(problems)} problem(s) applying this {fmt} LoRA to {model}"
+    if n_modules and bad * 2 > n_modules:
+      guess = guess_model(source_names)
+      made_for = f" (its names are those of {guess})" if guess else ""
       head = (
-        f"{path}: this LoRA is for another model: {bad} of its {len(modules)} modules "
-        f"{'do not fit the shapes of' if len(misshaped) * 2 > len(modules) else 'match nothing in'} "
-        f"{_model_name(params_or_model)} (another family, or another size of it)"
+        f"{path}: this LoRA is for another model{made_for}: {bad} of its {n_modules} modules "
+        f"{'do not fit the shapes of' if len(misshaped) * 2 > bad else 'match nothing in'} "
+        f"{model} (another family, or another size of it)"
       )
-    elif not modules:
+    elif not n_modules:
       head = f"{path}: no module of the component read (prefix {prefix!r}); pass prefix="
     listed = "\n  ".join(problems[:_MAX_LISTED])
     more = f"\n  … and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
     hint = "\n  (allow_unmatched= takes regexes over keys that may stay unmatched)"
     raise LoRAFileError(f"{head}\n  {listed}{more}{hint if not misshaped else ''}")
   return Adapter(weights, names, str(path), fmt, tuple(skipped))
+
+
+def lora_report(adapter: Adapter) -> str:
+  """Every adapted md site with the file module it came from, its rank and scale; then the skipped keys.
+
+  One line per site: `blocks/attn1/to_q/kernel[3]  <- blocks.3.attn1.to_q  r=4 scale=2`.
+  """
+  lines = [repr(adapter)]
+  for site in sorted(adapter.weights, key=str):
+    w = adapter.weights[site]
+    lines.append(f"  {str(site)}  <- {adapter.names[site]}  r={w.rank} scale={w.scale:g}")
+  lines += [f"  skipped: {k}" for k in adapter.skipped]
+  return "\n".join(lines)
 
 
 def _model_name(params_or_model: Any) -> str:
