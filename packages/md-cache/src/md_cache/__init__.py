@@ -5,6 +5,7 @@ traced values in the loop state, so changing them never recompiles.
 """
 
 from md_cache._common import prepare
+from md_cache._faster_cache import FasterCacheState, faster_cache
 from md_cache._first_block import FirstBlockCacheState, first_block_cache
 from md_cache._magcache import (
   MagCacheState,
@@ -19,6 +20,7 @@ from md_cache._taylorseer import TaylorSeerState, taylorseer
 from md_cache._teacache import TEACACHE_COEFFICIENTS, TeaCacheState, teacache
 
 __all__ = [
+  "FasterCacheState",
   "FirstBlockCacheState",
   "MagCacheState",
   "TEACACHE_COEFFICIENTS",
@@ -26,6 +28,7 @@ __all__ = [
   "TeaCacheState",
   "calibrated_ratios",
   "computed_steps",
+  "faster_cache",
   "first_block_cache",
   "load_mag_ratios",
   "magcache",

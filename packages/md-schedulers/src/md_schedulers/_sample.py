@@ -48,6 +48,13 @@ class StepCache(NamedTuple):
     prepare: optional `prepare(run_one, carry) -> carry`, called once before the first step with
       `run_one(carry)` running that step (to be traced abstractly, e.g. by `jax.eval_shape`): lets a
       block-level cache size its state from the model's hidden states.
+    negative: optional `(skip, fill)` for a cache of the guidance's `negative` branch (CFG cache):
+      `skip(state, step, t, sample) -> bool` says whether the denoiser runs without the negative rows;
+      `fill(state, step, t, outputs, skipped) -> (outputs, state)` takes the model output per branch
+      name (`skipped` a Python bool: True when "negative" is missing) and returns them with the
+      negative branch filled in. On a skipped step the denoiser sees the other branches' rows, and
+      every `cond` leaf with `num_branches × B` leading rows (the row-stacked conditioning) is cut
+      to them; other leaves pass whole.
   """
 
   init: Callable[[Any, int], Any]
@@ -55,6 +62,7 @@ class StepCache(NamedTuple):
   update: Callable[..., Any]
   hook: Callable[..., Any] | None = None
   prepare: Callable[[Callable[[Any], Any], Any], Any] | None = None
+  negative: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
 
 class Expert(NamedTuple):
@@ -199,15 +207,22 @@ def run_steps(
       }
       sigma = st.sigmas[st.step]
 
-      def compute():
+      def model(k, cond_k):  # the denoiser on `k` branches' rows
         xin = jax.tree.map(lambda a: scheduler.scale_model_input(st, a), x)
-        tb = jnp.broadcast_to(t, (n * b,))
-        out = expert.denoise(expert.params, _batch_rows(xin, n), tb, cond, step=i)
-        out = jax.tree.map(lambda o, a: o.astype(a.dtype), out, _batch_rows(x, n))
-        return combine(guidance, out, s_i, sample=x, sigma=sigma)
+        tb = jnp.broadcast_to(t, (k * b,))
+        out = expert.denoise(expert.params, _batch_rows(xin, k), tb, cond_k, step=i)
+        return jax.tree.map(lambda o, a: o.astype(a.dtype), out, _batch_rows(x, k))
+
+      def compute():
+        return combine(guidance, model(n, cond), s_i, sample=x, sigma=sigma)
 
       cache_state, calls = c.cache, c.calls
-      if cache is None:
+      if cache is not None and cache.negative is not None:
+        pred, cache_state = _negative_cached(
+          cache.negative, cache_state, i, t, x, model, cond, guidance, s_i, sigma
+        )
+        reused = jnp.zeros((), bool)
+      elif cache is None:
         pred, reused = compute(), jnp.zeros((), bool)
       elif cache.hook is not None:
         import md_core  # noqa: PLC0415 - only block-level caches need it
@@ -234,6 +249,53 @@ def run_steps(
   for expert, begin, end in _segments(experts, lo, hi):
     carry = jax.lax.fori_loop(begin, end, body(expert), carry)
   return carry
+
+
+def _negative_cached(negative, state, i, t, x, model, cond, guidance, s_i, sigma):
+  """One step with a cache of the negative branch: the denoiser on every row, or (when `skip` says so)
+  on the other branches' rows with the negative output filled in by the cache."""
+  skip, fill = negative
+  names = guidance.branches
+  if names[0] != "negative":
+    raise ValueError(
+      "this cache reuses the unconditional (negative) branch of classifier-free guidance, and this "
+      "call runs none: use guidance_scale > 1 (true_cfg_scale > 1 with a negative prompt on Flux.1), "
+      "or a step-level cache (taylorseer, sencache)"
+    )
+  n, b = len(names), jax.tree.leaves(x)[0].shape[0]
+
+  def split(out, keys):
+    parts = [jnp.split(a, len(keys), axis=0) for a in jax.tree.leaves(out)]
+    tree = jax.tree.structure(out)
+    return {k: jax.tree.unflatten(tree, [p[j] for p in parts]) for j, k in enumerate(keys)}
+
+  def join(outs):
+    leaves = [jax.tree.leaves(outs[k]) for k in names]
+    tree = jax.tree.structure(outs[names[0]])
+    return jax.tree.unflatten(tree, [jnp.concatenate(ls, axis=0) for ls in zip(*leaves)])
+
+  def finish(outs, st):
+    return combine(guidance, join(outs), s_i, sample=x, sigma=sigma), st
+
+  def full():
+    return finish(*fill(state, i, t, split(model(n, cond), names), False))
+
+  def without_negative():
+    rows = n * b
+    kept = jax.tree.map(
+      lambda a: a[b:] if getattr(a, "ndim", 0) and a.shape[0] == rows else a, cond
+    )
+    try:
+      out = model(n - 1, kept)
+    except (TypeError, ValueError) as e:
+      raise ValueError(
+        "the CFG cache runs the denoiser on the rows of the branches other than `negative` "
+        f"({(n - 1) * b} of {rows}), and this family's denoiser cannot take them (it repeats per-sample "
+        f"inputs by a fixed branch count): {e}"
+      ) from e
+    return finish(*fill(state, i, t, split(out, names[1:]), True))
+
+  return jax.lax.cond(jnp.asarray(skip(state, i, t, x), bool), without_negative, full)
 
 
 def sample(
