@@ -262,6 +262,11 @@ def _negative_cached(negative, state, i, t, x, model, cond, guidance, s_i, sigma
       "call runs none: use guidance_scale > 1 (true_cfg_scale > 1 with a negative prompt on Flux.1), "
       "or a step-level cache (taylorseer, sencache)"
     )
+  if set(names) != {"negative", "positive"}:
+    raise ValueError(
+      f"the CFG cache runs with classifier-free guidance alone; this call also computes "
+      f"{[k for k in names if k not in ('negative', 'positive')]} (STG / modality guidance)"
+    )
   n, b = len(names), jax.tree.leaves(x)[0].shape[0]
 
   def split(out, keys):
@@ -285,14 +290,18 @@ def _negative_cached(negative, state, i, t, x, model, cond, guidance, s_i, sigma
     kept = jax.tree.map(
       lambda a: a[b:] if getattr(a, "ndim", 0) and a.shape[0] == rows else a, cond
     )
+    refusal = (
+      "the CFG cache runs the denoiser on the rows of the branches other than `negative` "
+      f"({(n - 1) * b} of {rows}), and this family's denoiser cannot take them (it repeats per-sample "
+      "inputs by a fixed branch count)"
+    )
     try:
       out = model(n - 1, kept)
-    except (TypeError, ValueError) as e:
-      raise ValueError(
-        "the CFG cache runs the denoiser on the rows of the branches other than `negative` "
-        f"({(n - 1) * b} of {rows}), and this family's denoiser cannot take them (it repeats per-sample "
-        f"inputs by a fixed branch count): {e}"
-      ) from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+      raise ValueError(f"{refusal}: {e}") from e
+    got = {a.shape[0] for a in jax.tree.leaves(out)}
+    if got != {(n - 1) * b}:
+      raise ValueError(f"{refusal}: it returned {sorted(got)} rows")
     return finish(*fill(state, i, t, split(out, names[1:]), True))
 
   return jax.lax.cond(jnp.asarray(skip(state, i, t, x), bool), without_negative, full)

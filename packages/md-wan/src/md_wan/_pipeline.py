@@ -232,11 +232,15 @@ class WanVideoPipeline(mdp.Pipeline):
     split = self._t1 if expert == 0 else self._t2
     patch = self.transformer.cfg.patch_size
 
-    def rows(a):  # per-video inputs, repeated for each guidance branch
-      return None if a is None else jnp.concatenate([a] * branches, axis=0)
-
     def denoise(params, x, t, cond, *, step):
       del step
+      # The branches in `x`: fewer than `branches` when a CFG cache runs without the negative rows
+      # (the image condition has one row per video).
+      reps = branches if cond["condition"] is None else x.shape[0] // cond["condition"].shape[0]
+
+      def rows(a):  # per-video inputs, repeated for each guidance branch
+        return None if a is None else jnp.concatenate([a] * reps, axis=0)
+
       t = t.astype(jnp.float32)
       condition = rows(cond["condition"])
       if mode == "concat":
