@@ -1,0 +1,89 @@
+"""train: md's training loop (`md_train.fit`) on a recipe, resumable from the workdir's checkpoints.
+
+uv run apps/train --config=apps/configs/train.py:wan21-tiny --workdir=/tmp/wan21-tiny
+uv run apps/train --config=apps/configs/train.py:sd15-tiny --workdir=/tmp/sd15 --config.steps=20
+uv run apps/train --config=apps/configs/train.py:flux1-tiny --workdir=/tmp/flux --config.recipe_options.batch_size=4
+uv run apps/train --help --config=apps/configs/train.py:wan21-tiny   # the variant's keys and values
+
+Variants: wan21-tiny, sd15-tiny, flux1-tiny: the tiny pipelines of tests/fixtures (Wan 2.1 T2V, SD 1.5,
+Flux.1 dev) trained on md_data's shapes clips / images (`md_train.recipes`). `recipe` is
+"module.path:function"; the function takes this whole config and returns an `md_train.Recipe`, so any
+config file with `get_config(variant)` and these keys runs its own recipes through this app. Running the
+same command again resumes from `<workdir>/checkpoints` (the fingerprint of the recipe must match);
+`--config.steps` larger than the checkpoint's continues the run.
+"""
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+from md_core import apps as md_apps
+
+# variant -> (recipe, its options)
+VARIANTS = {
+  "wan21-tiny": (
+    "md_train.recipes:wan21_tiny",
+    dict(
+      model="tests/fixtures/wan_pipeline/t2v",
+      batch_size=2,
+      size=32,
+      frames=5,
+      max_sequence_length=64,
+      learning_rate=1e-3,
+      warmup_steps=2,
+      max_grad_norm=1.0,
+      weight_decay=1e-2,
+      shift=5.0,
+    ),
+  ),
+  "sd15-tiny": (
+    "md_train.recipes:sd15_tiny",
+    dict(
+      model="tests/fixtures/sd_pipeline/sd",
+      batch_size=2,
+      size=32,
+      learning_rate=1e-3,
+      warmup_steps=2,
+      max_grad_norm=1.0,
+      weight_decay=1e-2,
+      snr_gamma=0.0,
+    ),
+  ),
+  "flux1-tiny": (
+    "md_train.recipes:flux1_tiny",
+    dict(
+      model="tests/fixtures/flux_pipeline/dev",
+      batch_size=2,
+      size=32,
+      learning_rate=1e-3,
+      warmup_steps=2,
+      max_grad_norm=1.0,
+      weight_decay=1e-2,
+      guidance=3.5,
+    ),
+  ),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  name = arg or "wan21-tiny"
+  if name not in VARIANTS:
+    raise ValueError(f"unknown variant {name!r}; choose one of {', '.join(VARIANTS)}")
+  recipe, options = VARIANTS[name]
+  config = ml_collections.ConfigDict(
+    dict(
+      variant=name,
+      recipe=recipe,
+      steps=6,
+      seed=0,
+      checkpoint_every=2,
+      keep=3,
+      eval_every=0,
+      log_every=1,
+      export=True,
+      peak_flops=placeholder(float),
+      recipe_options=ml_collections.ConfigDict(options),
+    )
+  )
+  md_apps.add_runtime_config(config)
+  config.lock()
+  return config

@@ -1,0 +1,297 @@
+"""Recipes for `md_train.fit` / `apps/train`: the tiny SD 1.5, Flux.1 and Wan 2.1 pipelines of
+tests/fixtures trained on md_data's shapes dataset.
+
+Each recipe is a function of the whole app config (`apps/configs/train.py`) returning a `Recipe`: the
+family's denoiser from the fixture folder (its config and random-init weights, as the PyTorch reference
+saved them), md_data shapes images (SD, Flux) or clips (Wan) encoded by that folder's VAE, the captions'
+states from its text encoder (encoded once per caption), the family loss of `md_train.families`, and an
+exporter that writes the trained denoiser back in the diffusers layout (config.json + safetensors under the
+reference's tensor names), which md's loaders (and diffusers) read.
+
+    uv run apps/train --config=apps/configs/train.py:wan21-tiny --workdir=/tmp/wan
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import md_core
+import md_data
+from md_train import families
+from md_train._eval import eval_loss
+from md_train._loop import Recipe, batch_sharding
+from md_train._optim import make_optimizer
+from md_train._step import TrainState, init_state, make_train_step, split_trainable
+
+# --- data ----------------------------------------------------------------------------------------------
+
+
+class EncodedBatches:
+  """Shapes batches turned into a loss's inputs: pixels through a jitted VAE encode, captions through a
+  cached text encode; resumable through the shapes iterator's `state()` / `restore(s)`.
+
+  Args:
+    shapes: the `md_data.ShapesIterator`.
+    encode_pixels: `pixels [B, (F,) H, W, 3] in [0, 1] -> latents` (jitted by the caller).
+    encode_captions: `captions -> {name: [B, ...] array}` (the text conditioning).
+    sharding: where the batch's arrays go (leading axis split over data-parallel devices), or None.
+  """
+
+  def __init__(
+    self,
+    shapes: md_data.ShapesIterator,
+    encode_pixels: Callable[[np.ndarray], jax.Array],
+    encode_captions: Callable[[list[str]], Mapping[str, jax.Array]],
+    sharding: Any = None,
+  ):
+    self.shapes, self.sharding = shapes, sharding
+    self.encode_pixels, self.encode_captions = encode_pixels, encode_captions
+
+  def __iter__(self) -> EncodedBatches:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    batch = next(self.shapes)
+    out = {"latents": self.encode_pixels(batch.pixels), **self.encode_captions(batch.captions)}
+    if self.sharding is not None:
+      out = {
+        k: jax.device_put(v, self.sharding) if v.shape[:1] == (len(batch.captions),) else v
+        for k, v in out.items()
+      }
+    return out
+
+  def state(self) -> dict[str, Any]:
+    return self.shapes.state()
+
+  def restore(self, state: Mapping[str, Any]) -> None:
+    self.shapes.restore(dict(state))
+
+
+class CaptionCache:
+  """Text states per caption, computed once (the shapes grammar repeats captions)."""
+
+  def __init__(self, encode: Callable[[list[str]], Mapping[str, np.ndarray]]):
+    self.encode, self.cache = encode, {}
+
+  def __call__(self, captions: list[str]) -> dict[str, jax.Array]:
+    todo = sorted({c for c in captions if c not in self.cache})
+    if todo:
+      encoded = {k: np.asarray(v) for k, v in self.encode(todo).items()}
+      for i, c in enumerate(todo):
+        self.cache[c] = {k: v[i] for k, v in encoded.items()}
+    keys = self.cache[captions[0]].keys()
+    return {k: jnp.asarray(np.stack([self.cache[c][k] for c in captions])) for k in keys}
+
+
+# --- options ---------------------------------------------------------------------------------------------
+
+
+def _options(config: Any) -> dict[str, Any]:
+  return dict(config.recipe_options.to_dict() if hasattr(config, "recipe_options") else {})
+
+
+def _mesh(config: Any) -> jax.sharding.Mesh | None:
+  mesh = config.get("mesh") if hasattr(config, "get") else None
+  if mesh is None:
+    return None
+  import md_sharding as mds
+
+  return mds.make_mesh(mds.MeshConfig.from_dict(dict(mesh)))
+
+
+def _fixture(config: Any, default: str) -> pathlib.Path:
+  """The pipeline folder `recipe_options.model` names (default: a tiny fixture), relative paths taken
+  from the working directory, else from the repository root."""
+  value = _options(config).get("model") or default
+  path = pathlib.Path(value).expanduser()
+  if not path.is_absolute() and not path.exists():
+    path = pathlib.Path(__file__).resolve().parents[4] / value
+  if not (path / "model_index.json").is_file():
+    raise FileNotFoundError(
+      f"recipe_options.model={value!r}: {path} is not a diffusers pipeline folder (no "
+      "model_index.json)"
+    )
+  return path
+
+
+def _optimizer(opts: Mapping[str, Any], steps: int):
+  return make_optimizer(
+    learning_rate=float(opts.get("learning_rate", 1e-3)),
+    warmup_steps=int(opts.get("warmup_steps", 0)),
+    max_grad_norm=opts.get("max_grad_norm", 1.0),
+    weight_decay=float(opts.get("weight_decay", 1e-2)),
+  )
+
+
+def _fingerprint(name: str, model: pathlib.Path, opts: Mapping[str, Any], config: Any) -> dict:
+  return {
+    "recipe": name,
+    "model": model.name,
+    "seed": int(config.seed),
+    "options": {k: v for k, v in sorted(opts.items()) if k != "model"},
+  }
+
+
+def _shapes(opts: Mapping[str, Any], config: Any, *, frames: int | None) -> md_data.ShapesIterator:
+  cfg = md_data.ShapesConfig(size=int(opts.get("size", 32)), frames=frames)
+  return md_data.ShapesIterator(cfg, seed=int(config.seed), batch_size=int(opts["batch_size"]))
+
+
+def _eval_batches(opts, config, frames, encode_pixels, encode_captions, count=2):
+  """A fixed held-out evaluation set: `count` batches of the `held_out` split (other seed)."""
+  cfg = md_data.ShapesConfig(size=int(opts.get("size", 32)), frames=frames, split="held_out")
+  it = md_data.ShapesIterator(cfg, seed=int(config.seed) + 1, batch_size=int(opts["batch_size"]))
+  out = []
+  for _ in range(count):
+    b = next(it)
+    out.append({"latents": encode_pixels(b.pixels), **encode_captions(b.captions)})
+  return out
+
+
+def _split_jit(module: nnx.Module, fn: Callable) -> Callable:
+  graphdef, state = nnx.split(module)
+  run = jax.jit(lambda s, x: fn(nnx.merge(graphdef, s), x))
+  return lambda x: run(state, jnp.asarray(x))
+
+
+# --- export ---------------------------------------------------------------------------------------------
+
+
+def export_denoiser(
+  frozen: Any,
+  params: Any,
+  source: pathlib.Path,
+  folder: pathlib.Path,
+  convert_key: Callable[[str], Any],
+) -> pathlib.Path:
+  """Writes the trained denoiser to `folder` in the diffusers layout: `source`'s config.json and one
+  safetensors file with every tensor of `source`'s file, named as there, holding md's trained values
+  put back in the reference's layout (the inverse of loading through `convert_key`).
+
+  Raises:
+    ValueError: a tensor of the source that md does not map, or whose exported shape differs.
+  """
+  module = frozen.merge(params)
+  flat = {md_core.path_str(p): v for p, v in _flat_values(module).items()}
+  template = md_core.open_checkpoint(source)
+  out = {}
+  for name in template:
+    want = template[name]
+    targets = convert_key(name)
+    if targets is None:
+      raise ValueError(f"{source}: tensor {name!r} maps to no md parameter; cannot export it")
+    targets = [targets] if isinstance(targets, md_core.Target) else list(targets)
+    targets = sorted(targets, key=lambda t: (t.split or (0, 1, 0))[0])
+    parts = []
+    for t in targets:
+      key = md_core.path_str(t.path)
+      if key not in flat:
+        raise ValueError(f"{source}: tensor {name!r} maps to {key}, which the model does not have")
+      a = np.asarray(flat[key], np.float32)
+      if t.layer is not None:
+        a = a[t.layer]
+      parts.append(_to_reference_layout(a, t.layout, name))
+    split = getattr(targets[0], "split", None)
+    a = parts[0] if split is None or len(parts) == 1 else np.concatenate(parts, axis=split[2])
+    if tuple(a.shape) != tuple(want.shape):
+      raise ValueError(
+        f"{source}: tensor {name!r} has shape {tuple(want.shape)}, md's export {tuple(a.shape)}"
+      )
+    out[name] = a.astype(np.asarray(want).dtype)
+  folder.mkdir(parents=True, exist_ok=True)
+  shutil.copy(source / "config.json", folder / "config.json")
+  md_core.save_safetensors(
+    folder / "diffusion_pytorch_model.safetensors", out, metadata={"format": "pt"}
+  )
+  return folder
+
+
+# Reference → md permutations of md_core.Target layouts; exporting applies their inverses.
+_PERMUTATIONS = {
+  "identity": None,
+  "linear": (1, 0),
+  "conv1d": (2, 1, 0),
+  "conv2d": (2, 3, 1, 0),
+  "conv3d": (2, 3, 4, 1, 0),
+}
+
+
+def _to_reference_layout(array: np.ndarray, layout: str, name: str) -> np.ndarray:
+  perm = _PERMUTATIONS.get(layout)
+  if layout not in _PERMUTATIONS:
+    raise ValueError(f"tensor {name!r}: layout {layout!r} has no inverse")
+  return array if perm is None else np.transpose(array, np.argsort(perm))
+
+
+def _flat_values(module: nnx.Module) -> dict[tuple, np.ndarray]:
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(module)):
+    value = var.get_value() if hasattr(var, "get_value") else var.value
+    out[tuple(path)] = np.asarray(jax.device_get(value))
+  return out
+
+
+# --- the recipes -------------------------------------------------------------------------------------------
+
+_WAN = "tests/fixtures/wan_pipeline/t2v"
+_SD = "tests/fixtures/sd_pipeline/sd"
+_FLUX = "tests/fixtures/flux_pipeline/dev"
+# Timesteps (x 1000 sigma for the flow models) at which the recipes' `eval` reports the loss.
+EVAL_TIMESTEPS = (100, 500, 900)
+
+
+def _evaluator(loss_fn, batches, *, key: str, scale: float):
+  def evaluate(state: TrainState) -> dict[str, float]:
+    losses = eval_loss(loss_fn, state.params, batches, EVAL_TIMESTEPS, key=key, scale=scale)
+    out = {f"eval/loss_t{t}": v for t, v in losses.items()}
+    out["eval/loss"] = float(np.mean(list(losses.values())))
+    return out
+
+  return evaluate
+
+
+def wan21_tiny(config: Any) -> Recipe:
+  """The tiny Wan 2.1 T2V transformer (tests/fixtures/wan_pipeline/t2v) on shapes clips.
+
+  `config.recipe_options`: `model` (the pipeline folder), `batch_size`, `size` (pixels), `frames`
+  (4k + 1), `max_sequence_length`, `learning_rate`, `warmup_steps`, `max_grad_norm`, `weight_decay`,
+  `shift` (the sigma sampler's shift).
+  """
+  import md_wan
+
+  opts = _options(config)
+  model = _fixture(config, _WAN)
+  mesh = _mesh(config)
+  sharding = batch_sharding(mesh, int(opts["batch_size"]))
+  frames = int(opts.get("frames", 5))
+  pipe = md_wan.load_pipeline(model, mesh=mesh)
+  length = int(opts.get("max_sequence_length", 64))
+  captions = CaptionCache(
+    lambda c: {"encoder_hidden_states": pipe.encode_prompt(c, max_sequence_length=length)}
+  )
+  pixels = _split_jit(pipe.vae, lambda vae, x: vae.normalize_latents(vae.encode(x * 2 - 1).mode()))
+  frozen, params = split_trainable(pipe.transformer)
+  loss_fn = families.wan_loss(frozen, shift=float(opts.get("shift", 5.0)))
+  optimizer = _optimizer(opts, int(config.steps))
+  state = init_state(params, optimizer, rng=int(config.seed))
+  batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
+  held_out = _eval_batches(opts, config, frames, pixels, captions)
+  transformer = model / "transformer"
+  return Recipe(
+    state=state,
+    step=make_train_step(loss_fn, optimizer),
+    batches=batches,
+    eval=_evaluator(loss_fn, held_out, key="sigmas", scale=1e-3),
+    export=lambda s, folder: export_denoiser(
+      frozen, s.params, transformer, pathlib.Path(folder) / "transformer", md_wan.convert_key
+    ),
+    fingerprint=_fingerprint("wan21-tiny", model, opts, config),
+  )
