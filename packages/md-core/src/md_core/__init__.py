@@ -5,7 +5,7 @@ neural-network blocks the families share (`md_core.nn`), media I/O (`md_core.med
 inputs (`md_core.images`) and progress bars (`md_core.progress`).
 """
 
-from md_core import apps, images, media, nn, pipeline, progress
+from md_core import apps, images, media, nn, pipeline, progress, quant
 from md_core._keymap import (
   LAYOUTS,
   KeyMap,
@@ -38,6 +38,7 @@ from md_core._safetensors import (
 )
 from md_core._scan import REMAT_POLICIES, BlockHook, block_hook, num_layers_of, remat, scan_layers
 from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json, resolve_source
+from md_core.quant import QuantScale, quantize
 
 __all__ = [
   "LoRASlot",
@@ -48,6 +49,9 @@ __all__ = [
   "lora_paths",
   "lora_rank",
   "set_lora",
+  "QuantScale",
+  "quant",
+  "quantize",
   "apps",
   "BlockHook",
   "block_hook",

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from md_core import quant
+
 Axes = tuple[str | None, ...]
 _F32 = jnp.float32
 
@@ -63,11 +65,27 @@ class Dense(nnx.Module):
   # Run-time LoRA slots (`md_core.add_lora_slots`): None unless added.
   lora_a: nnx.Variable | None = None
   lora_b: nnx.Variable | None = None
+  # Quantized weights (`md_core.quantize`): the kernel holds int8 / float8 values and these its
+  # per-output-channel scales, the mode and the kernel's dtype before; None unless quantized.
+  kernel_scale: nnx.Variable | None = None
+  quant_mode: str | None = None
+  quant_from: str | None = None
+
+  @property
+  def weight_dtype(self) -> Any:
+    """The kernel's floating dtype (before quantization for a quantized one): what models that compute
+    in their weights' dtype read."""
+    if self.quant_from is not None:
+      return jnp.dtype(self.quant_from)
+    return self.kernel[...].dtype
 
   def __call__(self, x: jax.Array) -> jax.Array:
     dtype = self.dtype or x.dtype
     x = x.astype(dtype)
-    y = jnp.matmul(x, self.kernel[...].astype(dtype))
+    if self.kernel_scale is not None:
+      y = quant.quantized_matmul(x, self.kernel[...], self.kernel_scale[...], self.quant_mode)
+    else:
+      y = jnp.matmul(x, self.kernel[...].astype(dtype))
     if self.bias is not None:
       y = y + _last(self.bias[...].astype(dtype), y.ndim)
     if self.lora_a is not None:

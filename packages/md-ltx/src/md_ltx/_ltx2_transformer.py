@@ -615,7 +615,7 @@ class LTX2Transformer(nnx.Module):
     x, audio = jnp.asarray(hidden_states), jnp.asarray(audio_hidden_states)
     text, audio_text = jnp.asarray(encoder_hidden_states), jnp.asarray(audio_encoder_hidden_states)
     self._check_tokens(x, audio, text, audio_text)
-    dtype = self.proj_in.kernel[...].dtype
+    dtype = self.proj_in.weight_dtype
     b, s_v = x.shape[:2]
     s_a = audio.shape[1]
 

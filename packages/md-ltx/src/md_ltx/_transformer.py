@@ -328,7 +328,7 @@ class LTXTransformer(nnx.Module):
     x, text, mask = hidden_states, encoder_hidden_states, encoder_attention_mask
     grid = rope is None and video_coords is None
     self._check(x, text, timestep, mask, num_frames, height, width, grid)
-    dtype = self.proj_in.kernel[...].dtype
+    dtype = self.proj_in.weight_dtype
     b, s = x.shape[:2]
 
     if rope is None:

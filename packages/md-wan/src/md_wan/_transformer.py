@@ -327,7 +327,7 @@ class WanTransformer(nnx.Module):
     per_token = timestep.ndim == 2
     t = timestep.reshape(-1)
     feats = nn.timestep_embedding(t, cfg.freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0)
-    temb = self.time_embedder(feats.astype(self.time_embedder.linear_1.kernel[...].dtype))
+    temb = self.time_embedder(feats.astype(self.time_embedder.linear_1.weight_dtype))
     temb = temb.astype(dtype)
     modulation = self.time_proj(jax.nn.silu(temb)).astype(_F32)
     temb = temb.reshape(b, tokens if per_token else 1, cfg.dim)
