@@ -16,6 +16,7 @@ from md_cache._magcache import (
   save_mag_ratios,
 )
 from md_cache._report import computed_steps
+from md_cache._sencache import SenCacheState, sencache
 from md_cache._taylorseer import TaylorSeerState, taylorseer
 from md_cache._teacache import TEACACHE_COEFFICIENTS, TeaCacheState, teacache
 
@@ -24,6 +25,7 @@ __all__ = [
   "FirstBlockCacheState",
   "MagCacheState",
   "TEACACHE_COEFFICIENTS",
+  "SenCacheState",
   "TaylorSeerState",
   "TeaCacheState",
   "calibrated_ratios",
@@ -35,6 +37,7 @@ __all__ = [
   "prepare",
   "resample_ratios",
   "save_mag_ratios",
+  "sencache",
   "taylorseer",
   "teacache",
 ]
