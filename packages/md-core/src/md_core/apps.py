@@ -671,6 +671,14 @@ CACHE_OPTIONS: dict[str, type] = {
   "max_order": int,
   "factors_dtype": str,
   "coefficients": str,
+  "alpha_low": float,
+  "alpha_high": float,
+  "epsilon": float,
+  "max_reuse": int,
+  "nocache_start_ratio": float,
+  "nocache_end_ratio": float,
+  "alpha_x": float,
+  "alpha_t": float,
 }
 # Which policy takes which options; whether it needs transformer block stacks (md-sd's UNet has none).
 _CACHE_POLICIES: dict[str, tuple[tuple[str, ...], bool]] = {
@@ -678,6 +686,19 @@ _CACHE_POLICIES: dict[str, tuple[tuple[str, ...], bool]] = {
   "magcache": (("mag_ratios", "threshold", "max_skip_steps", "retention_ratio", "calibrate"), True),
   "taylorseer": (("interval", "warmup_steps", "stop_step", "max_order", "factors_dtype"), False),
   "teacache": (("threshold", "coefficients"), True),
+  "faster_cache": (("interval", "alpha_low", "alpha_high"), False),
+  "sencache": (
+    (
+      "epsilon",
+      "max_reuse",
+      "warmup_steps",
+      "nocache_start_ratio",
+      "nocache_end_ratio",
+      "alpha_x",
+      "alpha_t",
+    ),
+    False,
+  ),
 }
 # TeaCache's published polynomial per family where one is known (md_cache.TEACACHE_COEFFICIENTS).
 _TEACACHE_FAMILY = {"flux": "flux", "ltx": "ltx-video"}
@@ -720,7 +741,7 @@ def make_cache(config: Any, family: str) -> Any:
     steps = sorted(k for k, (_, b) in _CACHE_POLICIES.items() if not b)
     raise ValueError(
       f"--config.cache={name}: a block-level cache needs transformer block stacks, and the {family} "
-      f"UNet has none; step-level caches apply: {steps}"
+      f"UNet has none; these apply to any denoiser: {steps}"
     )
   options = {k: v for k, v in dict(config.cache_options).items() if v is not None}
   extra = sorted(set(options) - set(takes))
@@ -747,6 +768,8 @@ def cache_report(pipe: Any) -> dict:
     computed = np.asarray(state.computed, bool)
     out["steps_computed"] = int(computed.sum())
     out["steps_reused"] = int((~computed).sum())
+    if type(state).__name__ == "FasterCacheState":  # a CFG cache: steps that ran the negative rows
+      out["computed"] = "unconditional branch"
   if getattr(state, "calibration", None) is not None and getattr(state, "prev", None) is not None:
     out["mag_ratios"] = [float(r) for r in np.asarray(state.calibration)]  # MagCache calibration
   return out
@@ -757,4 +780,5 @@ def cache_line(name: str | None, report: dict) -> str:
   if not name or "steps_computed" not in report:
     return ""
   done, reused = report["steps_computed"], report["steps_reused"]
-  return f"cache {name}: {done} of {done + reused} steps computed, {reused} reused"
+  what = f" ({report['computed']})" if "computed" in report else ""
+  return f"cache {name}{what}: {done} of {done + reused} steps computed, {reused} reused"
