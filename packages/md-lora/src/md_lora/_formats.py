@@ -40,10 +40,25 @@ FORMATS = ("peft", "kohya", "comfyui", "xlabs")
 PEFT_PREFIXES = ("unet.", "transformer.", "base_model.model.", "diffusion_model.", "")
 KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.", "")
-OTHER_COMPONENTS = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_te1_", "lora_te2_")
+# Components of a pipeline a file may hold beside the one read: their keys are skipped, not errors.
+COMPONENTS = (
+  "unet.",
+  "transformer.",
+  "text_encoder.",
+  "text_encoder_2.",
+  "text_encoder_3.",
+  "lora_unet_",
+  "lora_transformer_",
+  "lora_te_",
+  "lora_te1_",
+  "lora_te2_",
+  "lora_te3_",
+  "diffusion_model.",
+  "text_encoders.",
+)
 _PREFIXES = {
   "peft": PEFT_PREFIXES,
-  "kohya": KOHYA_PREFIXES + ("lora_te_", "lora_te1_", "lora_te2_", "lora_"),
+  "kohya": KOHYA_PREFIXES + ("lora_te_", "lora_te1_", "lora_te2_"),
   "comfyui": COMFY_PREFIXES,
   "xlabs": ("diffusion_model.", ""),
 }
@@ -245,8 +260,10 @@ def detect_format(keys: Sequence[str], where: str) -> str:
 
 
 def _choose_prefix(modules: Sequence[str], candidates: Sequence[str]) -> str:
-  counts = {p: sum(m.startswith(p) for m in modules) for p in candidates}
-  return max(candidates, key=lambda p: (counts[p], len(p)))
+  """The known prefix most modules carry (the empty one only when none does)."""
+  counts = {p: sum(m.startswith(p) for m in modules) for p in candidates if p}
+  best = max(counts, key=lambda p: (counts[p], len(p)), default="")
+  return best if counts.get(best) else ""
 
 
 def _check_scalar(value: Any, what: str) -> float:
@@ -340,12 +357,13 @@ def read_modules(
   prefix: str | None,
   config: Any = None,
   default_alpha: float | None = None,
-) -> tuple[list[RawLoRA], list[RawDelta], list[tuple[str, str]], bool]:
+) -> tuple[list[RawLoRA], list[RawDelta], list[tuple[str, str]], list[str], bool]:
   """Groups a file's keys into modules of the chosen component.
 
   Returns:
-    (modules, deltas, leftovers, rslora): `deltas` are full `diff` / `diff_b` deltas; `leftovers` are
-    `(key, why)` for keys that are no factor of this component; `rslora`: scales are alpha / sqrt(r).
+    (modules, deltas, leftovers, others, rslora): `deltas` are full `diff` / `diff_b` deltas;
+    `leftovers` are `(key, why)` for keys that are no factor of this component; `others` keys of the
+    pipeline's other components (`COMPONENTS`); `rslora`: scales are alpha / sqrt(r).
     A problem with a module (rank mismatch, a bad or missing alpha) raises LoRAFileError.
   """
   if fmt not in FORMATS:
@@ -377,6 +395,7 @@ def read_modules(
   some_alpha = any("alpha" in found for found in parts.values())
   modules: list[RawLoRA] = []
   deltas: list[RawDelta] = []
+  others: list[str] = []
   names = {"a": "lora_A", "b": "lora_B"} if fmt in ("peft", "comfyui") else {}
   if fmt == "kohya":
     names = {"a": "lora_down", "b": "lora_up"}
@@ -385,8 +404,11 @@ def read_modules(
   for module, found in parts.items():
     keys = tuple(found.values())
     if not module.startswith(prefix):
-      why = f"is outside the component read (prefix {prefix!r})"
-      leftovers += [(k, why) for k in keys]
+      if prefix and module.startswith(COMPONENTS):
+        others += keys  # another component of the pipeline (the UNet's file holding text encoders)
+      else:
+        why = f"is outside the component read (prefix {prefix!r})"
+        leftovers += [(k, why) for k in keys]
       continue
     name = module[len(prefix) :]
     if fmt == "kohya":
@@ -430,4 +452,4 @@ def read_modules(
           f"{found['b']!r} {b.shape} has rows"
         )
     modules.append(RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias))
-  return modules, deltas, leftovers, rslora
+  return modules, deltas, leftovers, others, rslora

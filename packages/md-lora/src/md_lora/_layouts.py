@@ -270,7 +270,7 @@ def detect_layout(names: Sequence[str]) -> str | None:
   (diffusers names, or names the family's key map reads as they are)."""
   if any(n.startswith(("double_blocks.", "single_blocks.")) for n in names):
     return "flux-bfl"
-  if any(re.match(r"blocks\.\d+\.(self_attn|cross_attn|ffn)\.", n) for n in names):
+  if any(re.match(r"blocks\.\d+\.(self_attn\.|cross_attn\.|ffn\.\d$)", n) for n in names):
     return "wan"
   if any(n.startswith(("input_blocks.", "output_blocks.", "middle_block.")) for n in names):
     return "sgm-unet"

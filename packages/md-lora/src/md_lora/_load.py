@@ -202,7 +202,7 @@ def load_lora(
   if format is not None and format not in FORMATS:
     raise LoRAFileError(f"{path}: format={format!r}; md reads {FORMATS}")
   fmt = format or detect_format(keys, str(path))
-  modules, deltas, leftovers, rslora = read_modules(
+  modules, deltas, leftovers, others, rslora = read_modules(
     tensors, tensors.metadata, path, fmt, prefix, config, default_alpha
   )
   shapes = param_shapes(params_or_model)
@@ -287,7 +287,7 @@ def load_lora(
   def allowed(keys: Sequence[str]) -> bool:
     return all(any(re.fullmatch(p, k) for p in allow_unmatched) for k in keys)
 
-  problems, skipped = [], []
+  problems, skipped = [], list(others)
   for k, why in leftovers:
     (skipped.append(k) if allowed([k]) else problems.append(f"{path}: {k!r} {why}"))
   for mkeys, module, why in unmatched:
