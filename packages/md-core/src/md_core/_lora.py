@@ -1,10 +1,10 @@
-"""Run-time LoRA slots in `md_core.nn.Dense`: adapters that travel as jit arguments, swapped without
-recompiling.
+"""Run-time LoRA slots in `md_core.nn.Dense` and `md_core.nn.Conv`: adapters that travel as jit
+arguments, swapped without recompiling.
 
 `add_lora_slots(model, rank)` gives the chosen Dense layers two extra variables, `lora_a` `[..., in, R]`
 and `lora_b` `[..., R, out]` (`...` is the `layers` axis of a scanned stack), zero-initialised, of type
 `LoRASlot` (not `nnx.Param`: checkpoints never hold them and loaders ignore them). A Dense with slots
-computes `x @ W + b + (x @ lora_a) @ lora_b`. Because the slots are ordinary leaves of the module's state,
+computes `x @ W + b + (x @ lora_a) @ lora_b` (a Conv: `conv(x, W) + b + conv(x, lora_a) @ lora_b`). Because the slots are ordinary leaves of the module's state,
 a pipeline passes them to its compiled programs with the rest of the state; `set_lora(state, adapters)`
 returns a new state with other adapter values (any rank up to `R`, any subset of layers, several adapters
 at once concatenated along the rank, each scale folded into its `B`) — same shapes, so the compiled
@@ -27,10 +27,11 @@ class LoRASlot(nnx.Variable):
 
 
 class LoRAWeight(NamedTuple):
-  """One adapter on one Dense layer: `delta W = scale · a @ b` (md layout: kernel `(in, out)`).
+  """One adapter on one layer: `delta W = scale · a @ b` (md layout: kernel `(in, out)`, conv `(*k, in,
+  out)`).
 
   Attributes:
-    a: `[in, r]` (or `[layers, in, r]` for every layer of a scanned stack).
+    a: `[in, r]` (or `[layers, in, r]` for every layer of a scanned stack); a conv's `[*k, in, r]`.
     b: `[r, out]` (or `[layers, r, out]`).
     scale: multiplies the delta (alpha / r times the user's adapter scale).
     layer: the layer of a scanned stack this adapter is for (None: `a`/`b` carry a layers axis, or the
@@ -54,6 +55,18 @@ def dense_layers(model: nnx.Module) -> dict[str, nnx.Module]:
   return {_path_str(p): node for p, node in nnx.iter_graph(model) if isinstance(node, Dense)}
 
 
+def lora_layers(model: nnx.Module) -> dict[str, nnx.Module]:
+  """Every layer of `model` that can hold LoRA slots: each `md_core.nn.Dense`, and each `md_core.nn.Conv`
+  without feature groups, by its dotted attribute path."""
+  from md_core.nn import Conv, Dense  # noqa: PLC0415 - nn imports this module
+
+  return {
+    _path_str(p): node
+    for p, node in nnx.iter_graph(model)
+    if isinstance(node, Dense) or (isinstance(node, Conv) and node.groups == 1)
+  }
+
+
 def add_lora_slots(
   model: nnx.Module,
   rank: int,
@@ -61,13 +74,17 @@ def add_lora_slots(
   targets: Callable[[str], bool] | Iterable[str] | None = None,
   dtype: Any = jnp.float32,
 ) -> list[str]:
-  """Adds zero LoRA slots of rank `rank` to the Dense layers of `model` that `targets` selects.
+  """Adds zero LoRA slots of rank `rank` to the Dense and Conv layers of `model` that `targets` selects.
+
+  A Dense gets `lora_a` `[..., in, R]` and `lora_b` `[..., R, out]`; a Conv with kernel `(*k, in, out)`
+  gets `lora_a` `[*k, in, R]` (a conv with the layer's stride, padding and dilation) and `lora_b` `[R, out]`
+  (a 1x1 conv), as PEFT's conv LoRA (`lora_A` a conv like the base, `lora_B` 1x1).
 
   Args:
     model: any md module.
     rank: the slot size; adapters of any rank up to it (summed over adapters used at once) fit.
     targets: a predicate on the dotted path, or a collection of paths / path suffixes (e.g.
-      `("to_q", "to_k", "to_v", "to_out.0")`); None: every Dense.
+      `("to_q", "to_k", "to_v", "to_out.0")`); None: every Dense and Conv.
     dtype: the slots' dtype (adapters stay f32 or bf16 beside a quantized or bf16 weight).
 
   Returns:
@@ -78,7 +95,7 @@ def add_lora_slots(
   """
   if int(rank) < 1:
     raise ValueError(f"add_lora_slots: rank must be >= 1, got {rank}")
-  layers = dense_layers(model)
+  layers = lora_layers(model)
   if targets is None:
     chosen = sorted(layers)
   elif callable(targets):
@@ -92,20 +109,24 @@ def add_lora_slots(
       f"add_lora_slots: targets {targets!r} match no Dense layer; some are: {sample}"
     )
   for path in chosen:
-    dense = layers[path]
-    kernel = dense.kernel
+    layer = layers[path]
+    kernel = layer.kernel
     shape = kernel.get_value().shape
+    window = len(getattr(layer, "kernel_size", ()))  # 0 for a Dense
     *lead, n_in, n_out = shape
+    lead = lead[: len(lead) - window]
     axes = getattr(kernel, "logical_axes", None) or (None,) * len(shape)
-    a = jnp.zeros((*lead, n_in, rank), dtype)
+    a = jnp.zeros((*shape[:-1], rank), dtype)
     b = jnp.zeros((*lead, rank, n_out), dtype)
-    a, b = _placed_like(kernel.get_value(), a, b)
-    dense.lora_a = LoRASlot(a, logical_axes=tuple(axes[:-1]) + (None,))
-    dense.lora_b = LoRASlot(b, logical_axes=tuple(axes[:-2]) + (None, axes[-1]))
+    a, b = _placed_like(kernel.get_value(), a, b, len(lead))
+    layer.lora_a = LoRASlot(a, logical_axes=tuple(axes[:-1]) + (None,))
+    layer.lora_b = LoRASlot(b, logical_axes=tuple(axes[: len(lead)]) + (None, axes[-1]))
   return chosen
 
 
-def _placed_like(kernel: Any, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _placed_like(
+  kernel: Any, a: jax.Array, b: jax.Array, n_lead: int
+) -> tuple[jax.Array, jax.Array]:
   """The slots placed where the kernel is: on a mesh, `a` split like the kernel's input axis and `b` like
   its output axis (the rank axis whole); on one device, committed to it, as loaded weights are (a jit
   argument's placement is part of its compiled program's key, so every later `set_lora` matches)."""
@@ -115,7 +136,7 @@ def _placed_like(kernel: Any, a: jax.Array, b: jax.Array) -> tuple[jax.Array, ja
     named = jax.sharding.NamedSharding
     pspec = jax.sharding.PartitionSpec
     a = jax.device_put(a, named(sharding.mesh, pspec(*spec[:-1], None)))
-    b = jax.device_put(b, named(sharding.mesh, pspec(*spec[:-2], None, spec[-1])))
+    b = jax.device_put(b, named(sharding.mesh, pspec(*spec[:n_lead], None, spec[-1])))
   elif sharding is not None:
     a, b = jax.device_put(a, sharding), jax.device_put(b, sharding)
   return a, b
@@ -147,79 +168,85 @@ def lora_rank(state_or_model: Any) -> int:
 
 
 def set_lora(
-  state: nnx.State, adapters: Sequence[Mapping[str, LoRAWeight]] | Mapping[str, LoRAWeight]
+  state: nnx.State,
+  adapters: Sequence[Mapping[str, LoRAWeight | Sequence[LoRAWeight]]]
+  | Mapping[str, LoRAWeight | Sequence[LoRAWeight]],
 ) -> nnx.State:
   """A copy of `state` whose LoRA slots hold `adapters` (every other slot zero).
+
+  The slots are filled on the host and placed where the old ones were: no program is compiled, whatever
+  the adapters' ranks (the compiled model takes the new state as it took the old one).
 
   Args:
     state: a module state with slots (`nnx.state(model)` after `add_lora_slots`, or a pipeline's split
       state).
-    adapters: one adapter (`{dense path: LoRAWeight}`) or several, applied together: their ranks are
-      concatenated in the slot, each scale folded into its `b`.
+    adapters: one adapter or several, applied together. An adapter maps a layer path to a `LoRAWeight`,
+      or to several (one per `layer` of a scanned stack: they share the adapter's rank range). The
+      adapters' ranks are concatenated in the slot, each scale folded into its `b`.
 
   Returns:
-    The new state (same tree and shapes: programs compiled for `state` take it without recompiling).
+    The new state (same tree, shapes, dtypes and placements).
 
   Raises:
-    ValueError: a path without a slot, shapes that do not fit the layer, or more total rank than the slot.
+    ValueError: a path without a slot, shapes that do not fit the layer, a `layer` outside the stack, or
+      more total rank than the slot.
   """
   if isinstance(adapters, Mapping):
     adapters = [adapters]
   slots = _slot_leaves(state)
   flat = dict(nnx.to_flat_state(state))
-
-  def value_of(key):
-    return flat[key].get_value()
-
-  fills: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
   for adapter in adapters:
-    for path, w in adapter.items():
+    for path in adapter:
       if path not in slots:
         near = sorted(slots, key=lambda p: -len(set(p.split(".")) & set(path.split("."))))[:3]
         raise ValueError(f"set_lora: {path!r} has no LoRA slot; slots nearest by name: {near}")
-      fills.setdefault(path, []).append(w)
   new = {}
   for path, (ka, kb) in slots.items():
-    a_slot, b_slot = value_of(ka), value_of(kb)
-    *lead, n_in, rank = a_slot.shape
-    n_out = b_slot.shape[-1]
-    a_parts, b_parts, used = [], [], 0
-    for w in fills.get(path, []):
-      a, b = jnp.asarray(w.a, a_slot.dtype), jnp.asarray(w.b, b_slot.dtype)
-      r = a.shape[-1]
-      if a.shape[-2] != n_in or b.shape[-1] != n_out or b.shape[-2] != r:
-        raise ValueError(
-          f"set_lora: {path!r} takes a [.., {n_in}, r] and b [.., r, {n_out}]; got a {tuple(a.shape)}, "
-          f"b {tuple(b.shape)}"
-        )
-      if w.layer is not None:
-        if not lead:
-          raise ValueError(f"set_lora: {path!r} is not a stacked layer; layer={w.layer} given")
-        za = jnp.zeros((*lead, n_in, r), a_slot.dtype).at[w.layer].set(a)
-        zb = jnp.zeros((*lead, r, n_out), b_slot.dtype).at[w.layer].set(b)
-        a, b = za, zb
-      elif tuple(a.shape[:-2]) != tuple(lead):
-        a = jnp.broadcast_to(a, (*lead, n_in, r))
-        b = jnp.broadcast_to(b, (*lead, r, n_out))
-      a_parts.append(a)
-      b_parts.append(b * jnp.asarray(w.scale, b_slot.dtype))
-      used += r
+    a_slot, b_slot = flat[ka].get_value(), flat[kb].get_value()
+    lead = tuple(b_slot.shape[:-2])
+    in_dims, rank, n_out = tuple(a_slot.shape[len(lead) : -1]), a_slot.shape[-1], b_slot.shape[-1]
+    a_new = np.zeros(a_slot.shape, np.float32)
+    b_new = np.zeros(b_slot.shape, np.float32)
+    used = 0
+    for adapter in adapters:
+      ws = adapter.get(path)
+      if ws is None:
+        continue
+      ws = [ws] if isinstance(ws, LoRAWeight) else list(ws)
+      r_max = 0
+      for w in ws:
+        a, b = np.asarray(w.a, np.float32), np.asarray(w.b, np.float32)
+        r = a.shape[-1]
+        body = tuple(a.shape[-1 - len(in_dims) : -1])
+        if body != in_dims or b.shape[-1] != n_out or b.shape[-2] != r:
+          raise ValueError(
+            f"set_lora: {path!r} takes a [.., {', '.join(map(str, in_dims))}, r] and b [.., r, "
+            f"{n_out}]; got a {tuple(a.shape)}, b {tuple(b.shape)}"
+          )
+        lo, hi = used, used + r
+        r_max = max(r_max, r)
+        if hi > rank:
+          continue  # reported below with the total
+        b = b * np.float32(w.scale)
+        if w.layer is not None:
+          if not lead:
+            raise ValueError(f"set_lora: {path!r} is not a stacked layer; layer={w.layer} given")
+          if not 0 <= int(w.layer) < lead[0]:
+            raise ValueError(f"set_lora: {path!r} has {lead[0]} layers; layer={w.layer} given")
+          a_new[int(w.layer), ..., lo:hi] = a.reshape(a.shape[-1 - len(in_dims) :])
+          b_new[int(w.layer), ..., lo:hi, :] = b.reshape(b.shape[-2:])
+        else:
+          a_new[..., lo:hi] = a  # broadcast over the stack when `a` has no layers axis
+          b_new[..., lo:hi, :] = b
+      used += r_max
     if used > rank:
       raise ValueError(
         f"set_lora: {path!r} needs rank {used} (adapters together) but its slot holds {rank}; add "
         "slots with a larger rank"
       )
-    if used == 0:
-      a_new, b_new = jnp.zeros_like(a_slot), jnp.zeros_like(b_slot)
-    else:
-      # Several adapters at once: (x @ [A1 A2]) @ [B1; B2] = x A1 B1 + x A2 B2; the rest stays zero.
-      pad_a = jnp.zeros((*lead, n_in, rank - used), a_slot.dtype)
-      pad_b = jnp.zeros((*lead, rank - used, n_out), b_slot.dtype)
-      a_new = jnp.concatenate([*a_parts, pad_a], axis=-1)
-      b_new = jnp.concatenate([*b_parts, pad_b], axis=-2)
-    a_new = jax.device_put(a_new, a_slot.sharding)
-    b_new = jax.device_put(b_new, b_slot.sharding)
-    new[ka], new[kb] = a_new, b_new
+    # Several adapters at once: (x @ [A1 A2]) @ [B1; B2] = x A1 B1 + x A2 B2; the rest stays zero.
+    new[ka] = jax.device_put(a_new.astype(a_slot.dtype), a_slot.sharding)
+    new[kb] = jax.device_put(b_new.astype(b_slot.dtype), b_slot.sharding)
   out = jax.tree.map(lambda x: x, state)  # a copy of the tree
   flat_out = dict(nnx.to_flat_state(out))
   for key, value in new.items():

@@ -158,6 +158,24 @@ class Conv(nnx.Module):
       _param(rngs, init, (out_channels,), param_dtype, tuple(axes)[-1:]) if use_bias else None
     )
 
+  # Run-time LoRA slots (`md_core.add_lora_slots`): `lora_a` `[*k, in, R]`, `lora_b` `[R, out]`.
+  lora_a: nnx.Variable | None = None
+  lora_b: nnx.Variable | None = None
+
+  def _conv(self, x: jax.Array, kernel: jax.Array, groups: int) -> jax.Array:
+    ndim = len(self.kernel_size)
+    spatial = "DHW"[-ndim:] if ndim <= 3 else None
+    dn = (f"N{spatial}C", f"{spatial}IO", f"N{spatial}C")
+    return jax.lax.conv_general_dilated(
+      x,
+      kernel,
+      window_strides=self.stride,
+      padding=self.padding,
+      rhs_dilation=self.dilation,
+      dimension_numbers=dn,
+      feature_group_count=groups,
+    )
+
   def __call__(self, x: jax.Array) -> jax.Array:
     ndim = len(self.kernel_size)
     if x.ndim != ndim + 2:
@@ -165,19 +183,14 @@ class Conv(nnx.Module):
         f"Conv{ndim}d expects [B, {ndim} spatial dims, C] input, got shape {x.shape}"
       )
     dtype = self.dtype or x.dtype
-    spatial = "DHW"[-ndim:] if ndim <= 3 else None
-    dn = (f"N{spatial}C", f"{spatial}IO", f"N{spatial}C")
-    y = jax.lax.conv_general_dilated(
-      x.astype(dtype),
-      self.kernel[...].astype(dtype),
-      window_strides=self.stride,
-      padding=self.padding,
-      rhs_dilation=self.dilation,
-      dimension_numbers=dn,
-      feature_group_count=self.groups,
-    )
+    x = x.astype(dtype)
+    y = self._conv(x, self.kernel[...].astype(dtype), self.groups)
     if self.bias is not None:
       y = y + _last(self.bias[...].astype(dtype), y.ndim)
+    if self.lora_a is not None:
+      # PEFT's conv LoRA: lora_A is a conv like the base one, lora_B a 1x1 conv (a matmul here).
+      h = self._conv(x, self.lora_a[...].astype(dtype), 1)
+      y = y + jnp.matmul(h, self.lora_b[...].astype(dtype))
     return y
 
 

@@ -224,11 +224,105 @@ class Pipeline:
     for split in splits:
       split.state = set_lora(split.state, adapters)
 
+  # --- the LoRA API (md-lora does the work; every family gets it here) ---------------------------------
+  # The components LoRA files adapt (the denoisers), e.g. ("unet",) or ("transformer", "transformer_2").
+  lora_components: tuple[str, ...] = ()
+
+  def lora_key_map(self, component: str) -> Any:
+    """The family's key map (`convert_key`) for a LoRA component's reference names."""
+    raise NotImplementedError(f"{type(self).__name__} does not name its LoRA key map")
+
+  def load_lora(
+    self,
+    file: str | os.PathLike,
+    *,
+    name: str | None = None,
+    scale: float | Mapping[str, float] = 1.0,
+    component: str | Sequence[str] | None = None,
+    fuse: bool = False,
+    max_rank: int | None = None,
+    targets: Any = None,
+    **read_options: Any,
+  ) -> str:
+    """Reads a LoRA file for this pipeline's denoiser(s) and applies it, active at once.
+
+    At run time (the default) the adapter goes into LoRA slots that the compiled programs take as
+    arguments: later loads, `set_adapters`, `unload_lora` never recompile. The slots are added at the
+    first run-time load (one recompile then), `max_rank` (default 64) wide, on every Dense and Conv of
+    each component unless `targets=` (layer-path suffixes or a predicate) narrows them; adapters active
+    at once share `max_rank`.
+
+    Args:
+      file: a LoRA `.safetensors` file (any format md-lora reads).
+      name: the adapter's name (default: the file's stem).
+      scale: its multiplier, or `{component: scale}` (e.g. Wan 2.2's two experts).
+      component: the component(s) to adapt (default: every one in `lora_components`; Wan 2.2:
+        `"transformer"` for the high-noise expert, `"transformer_2"` for the low-noise one).
+      fuse: merge it into the weights now (`W + s·B·A` on the weights' devices) instead of slots.
+      max_rank: the slot rank (only at the first load).
+      targets: which layers get slots (only at the first load).
+      **read_options: passed to `md_lora.load_lora` (`prefix=`, `format=`, `allow_unmatched=`…).
+
+    Returns:
+      The adapter's name.
+
+    Raises:
+      ValueError / md_lora.LoRAFileError: a name in use, an unknown component, a file that does not
+        fit (every key named), more rank than the slots hold.
+    """
+    return _lora_runtime().load(
+      self,
+      file,
+      name=name,
+      scale=scale,
+      component=component,
+      fuse=fuse,
+      max_rank=max_rank,
+      targets=targets,
+      **read_options,
+    )
+
+  def set_adapters(self, adapters: Mapping[str, Any] | Sequence[str] | str) -> None:
+    """The adapters used from now on, with their scales (`{name: scale or {component: scale}}`, or
+    names at 1.0); the ones not named are disabled (kept loaded). `{}` disables every unfused adapter.
+    Never recompiles."""
+    _lora_runtime().set_adapters(self, adapters)
+
+  def unload_lora(self, name: str | Sequence[str] | None = None) -> None:
+    """Forgets adapters (default: all), subtracting fused ones from the weights first."""
+    _lora_runtime().unload(self, name)
+
+  def fuse_lora(self, names: str | Sequence[str] | None = None) -> None:
+    """Merges the active adapters (or `names`) into the weights at their scales and takes them out of
+    the slots (the programs keep running without recompiling)."""
+    _lora_runtime().fuse(self, names)
+
+  def unfuse_lora(self, names: str | Sequence[str] | None = None) -> None:
+    """Subtracts fused adapters from the weights again; they stay active, in the slots."""
+    _lora_runtime().unfuse(self, names)
+
+  @property
+  def loras(self) -> dict[str, dict[str, Any]]:
+    """The loaded adapters: `{name: {"source", "scales", "active", "fused"}}`."""
+    if getattr(self, "_lora_registry", None) is None:
+      return {}
+    return _lora_runtime().status(self)
+
   def decoding(self, progress: bool = True):
     """The "decoding" phase around a VAE decode (announced on stderr when progress is on)."""
     from md_core import progress as md_progress  # noqa: PLC0415
 
     return md_progress.phase("decoding", announce=bool(progress))
+
+
+def _lora_runtime():
+  try:
+    from md_lora import _runtime  # noqa: PLC0415 - md-lora sits above md-core
+  except ImportError as e:
+    raise ImportError(
+      "the pipeline LoRA API needs md-lora: `uv add md-lora` / pip install md-lora"
+    ) from e
+  return _runtime
 
 
 # --- loading ----------------------------------------------------------------------------------------------

@@ -55,6 +55,13 @@ class FluxPipeline(mdp.Pipeline):
     last_calls: the transformer calls the last generation made (a step cache may skip some).
   """
 
+  lora_components = ("transformer",)  # what pipe.load_lora adapts
+
+  def lora_key_map(self, component: str):
+    from md_flux._weights1 import convert_key  # noqa: PLC0415
+
+    return convert_key
+
   def __init__(
     self,
     *,

@@ -141,6 +141,13 @@ class Flux2KleinPipeline(mdp.Pipeline):
     last_calls: the transformer calls the last generation made (a step cache may skip some).
   """
 
+  lora_components = ("transformer",)  # what pipe.load_lora adapts
+
+  def lora_key_map(self, component: str):
+    from md_flux._weights2 import convert_key_flux2  # noqa: PLC0415
+
+    return convert_key_flux2
+
   def __init__(
     self,
     *,

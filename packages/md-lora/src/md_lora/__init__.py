@@ -10,14 +10,17 @@ from md_lora._extract import Extraction, extract_lora, save_peft
 from md_lora._formats import FORMATS, LoRAFileError, detect_format, kohya_module_name
 from md_lora._load import load_lora, lora_factors, lora_report
 from md_lora._merge import merge, unmerge
+from md_lora._runtime import DEFAULT_MAX_RANK, apply_runtime, to_slots
 
 __all__ = [
+  "DEFAULT_MAX_RANK",
   "FORMATS",
   "Adapter",
   "Extraction",
   "LoRAFileError",
   "LoRAWeight",
   "Site",
+  "apply_runtime",
   "detect_format",
   "extract_lora",
   "kohya_module_name",
@@ -26,5 +29,6 @@ __all__ = [
   "lora_report",
   "merge",
   "save_peft",
+  "to_slots",
   "unmerge",
 ]

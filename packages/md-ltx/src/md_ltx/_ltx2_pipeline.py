@@ -141,6 +141,13 @@ class LTX2VideoPipeline(mdp.Pipeline):
     image_to_video: the folder is an `LTX2ImageToVideoPipeline` (an `image` is then required).
   """
 
+  lora_components = ("transformer",)  # what pipe.load_lora adapts
+
+  def lora_key_map(self, component: str):
+    from md_ltx._ltx2_weights import ltx2_convert_key  # noqa: PLC0415
+
+    return ltx2_convert_key
+
   def __init__(
     self,
     *,

@@ -158,6 +158,13 @@ class LTXVideoPipeline(mdp.Pipeline):
       semantics. A call's `mode=` overrides either.
   """
 
+  lora_components = ("transformer",)  # what pipe.load_lora adapts
+
+  def lora_key_map(self, component: str):
+    from md_ltx._weights import convert_key  # noqa: PLC0415
+
+    return convert_key
+
   def __init__(
     self,
     *,

@@ -103,6 +103,11 @@ class StableDiffusionPipeline(mdp.Pipeline):
 
   last_calls: int = 0
 
+  lora_components = ("unet",)  # what pipe.load_lora adapts
+
+  def lora_key_map(self, component: str):
+    return unet_key_map(self.unet.cfg)
+
   def __init__(
     self,
     *,

@@ -91,6 +91,13 @@ class WanVideoPipeline(mdp.Pipeline):
     scheduler_config: the checkpoint's `scheduler_config.json` dict.
   """
 
+  lora_components = ("transformer", "transformer_2")  # what pipe.load_lora adapts
+
+  def lora_key_map(self, component: str):
+    from md_wan._weights import convert_key  # noqa: PLC0415
+
+    return convert_key
+
   def __init__(
     self,
     *,

@@ -1,0 +1,332 @@
+"""Adapters at run time and the pipeline LoRA API (`pipe.load_lora`, `set_adapters`, `unload_lora`,
+`fuse_lora`, `unfuse_lora`), shared by every family through `md_core.pipeline.Pipeline`.
+
+At run time an adapter's factors sit in the denoiser's LoRA slots (`md_core.add_lora_slots`: zero-padded
+`[.., in, max_rank]` / `[.., max_rank, out]` beside each Dense and Conv kernel), which travel into the
+compiled programs with the rest of the module state: loading, swapping, rescaling or disabling adapters
+changes the slots' values, never their shapes, so nothing recompiles. Slots are added at the first
+run-time load (every Dense and Conv of the component unless `targets=` narrows them; `max_rank=` is the
+rank all adapters used at once share). Fusing merges adapters into the weights (`md_lora.merge`, on the
+weights' devices, in their dtype) and takes them out of the slots; unfusing subtracts them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flax import nnx
+
+import md_core
+from md_lora._adapter import Adapter
+from md_lora._load import load_lora
+from md_lora._merge import merge, unmerge
+
+DEFAULT_MAX_RANK = 64
+
+
+def to_slots(adapter: Adapter, scale: float = 1.0) -> dict[str, list[md_core.LoRAWeight]]:
+  """An adapter as run-time slot weights: `{layer path: [md_core.LoRAWeight(a, b, scale, layer)]}`.
+
+  A site `(…, layer, "kernel")` becomes the slot of the Dense / Conv at `…layer` (dotted path); a site of
+  a scanned stack keeps its `layer` index. `scale` multiplies the file's alpha / r.
+
+  Raises:
+    ValueError: a site that is not the kernel of a layer (e.g. a plain parameter kept in the reference's
+      layout): such adapters can only be merged (`md_lora.merge`, `pipe.fuse_lora`).
+  """
+  out: dict[str, list[md_core.LoRAWeight]] = {}
+  bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]
+  if bad:
+    raise ValueError(
+      f"{adapter.source}: {len(bad)} adapted parameter(s) are not layer kernels and have no run-time "
+      f"LoRA slot: {bad[:5]}; merge this adapter instead (pipe.load_lora(..., fuse=True) or "
+      "md_lora.merge)"
+    )
+  for site, w in adapter.weights.items():
+    path = ".".join(str(p) for p in site.path[:-1])
+    out.setdefault(path, []).append(md_core.LoRAWeight(w.down, w.up, scale * w.scale, site.layer))
+  return out
+
+
+def apply_runtime(state: Any, adapters: Sequence[tuple[Adapter, float]]) -> Any:
+  """A module state with `(adapter, scale)` pairs in its LoRA slots (all others zero); see `to_slots`."""
+  return md_core.set_lora(state, [to_slots(a, s) for a, s in adapters])
+
+
+# --- the pipeline API ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Entry:
+  adapters: dict[str, Adapter]  # component → the file read against it
+  scales: dict[str, float]  # component → the user's scale
+  active: bool = True
+  fused: dict[str, float] | None = None  # the scales it is merged into the weights with
+
+
+@dataclasses.dataclass
+class _Registry:
+  entries: dict[str, _Entry] = dataclasses.field(default_factory=dict)
+  max_rank: int = DEFAULT_MAX_RANK
+  targets: Any = None
+
+
+def _registry(pipe: Any) -> _Registry:
+  reg = getattr(pipe, "_lora_registry", None)
+  if reg is None:
+    reg = _Registry()
+    pipe._lora_registry = reg
+  return reg
+
+
+def _components(pipe: Any, component: str | Sequence[str] | None) -> list[str]:
+  known = [c for c in pipe.lora_components if getattr(pipe, c, None) is not None]
+  if not known:
+    raise ValueError(f"{type(pipe).__name__} has no component LoRAs apply to")
+  if component is None:
+    return known
+  wanted = [component] if isinstance(component, str) else list(component)
+  bad = [c for c in wanted if c not in known]
+  if bad:
+    raise ValueError(f"component {bad[0]!r}: LoRAs apply to {known} of {type(pipe).__name__}")
+  return wanted
+
+
+def _scale(value: Any, what: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    raise TypeError(f"{what}: scale {value!r} is not a finite number")
+  return float(value)
+
+
+def _scales(value: Any, components: Sequence[str], what: str) -> dict[str, float]:
+  """A scale (the same for every component) or `{component: scale}` (every component named)."""
+  if isinstance(value, Mapping):
+    extra = sorted(set(value) - set(components))
+    missing = [c for c in components if c not in value]
+    if extra or missing:
+      raise ValueError(
+        f"{what}: per-component scales {dict(value)} must name exactly {list(components)}"
+        + (f" (unknown: {extra})" if extra else "")
+        + (f" (missing: {missing})" if missing else "")
+      )
+    return {c: _scale(value[c], f"{what} [{c}]") for c in components}
+  s = _scale(value, what)
+  return {c: s for c in components}
+
+
+def _has_slots(pipe: Any, component: str) -> bool:
+  return bool(md_core.lora_paths(getattr(pipe, component)))
+
+
+def _ensure_slots(pipe: Any, component: str) -> None:
+  if not _has_slots(pipe, component):
+    reg = _registry(pipe)
+    pipe.add_lora_slots(reg.max_rank, component=component, targets=reg.targets)
+
+
+def _check_fits(pipe: Any, component: str, adapter: Adapter) -> None:
+  """Every site of `adapter` has a slot in `component` (else: which ones, and what to do)."""
+  slots = set(md_core.lora_paths(getattr(pipe, component)))
+  layers = to_slots(adapter)
+  missing = sorted(p for p in layers if p not in slots)
+  if missing:
+    raise ValueError(
+      f"{adapter.source}: {len(missing)} layer(s) of {component} it adapts have no run-time LoRA slot "
+      f"(the slots were added for the first adapter's targets): {missing[:5]}; load it with "
+      "fuse=True, or load every adapter once before the first generation with targets=None"
+    )
+
+
+def _rebuild(pipe: Any) -> None:
+  """Writes the active, unfused adapters into every component's slots."""
+  reg = _registry(pipe)
+  for component in pipe.lora_components:
+    if getattr(pipe, component, None) is None:
+      continue
+    pairs = [
+      (e.adapters[component], e.scales[component])
+      for e in reg.entries.values()
+      if e.active and e.fused is None and component in e.adapters
+    ]
+    if pairs:
+      _ensure_slots(pipe, component)
+    elif not _has_slots(pipe, component):
+      continue
+    try:
+      pipe.set_lora([to_slots(a, s) for a, s in pairs], component=component)
+    except ValueError as e:
+      raise ValueError(
+        f"{e}; the adapters active at once share the slots of max_rank={md_core.lora_rank(getattr(pipe, component))}"
+        " (set max_rank= at the first load_lora, or fuse some adapters)"
+      ) from None
+
+
+def load(
+  pipe: Any,
+  file: str | os.PathLike,
+  *,
+  name: str | None = None,
+  scale: float | Mapping[str, float] = 1.0,
+  component: str | Sequence[str] | None = None,
+  fuse: bool = False,
+  max_rank: int | None = None,
+  targets: Any = None,
+  **read_options: Any,
+) -> str:
+  """`pipe.load_lora`: see `md_core.pipeline.Pipeline.load_lora`."""
+  reg = _registry(pipe)
+  name = pathlib.Path(file).stem if name is None else str(name)
+  if name in reg.entries:
+    raise ValueError(
+      f"a LoRA named {name!r} is loaded already ({_sources(reg.entries[name])}); unload_lora({name!r}) "
+      "first or pass another name="
+    )
+  components = _components(pipe, component)
+  scales = _scales(scale, components, f"load_lora({str(file)!r})")
+  if max_rank is not None or targets is not None:
+    if any(_has_slots(pipe, c) for c in components):
+      have = md_core.lora_rank(getattr(pipe, components[0]))
+      if max_rank is not None and int(max_rank) != have:
+        raise ValueError(
+          f"load_lora: max_rank={max_rank}, but the slots hold rank {have} already (set at the first "
+          "load; changing them would recompile): unload every LoRA and load again with a new pipeline"
+        )
+    if max_rank is not None:
+      if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
+        raise ValueError(f"load_lora: max_rank must be a positive int, got {max_rank!r}")
+      reg.max_rank = int(max_rank)
+    if targets is not None:
+      reg.targets = targets
+  adapters = {
+    c: load_lora(file, pipe.lora_key_map(c), getattr(pipe, c), **read_options) for c in components
+  }
+  entry = _Entry(adapters, scales)
+  if fuse:
+    _fuse(pipe, entry)
+    reg.entries[name] = entry
+    return name
+  for c, adapter in adapters.items():
+    to_slots(adapter)  # every site must be a layer kernel
+    if _has_slots(pipe, c):
+      _check_fits(pipe, c, adapter)
+  reg.entries[name] = entry
+  try:
+    _rebuild(pipe)
+  except ValueError:
+    del reg.entries[name]
+    _rebuild(pipe)
+    raise
+  return name
+
+
+def _sources(entry: _Entry) -> str:
+  return ", ".join(sorted({a.source for a in entry.adapters.values()}))
+
+
+def _names(reg: _Registry, names: str | Sequence[str] | None, what: str) -> list[str]:
+  if names is None:
+    return list(reg.entries)
+  names = [names] if isinstance(names, str) else list(names)
+  for n in names:
+    if n not in reg.entries:
+      raise ValueError(f"{what}: no LoRA named {n!r}; loaded: {list(reg.entries)}")
+  return names
+
+
+def set_adapters(pipe: Any, adapters: Mapping[str, Any] | Sequence[str] | str) -> None:
+  """`pipe.set_adapters`: see `md_core.pipeline.Pipeline.set_adapters`."""
+  reg = _registry(pipe)
+  if isinstance(adapters, str):
+    adapters = {adapters: 1.0}
+  elif not isinstance(adapters, Mapping):
+    adapters = dict.fromkeys(adapters, 1.0)
+  _names(reg, list(adapters), "set_adapters")
+  new = {}
+  for n, value in adapters.items():
+    entry = reg.entries[n]
+    if entry.fused is not None:
+      raise ValueError(f"set_adapters: {n!r} is fused into the weights; unfuse_lora() first")
+    new[n] = _scales(value, list(entry.adapters), f"set_adapters({n!r})")
+  old = {n: (e.active, e.scales) for n, e in reg.entries.items()}
+  for n, entry in reg.entries.items():
+    if entry.fused is None:
+      entry.active = n in new
+      entry.scales = new.get(n, entry.scales)
+  try:
+    _rebuild(pipe)
+  except ValueError:
+    for n, (active, scales) in old.items():
+      reg.entries[n].active, reg.entries[n].scales = active, scales
+    _rebuild(pipe)
+    raise
+
+
+def unload(pipe: Any, name: str | Sequence[str] | None = None) -> None:
+  """`pipe.unload_lora`: see `md_core.pipeline.Pipeline.unload_lora`."""
+  reg = _registry(pipe)
+  for n in _names(reg, name, "unload_lora"):
+    entry = reg.entries[n]
+    if entry.fused is not None:
+      _unfuse(pipe, entry)
+    del reg.entries[n]
+  _rebuild(pipe)
+
+
+def _merged(pipe: Any, entry: _Entry, scales: Mapping[str, float], fn) -> None:
+  for c, adapter in entry.adapters.items():
+    module, splits = pipe._splits_of(c)
+    state = splits[0].state if splits else nnx.state(module)
+    new = fn(state, [(adapter, scales[c])])
+    nnx.update(module, new)
+    for split in splits:
+      split.state = new
+
+
+def _fuse(pipe: Any, entry: _Entry) -> None:
+  _merged(pipe, entry, entry.scales, merge)
+  entry.fused = dict(entry.scales)
+
+
+def _unfuse(pipe: Any, entry: _Entry) -> None:
+  _merged(pipe, entry, entry.fused, unmerge)
+  entry.fused = None
+
+
+def fuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
+  """`pipe.fuse_lora`: see `md_core.pipeline.Pipeline.fuse_lora`."""
+  reg = _registry(pipe)
+  for n in _names(reg, names, "fuse_lora"):
+    entry = reg.entries[n]
+    if entry.active and entry.fused is None:
+      _fuse(pipe, entry)
+  _rebuild(pipe)
+
+
+def unfuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
+  """`pipe.unfuse_lora`: see `md_core.pipeline.Pipeline.unfuse_lora`."""
+  reg = _registry(pipe)
+  for n in reversed(_names(reg, names, "unfuse_lora")):
+    entry = reg.entries[n]
+    if entry.fused is not None:
+      _unfuse(pipe, entry)
+  _rebuild(pipe)
+
+
+def status(pipe: Any) -> dict[str, dict[str, Any]]:
+  """`pipe.loras`: `{name: {"source", "scales", "active", "fused"}}` in load order."""
+  reg = _registry(pipe)
+  return {
+    n: {
+      "source": _sources(e),
+      "scales": dict(e.scales),
+      "active": e.active,
+      "fused": e.fused is not None,
+    }
+    for n, e in reg.entries.items()
+  }
