@@ -1,0 +1,304 @@
+"""md-serve end to end: a real uvicorn server on 127.0.0.1 (a free port) over the tiny SD pipeline, driven
+with httpx; the web page in headless Chromium (Debian's chromium + chromium-driver, through selenium).
+
+One module-scoped server: the pipeline compiles its one batch bucket (4 rows, 32 x 32) once, with run-time
+LoRA slots for two adapters (tests/fixtures/lora); every later request reuses that program.
+"""
+
+import base64
+import concurrent.futures
+import io
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from PIL import Image
+
+import md_lora
+import md_sd
+import md_serve
+from md_core import testing
+
+STEPS = 4
+LONG = 300  # steps of the runs that are cancelled (one more compiled program, shared)
+COMMON = {"size": "32x32", "steps": STEPS, "guidance": 5.0}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class _Server:
+  """A uvicorn server in a thread (stopped with should_exit, as on SIGTERM)."""
+
+  def __init__(self, app):
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+    self.server = uvicorn.Server(config)
+    self.thread = threading.Thread(target=self.server.run, daemon=True)
+    self.thread.start()
+    deadline = time.time() + 30
+    while not self.server.started:
+      assert time.time() < deadline, "uvicorn did not start"
+      time.sleep(0.02)
+
+  def stop(self):
+    self.server.should_exit = True
+    self.thread.join(30)
+    assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def served():
+  pipe = md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd")
+  root = testing.fixture_path("lora")
+  keymap = md_sd.unet_key_map(pipe.unet.cfg)
+  loras = {n: md_lora.load_lora(root / f"sd_{n}.safetensors", keymap, pipe.unet) for n in "ab"}
+  model = md_serve.ServedModel(
+    "sd-tiny", pipe, loras=loras, default_size=(32, 32), max_pixels=64 * 64
+  )
+  queue = md_serve.JobQueue(
+    {"sd-tiny": model}, max_queue=6, max_batch=4, batch_buckets=(4,), batch_wait_s=0.25,
+    preview_every=2,
+  )  # fmt: skip
+  server = _Server(md_serve.make_app(queue, title="md test"))
+  client = httpx.Client(base_url=server.url, timeout=120)
+  # Warm-up: the one compiled bucket.
+  r = client.post("/v1/images/generations", json={"prompt": "warm up", **COMMON})
+  assert r.status_code == 200, r.text
+  yield server, client, queue, model
+  client.close()
+  server.stop()
+  assert not queue._thread.is_alive()
+
+
+def _png(item) -> np.ndarray:
+  assert item["mime_type"] == "image/png"
+  return np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+
+
+def _metric(client, name) -> float:
+  text = client.get("/metrics").text
+  m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+  assert m, f"{name} not in /metrics"
+  return float(m.group(1))
+
+
+def test_generation_n_and_formats(served):
+  _, client, _, _ = served
+  r = client.post(
+    "/v1/images/generations", json={"prompt": "a red circle", "n": 2, "seed": 3, **COMMON}
+  )
+  assert r.status_code == 200, r.text
+  data = r.json()["data"]
+  assert len(data) == 2
+  a, b = (_png(d) for d in data)
+  assert a.shape == b.shape == (32, 32, 3) and a.dtype == np.uint8
+  assert np.abs(a.astype(int) - b).max() > 0  # two noise rows of one seed differ
+  again = client.post(
+    "/v1/images/generations",
+    json={"prompt": "a red circle", "n": 1, "seed": 3, "response_format": "url", **COMMON},
+  )
+  assert again.status_code == 200, again.text
+  url = again.json()["data"][0]["url"]
+  png = httpx.get(url, timeout=30)
+  assert png.status_code == 200 and png.headers["content-type"] == "image/png"
+  same = np.asarray(Image.open(io.BytesIO(png.content)))
+  np.testing.assert_array_equal(same, a)  # same seed, same first row, whatever the batch
+
+
+def test_concurrent_compatible_requests_share_one_call(served):
+  _, client, queue, model = served
+  calls_before = _metric(client, "md_serve_denoiser_calls_total")
+  batches_before = _metric(client, "md_serve_batches_total")
+  bodies = [{"prompt": f"shape {i}", "seed": 10 + i, **COMMON} for i in range(3)]
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    rs = list(pool.map(lambda b: client.post("/v1/images/generations", json=b), bodies))
+  assert [r.status_code for r in rs] == [200] * 3
+  ids = [r.json()["id"] for r in rs]
+  assert {queue.jobs[i].batch_rows for i in ids} == {3}
+  assert _metric(client, "md_serve_batches_total") - batches_before == 1
+  calls = _metric(client, "md_serve_denoiser_calls_total") - calls_before
+  assert calls == model.pipe.last_calls == STEPS  # one loop for three requests (3 x STEPS alone)
+  solo = client.post("/v1/images/generations", json=bodies[1]).json()["data"][0]
+  np.testing.assert_array_equal(_png(solo), _png(rs[1].json()["data"][0]))
+
+
+def test_lora_swap_per_request_never_recompiles(served):
+  _, client, _, _ = served
+  before = _metric(client, "md_serve_compiles_total")
+  out = {}
+  for name, loras in [
+    ("base", []), ("a", [{"name": "a", "scale": 1.0}]), ("b", [{"name": "b", "scale": 1.5}]),
+    ("ab", [{"name": "a", "scale": 0.7}, {"name": "b", "scale": 1.3}]), ("base2", []),
+  ]:  # fmt: skip
+    r = client.post("/v1/images/generations", json={"prompt": "a cat", "loras": loras, **COMMON})
+    assert r.status_code == 200, r.text
+    out[name] = _png(r.json()["data"][0]).astype(int)
+  assert _metric(client, "md_serve_compiles_total") == before
+  for name in ("a", "b", "ab"):
+    assert np.abs(out[name] - out["base"]).max() > 2, name
+  assert np.abs(out["a"] - out["b"]).max() > 2
+  np.testing.assert_array_equal(out["base2"], out["base"])  # the slots are emptied again
+
+
+def _events(client, job_id, until=None):
+  events = []
+  with client.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+    assert r.headers["content-type"].startswith("text/event-stream")
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        events.append(json.loads(line[6:]))
+        if until is not None and until(events[-1]):
+          break
+  return events
+
+
+def test_progress_events_with_previews(served):
+  _, client, _, _ = served
+  r = client.post("/v1/images/generations", json={"prompt": "a dot", "wait": False, **COMMON})
+  assert r.status_code == 202
+  job = r.json()
+  events = _events(client, job["id"])
+  kinds = [e["event"] for e in events]
+  assert kinds[0] == "queued" and kinds[-1] == "succeeded" and "running" in kinds
+  steps = [(e["step"], e["total"]) for e in events if e["event"] == "progress"]
+  assert steps == [(i, STEPS) for i in range(1, STEPS + 1)]
+  previews = [e for e in events if "preview" in e]
+  assert [e["step"] for e in previews] == [2, 4]  # every 2 steps
+  small = Image.open(io.BytesIO(base64.b64decode(previews[0]["preview"])))
+  assert small.size == (4, 4)  # latent resolution: 32 / 8
+  done = client.get(f"/v1/jobs/{job['id']}").json()
+  assert done["status"] == "succeeded" and len(done["data"]) == 1
+
+
+def test_cancel_mid_run_frees_the_slot(served):
+  _, client, queue, _ = served
+  body = {"prompt": "a long run", "wait": False, **COMMON, "steps": LONG}
+  job = client.post("/v1/images/generations", json=body).json()
+  seen = _events(client, job["id"], until=lambda e: e["event"] == "progress" and e["step"] >= 3)
+  assert seen[-1]["step"] >= 3
+  r = client.delete(f"/v1/jobs/{job['id']}")
+  assert r.status_code == 200 and r.json()["status"] == "cancelled"
+  assert queue.depth == 0  # the slot is free at once
+  deadline = time.time() + 30
+  while queue._running and time.time() < deadline:  # the loop stops at the next step boundary
+    time.sleep(0.01)
+  state = client.get(f"/v1/jobs/{job['id']}").json()
+  assert state["status"] == "cancelled" and 3 <= state["step"] < LONG
+  assert not queue._running
+  ok = client.post("/v1/images/generations", json={"prompt": "after", **COMMON})
+  assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+  "body, param, words",
+  [
+    (b'{"prompt": "a cat", ', "body", "not valid JSON"),
+    (b'["a cat"]', "body", "JSON object"),
+    ({"prompt": "a cat", "sizes": "32x32"}, "sizes", "did you mean 'size'"),
+    ({"prompt": "a cat", "size": "4096x4096"}, "size", "at most 4096"),
+    ({"prompt": "a cat", "size": "36x32"}, "size", "nearest valid width: 32 or 40"),
+    ({"prompt": "a cat", "size": "big"}, "size", '"WxH"'),
+    ({"prompt": "a cat", "loras": [{"name": "nope"}]}, "loras[0].name", "unknown LoRA 'nope'"),
+    ({"prompt": "a cat", "response_format": "jpeg"}, "response_format", "b64_json"),
+    ({"prompt": "a cat", "n": 0}, "n", "out of range"),
+    ({"prompt": ""}, "prompt", "required"),
+    ({"prompt": "a cat", "model": "sdxl"}, "model", "not a image model"),
+  ],
+)
+def test_bad_requests_name_the_field(served, body, param, words):
+  _, client, _, _ = served
+  if isinstance(body, bytes):
+    r = client.post(
+      "/v1/images/generations", content=body, headers={"content-type": "application/json"}
+    )
+  else:
+    r = client.post("/v1/images/generations", json=body)
+  assert r.status_code == 400, r.text
+  err = r.json()["error"]
+  assert err["param"] == param and words in err["message"], err
+
+
+def test_video_route_without_video_model_is_404(served):
+  _, client, _, _ = served
+  r = client.post("/v1/videos/generations", json={"prompt": "a cat"})
+  assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_full_queue_is_429_with_retry_after(served):
+  _, client, queue, _ = served
+  body = {"prompt": "fill", "wait": False, **COMMON, "steps": LONG}
+  codes, jobs = [], []
+  for _ in range(8):
+    r = client.post("/v1/images/generations", json=body)
+    codes.append(r.status_code)
+    if r.status_code == 202:
+      jobs.append(r.json()["id"])
+    else:
+      assert r.status_code == 429
+      assert int(r.headers["retry-after"]) >= 1
+  assert codes.count(202) == 6 and codes.count(429) == 2
+  assert _metric(client, "md_serve_queue_depth") == 6
+  for job_id in jobs:
+    assert client.delete(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+  assert queue.depth == 0
+  assert _metric(client, "md_serve_jobs_rejected_total") >= 2
+
+
+def test_healthz_and_metrics(served):
+  _, client, _, _ = served
+  h = client.get("/healthz")
+  assert h.status_code == 200 and h.json()["status"] == "ok"
+  text = client.get("/metrics").text
+  for name in ("md_serve_queue_depth", "md_serve_step_seconds", "md_serve_compiles_total"):
+    assert f"# TYPE {name}" in text
+  assert _metric(client, "md_serve_step_seconds_count") > 0
+  assert _metric(client, "md_serve_compiles_total") > 0
+  models = client.get("/v1/models").json()["data"]
+  assert models[0]["id"] == "sd-tiny" and models[0]["loras"] == ["a", "b"]
+
+
+def test_bearer_token(served):
+  _, _, queue, _ = served
+  other = _Server(md_serve.make_app(queue, token="s3cret"))
+  try:
+    with httpx.Client(base_url=other.url, timeout=60) as c:
+      assert c.get("/v1/models").status_code == 401
+      assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+      ok = c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+      assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "sd-tiny"
+      assert c.get("/healthz").status_code == 200  # health stays open
+  finally:
+    other.server.should_exit = True
+    other.thread.join(30)
+
+
+def test_shutdown_cancels_or_finishes_every_accepted_job(served):
+  _, _, _, model = served
+  req = md_serve.parse_request(
+    {"prompt": "x", **COMMON, "steps": LONG}, "image", {"sd-tiny": model}
+  )
+  q = md_serve.JobQueue({"sd-tiny": model}, max_batch=4, batch_buckets=(4,), batch_wait_s=0.0)
+  jobs = [q.submit(req) for _ in range(5)]
+  while jobs[0].status == "queued":
+    time.sleep(0.01)
+  left = q.shutdown("cancel")
+  assert {j.id for j in left} == {j.id for j in jobs}
+  assert all(j.status == "cancelled" and j.events[-1]["event"] == "cancelled" for j in jobs)
+  with pytest.raises(md_serve.ShuttingDown):
+    q.submit(req)
+  quick = md_serve.parse_request({"prompt": "x", **COMMON}, "image", {"sd-tiny": model})
+  q = md_serve.JobQueue({"sd-tiny": model}, max_batch=4, batch_buckets=(4,), batch_wait_s=0.0)
+  jobs = [q.submit(quick) for _ in range(6)]
+  assert q.shutdown("finish") == []
+  assert all(j.status == "succeeded" and len(j.results) == 1 for j in jobs)
