@@ -281,7 +281,7 @@ def _peft_config(
       return json.loads(pathlib.Path(config).read_text())
     return dict(config)
   beside = path.parent / "adapter_config.json"
-  if beside.is_file():
+  if path.is_file() and beside.is_file():
     return json.loads(beside.read_text())
   raw = metadata.get("lora_adapter_metadata")
   if raw is None:

@@ -27,6 +27,7 @@ from md_lora._formats import (
 from md_lora._layouts import detect_layout, guess_model, translator
 
 _MAX_LISTED = 20
+_NEAREST = "\x00nearest"  # placeholder, filled in for the listed problems
 _PERMUTATIONS = {
   "linear": (1, 0),
   "conv1d": (2, 1, 0),
@@ -152,7 +153,7 @@ def _nearest(module: str, paths: Sequence[str]) -> str:
 
 
 def load_lora(
-  file: str | os.PathLike,
+  file: str | os.PathLike | Mapping[str, Any],
   convert_key: KeyMap,
   params_or_model: Any,
   *,
@@ -173,7 +174,8 @@ def load_lora(
   used (an abstract model from `nnx.eval_shape` serves).
 
   Args:
-    file: a `.safetensors` LoRA file.
+    file: a `.safetensors` LoRA file, or a mapping of its tensors (`{key: array}`; a `name` and
+      `metadata` attribute are used where present).
     convert_key: the family's diffusers key map for this component (`md_sd.unet_key_map(cfg)`,
       `md_flux.convert_key`, `md_wan.convert_key`, `md_ltx.ltx2_convert_key`,
       `md_text.clip_text_convert_key`…).
@@ -184,8 +186,9 @@ def load_lora(
     config: PEFT `LoraConfig` fields (a dict, or an `adapter_config.json` path); default: the
       `adapter_config.json` beside the file, else the file's `lora_adapter_metadata`, else alpha = r.
     default_alpha: for kohya files whose modules lack `.alpha` tensors, the alpha to assume.
-    allow_unmatched: regexes over file keys that may map to nothing (e.g. `r"text_encoder\\..*"`); they
-      are listed in `Adapter.skipped`.
+    allow_unmatched: regexes over file keys that may map to nothing (e.g. `r"lora_te_.*"`); they are
+      listed in `Adapter.skipped`, as are the keys of the pipeline's other components the file holds
+      (`text_encoder.` beside `unet.`).
 
   Returns:
     The Adapter, keyed by md parameter site (`lora_report` lists it).
@@ -196,14 +199,19 @@ def load_lora(
       nothing or to parameters of other shapes (all listed, with file and key), or a LoRA made for
       another model (said first, with the model its names suggest).
   """
-  path = pathlib.Path(file)
-  tensors = md_core.SafetensorsFile(path)
+  if isinstance(file, Mapping):  # tensors already read (a state dict), or shapes-only stand-ins
+    tensors, path = file, pathlib.Path(str(getattr(file, "name", "<tensors>")))
+    metadata = dict(getattr(file, "metadata", None) or {})
+  else:
+    path = pathlib.Path(file)
+    tensors = md_core.SafetensorsFile(path)
+    metadata = tensors.metadata
   keys = list(tensors)
   if format is not None and format not in FORMATS:
     raise LoRAFileError(f"{path}: format={format!r}; md reads {FORMATS}")
   fmt = format or detect_format(keys, str(path))
   modules, deltas, leftovers, others, rslora = read_modules(
-    tensors, tensors.metadata, path, fmt, prefix, config, default_alpha
+    tensors, metadata, path, fmt, prefix, config, default_alpha
   )
   shapes = param_shapes(params_or_model)
   known = [path_str(p) for p in shapes]
@@ -238,9 +246,7 @@ def load_lora(
     targets = convert_key(name)
     if targets is None:
       bad_ids.add(keys[0])
-      unmatched.append(
-        (keys, module, "maps to no parameter of the model" + _nearest(module, known))
-      )
+      unmatched.append((keys, module, "maps to no parameter of the model" + _NEAREST))
       return []
     out = []
     for target in (targets,) if isinstance(targets, Target) else targets:
@@ -288,6 +294,7 @@ def load_lora(
     return all(any(re.fullmatch(p, k) for p in allow_unmatched) for k in keys)
 
   problems, skipped = [], list(others)
+  nearest_of: dict[str, str] = {}
   for k, why in leftovers:
     (skipped.append(k) if allowed([k]) else problems.append(f"{path}: {k!r} {why}"))
   for mkeys, module, why in unmatched:
@@ -295,7 +302,12 @@ def load_lora(
       skipped += [k for k in mkeys if k not in skipped]
     else:
       problems.append(f"{path}: {mkeys[0]!r} ({module!r}) {why}")
+      nearest_of[problems[-1]] = module
   problems += misshaped
+  # The nearest md path (difflib over every path) only for the problems listed.
+  for i, text in enumerate(problems[:_MAX_LISTED]):
+    if text.endswith(_NEAREST):
+      problems[i] = text[: -len(_NEAREST)] + _nearest(nearest_of[text], known)
   if problems:
     n_modules = len(source_ids)
     bad = len(bad_ids & source_ids)

@@ -1,0 +1,120 @@
+"""Real LoRA files' key manifests (tests/fixtures/manifests/lora_*.json, tools/fixtures/lora_manifests.py)
+read for md's abstract full-size models (`nnx.eval_shape`, no weights): every key maps, with the right
+shape, and a file for another model says so.
+
+The manifests hold names and shapes only; the tensors here are zero-stride stand-ins of those shapes."""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_flux
+import md_lora
+import md_sd
+import md_text
+import md_wan
+from md_core.testing import fixture_path
+
+
+class _StandIns(dict):
+  """A manifest's tensors as zero-stride arrays of their shapes (no memory), named after the file."""
+
+  def __init__(self, name):
+    data = json.loads((fixture_path("manifests") / f"{name}.json").read_text())
+    zero = np.zeros((), np.float32)
+    super().__init__({k: np.broadcast_to(zero, v["shape"]) for k, v in data["tensors"].items()})
+    self.name, self.data = f"{name}.json", data
+
+
+def _abstract(factory):
+  return nnx.eval_shape(factory)
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+  cfg = md_sd.VARIANTS["sdxl-base"]
+  return cfg, _abstract(lambda: md_sd.UNet2DConditionModel(cfg, rngs=nnx.Rngs(0)))
+
+
+def _modules(tensors, suffixes=(".lora_down.weight", ".down.weight")):
+  return {k.rsplit(".", 2)[0] for k in tensors if k.endswith(suffixes)}
+
+
+@pytest.mark.parametrize(
+  "name", ["lora_kohya_sdxl", "lora_hyper_sdxl_8steps", "lora_sdxl_lightning_4step"]
+)
+def test_sdxl_unet_loras(sdxl, name):
+  cfg, unet = sdxl
+  tensors = _StandIns(name)
+  adapter = md_lora.load_lora(tensors, md_sd.unet_key_map(cfg), unet)
+  assert adapter.format == "kohya"
+  unet_modules = {m for m in _modules(tensors) if m.startswith("lora_unet_")}
+  assert len(adapter.weights) == len(unet_modules) > 700  # one site per module, none left
+  assert set(adapter.skipped) == {k for k in tensors if not k.startswith("lora_unet_")}
+  if name == "lora_kohya_sdxl":  # SGM names: input_blocks.7.1 is down_blocks.2.attentions.0
+    name_of = {str(s): m for s, m in adapter.names.items()}
+    site = "down_blocks/2/attentions/0/transformer_blocks/9/attn2/to_k/kernel"
+    assert name_of[site] == "down_blocks.2.attentions.0.transformer_blocks.9.attn2.to_k"
+
+
+@pytest.mark.parametrize(
+  "prefix, cls, variant, layers",
+  [
+    ("lora_te1_", md_text.CLIPTextModel, "clip-l", 12),
+    ("lora_te2_", md_text.CLIPTextModelWithProjection, "openclip-bigg", 32),
+  ],
+)
+def test_kohya_sdxl_text_encoders(prefix, cls, variant, layers):
+  model = _abstract(lambda: cls(md_text.CLIP_TEXT_VARIANTS[variant], rngs=nnx.Rngs(0)))
+  adapter = md_lora.load_lora(
+    _StandIns("lora_kohya_sdxl"), md_text.clip_text_convert_key, model, prefix=prefix
+  )
+  assert len(adapter.weights) == 6 * layers
+  assert {s.layer for s in adapter.weights} == set(range(layers))
+
+
+def test_lightx2v_wan_14b_and_not_1_3b():
+  tensors = _StandIns("lora_lightx2v_wan21_t2v_14b")
+  big = _abstract(lambda: md_wan.WanTransformer(md_wan.VARIANTS["2.1-t2v-14b"], rngs=nnx.Rngs(0)))
+  adapter = md_lora.load_lora(tensors, md_wan.convert_key, big)
+  assert adapter.format == "comfyui" and adapter.skipped == ()
+  lora = len(_modules(tensors))
+  diffs = sum(k.endswith((".diff", ".diff_b")) for k in tensors)
+  assert len(adapter.weights) == lora + diffs  # every module and every full delta has its site
+  sites = {str(s) for s in adapter.weights}
+  assert {"blocks/norm2/scale[39]", "blocks/norm2/bias[0]", "blocks/attn1/norm_q/scale[3]"} <= sites
+  assert {"proj_out/kernel", "proj_out/bias", "time_proj/kernel"} <= sites
+
+  small = _abstract(
+    lambda: md_wan.WanTransformer(md_wan.VARIANTS["2.1-t2v-1.3b"], rngs=nnx.Rngs(0))
+  )
+  with pytest.raises(
+    md_lora.LoRAFileError,
+    match=r"lora_lightx2v_wan21_t2v_14b.json: this LoRA is for another model .*do not fit the shapes",
+  ) as e:
+    md_lora.load_lora(tensors, md_wan.convert_key, small)
+  assert "'blocks/attn1/to_q/kernel[0]' is (1536, 1536)" in str(e.value)
+
+
+def test_xlabs_flux_and_other_families(sdxl):
+  tensors = _StandIns("lora_xlabs_flux_realism")
+  flux = _abstract(lambda: md_flux.FluxTransformer(md_flux.FLUX_VARIANTS["dev"], rngs=nnx.Rngs(0)))
+  adapter = md_lora.load_lora(tensors, md_flux.convert_key, flux)
+  assert adapter.format == "xlabs"
+  assert (
+    len(adapter.weights) == 19 * 8
+  )  # q, k, v (image, text), to_out, to_add_out per double block
+  assert {w.scale for w in adapter.weights.values()} == {1.0}  # XLabs: no alpha
+  cfg, unet = sdxl
+  with pytest.raises(
+    md_lora.LoRAFileError,
+    match=r"for another model \(its names are those of Flux.1 \(BFL names\)\): 76 of its 76 modules "
+    "match nothing in UNet2DConditionModel",
+  ):
+    md_lora.load_lora(tensors, md_sd.unet_key_map(cfg), unet)
+  with pytest.raises(
+    md_lora.LoRAFileError, match=r"SD / SDXL UNet \(SGM names\)\): 722 of its 722 modules"
+  ):
+    md_lora.load_lora(_StandIns("lora_kohya_sdxl"), md_flux.convert_key, flux)
