@@ -103,6 +103,15 @@ def delta_factors(delta: np.ndarray, target: Target) -> tuple[np.ndarray, np.nda
   return delta, np.eye(delta.shape[-1], dtype=delta.dtype)
 
 
+def _covers(pieces: Sequence[tuple[str, Any]], rows: int) -> bool:
+  """Whether a fused module's pieces take each of its output rows once (unsplit pieces take all)."""
+  taken = [r for _, r in pieces if r is not None]
+  if not taken:
+    return True
+  joined = np.sort(np.concatenate(taken))
+  return len(joined) == rows and bool(np.all(joined == np.arange(rows)))
+
+
 def _translate(
   modules: list[RawLoRA], deltas: list[RawDelta], paths: Sequence[tuple], layout: str | None
 ) -> tuple[list[RawLoRA], list[RawDelta], list[tuple[str, str]]]:
@@ -119,6 +128,16 @@ def _translate(
     if pieces is None:
       unknown += [(k, why + f" ({mod.module!r})") for k in mod.keys]
       continue
+    if not _covers(pieces, mod.b.shape[0]):
+      parts = ", ".join(name for name, _ in pieces)
+      unknown.append(
+        (
+          mod.keys[0],
+          f"has {mod.b.shape[0]} output rows, which do not split into {parts} (lora_A "
+          f"{mod.a.shape}, lora_B {mod.b.shape})",
+        )
+      )
+      continue
     for name, rows in pieces:
       if rows is None:
         out_modules.append(mod._replace(module=name))
@@ -133,7 +152,9 @@ def _translate(
     if pieces is None:
       unknown.append((d.key, why + f" ({d.module!r})"))
       continue
-    if not width and any(rows is not None for _, rows in pieces):
+    if (
+      not width and any(rows is not None for _, rows in pieces) or not _covers(pieces, len(d.delta))
+    ):
       unknown.append(
         (d.key, f"is a delta on fused {d.module!r}, which md splits only beside its weight's")
       )
