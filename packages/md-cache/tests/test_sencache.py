@@ -88,3 +88,32 @@ def test_errors_and_identity():
   with pytest.raises(ValueError, match="nocache_end_ratio=1.5"):
     md_cache.sencache(nocache_end_ratio=1.5)
   assert md_cache.sencache(0.1) == md_cache.sencache(0.3, max_reuse=1, alpha_t=0.0)
+
+
+def test_new_settings_reuse_the_compiled_loop():
+  import functools
+
+  import jax
+
+  sched = mdsch.flow_match_euler(shift=3.0)
+  st = sched.init(STEPS)
+  x = jnp.asarray(np.random.RandomState(0).randn(2, 5, 3), jnp.float32)
+  traces = []
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(cache, carry):
+    traces.append(1)
+    return mdsch.run_steps(_denoise, sched, carry, 0, STEPS, None, cache=cache)
+
+  ts, sigmas = np.asarray(st.timesteps), np.asarray(st.sigmas)
+  for case in ("defaults", "wide"):
+    kw = CASES[case]
+    cache = md_cache.sencache(
+      kw["epsilon"], max_reuse=kw["max_reuse"], warmup_steps=kw["warmup"],
+      nocache_start_ratio=kw["start_ratio"], nocache_end_ratio=kw["end_ratio"], alpha_x=kw["ax"],
+      alpha_t=kw["at"],
+    )  # fmt: skip
+    out = run(cache, mdsch.init_state(x, st, cache=cache))
+    _, want = _reference(ts, sigmas, **kw)
+    np.testing.assert_array_equal(md_cache.computed_steps(out.cache), want)
+  assert len(traces) == 1, "a new sencache setting retraced the loop"
