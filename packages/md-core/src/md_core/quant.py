@@ -101,7 +101,9 @@ def _scale_axes(axes: tuple | None, ndim: int) -> tuple:
 
 def _quantize_placed(kernel: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
   """`quantize_kernel` with the values placed like the kernel and the scales like its output axis."""
-  if isinstance(kernel, jax.core.Tracer):  # abstract (nnx.eval_shape) or traced: no placement
+  if isinstance(kernel, jax.ShapeDtypeStruct):  # an abstract model (nnx.eval_shape): shapes only
+    return jax.eval_shape(lambda w: quantize_kernel(w, mode), kernel)
+  if isinstance(kernel, jax.core.Tracer):  # traced: no placement
     return quantize_kernel(kernel, mode)
   sharding = kernel.sharding
   if isinstance(sharding, jax.sharding.NamedSharding):
