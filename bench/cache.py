@@ -1,0 +1,144 @@
+"""md-cache policies against the uncached run, per family × policy: denoiser calls saved, wall time, quality.
+
+uv run python bench/cache.py                     # SD (medium UNet) and Wan T2V (tiny fixture), 20 steps
+uv run python bench/cache.py --steps=30 --families=sd
+
+Models: `sd` is bench/sd.py's "small" pipeline (random SD 1.x-layout UNet, 64-128-256 channels, built
+once with the reference's interpreter `tools/.venv/bin/python` into --workdir) at 128 px; `wan` is the
+tiny Wan 2.1 T2V fixture pipeline (tests/fixtures/wan_pipeline/t2v) at 64x64, 9 frames, whose
+transformer is small enough that per-step overheads weigh more than on a real model. Random weights:
+PSNR / SSIM say how far a cached run moves from the uncached one on the same seed, not image quality.
+
+Each cell: the policy's run and the uncached run timed in the same process (best of --repeats after a
+compiling warm-up), the ratio uncached / cached (> 1: faster), the denoiser calls (for the CFG cache the
+steps that ran the unconditional rows), PSNR (dB) and SSIM (8x8 windows, per channel, mean) of the
+decoded output against the uncached one. Prints a Markdown table. Not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import subprocess
+import time
+
+import jax
+import numpy as np
+
+import md_cache
+from md_core import testing
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TORCH_PYTHON = ROOT / "tools" / ".venv" / "bin" / "python"
+
+
+def policies(steps: int, family: str) -> dict:
+  out = {
+    "taylorseer": md_cache.taylorseer(3, warmup_steps=3),
+    "sencache": md_cache.sencache(0.1),
+    "faster_cache": md_cache.faster_cache(5, timestep_range=(-1, 900)),
+  }
+  if family != "sd":  # block-level policies need transformer block stacks
+    out["first_block_cache"] = md_cache.first_block_cache(0.1)
+    out["teacache"] = md_cache.teacache(0.2)
+  return out
+
+
+def _sd(workdir: pathlib.Path, steps: int):
+  import md_sd
+
+  folder = workdir / "sd_small"
+  if not (folder / "model_index.json").is_file():
+    code = (
+      "import pathlib, sys; sys.path.insert(0, 'bench'); import sd; "
+      f"sd._build_small(pathlib.Path({str(folder)!r}))"
+    )
+    subprocess.run([str(TORCH_PYTHON), "-c", code], cwd=ROOT, check=True,
+                   env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+  pipe = md_sd.load_pipeline(folder)
+  kw = dict(prompt=["a photo of a cat"], height=128, width=128, guidance_scale=7.5)
+  return pipe, dict(num_inference_steps=steps, seed=0, progress=False, **kw)
+
+
+def _wan(workdir: pathlib.Path, steps: int):
+  import md_wan
+
+  del workdir
+  pipe = md_wan.load_pipeline(testing.fixture_path("wan_pipeline") / "t2v")
+  kw = dict(prompt="a cat surfing", height=64, width=64, num_frames=9, guidance_scale=5.0)
+  return pipe, dict(num_inference_steps=steps, seed=0, progress=False, **kw)
+
+
+FAMILIES = {"sd": _sd, "wan": _wan}
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+  mse = float(np.mean((a.astype(np.float64) - b) ** 2))
+  return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray, win: int = 8) -> float:
+  """Mean SSIM over non-overlapping `win`² windows of every image / frame and channel (values in [0, 1])."""
+  c1, c2 = 0.01**2, 0.03**2
+  a = a.reshape(-1, *a.shape[-3:]).astype(np.float64)
+  b = b.reshape(-1, *b.shape[-3:]).astype(np.float64)
+  n, h, w, ch = a.shape
+  h, w = h // win * win, w // win * win
+
+  def blocks(x):
+    x = x[:, :h, :w].reshape(n, h // win, win, w // win, win, ch)
+    return x.transpose(0, 1, 3, 5, 2, 4).reshape(-1, win * win)
+
+  x, y = blocks(a), blocks(b)
+  mx, my = x.mean(1), y.mean(1)
+  vx, vy = x.var(1), y.var(1)
+  cov = ((x - mx[:, None]) * (y - my[:, None])).mean(1)
+  s = ((2 * mx * my + c1) * (2 * cov + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+  return float(s.mean())
+
+
+def _timed(pipe, kw, cache, repeats):
+  out = np.asarray(pipe(**kw, cache=cache))  # compile + warm up
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(pipe(**kw, cache=cache))
+    best = min(best, time.perf_counter() - start)
+  return out, best, pipe.last_cache, int(pipe.last_calls)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--families", default="sd,wan")
+  parser.add_argument("--workdir", default="/tmp/md_bench_cache")
+  args = parser.parse_args()
+  workdir = pathlib.Path(args.workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, jax {jax.__version__}, "
+        f"{args.steps} steps")  # fmt: skip
+  print("| family | policy | denoiser calls | steps computed | time vs uncached | PSNR | SSIM |")
+  print("|---|---|---|---|---|---|---|")
+  for family in args.families.split(","):
+    pipe, kw = FAMILIES[family](workdir, args.steps)
+    plain, base, _, calls = _timed(pipe, kw, None, args.repeats)
+    print(
+      f"| {family} | none | {calls} | {args.steps} | 1.00x ({base:.2f} s) | – | – |", flush=True
+    )
+    for name, cache in policies(args.steps, family).items():
+      out, t, state, calls = _timed(pipe, kw, cache, args.repeats)
+      done = int(md_cache.computed_steps(state).sum())
+      what = " (uncond.)" if name == "faster_cache" else ""
+      print(
+        f"| {family} | {name} | {calls} | {done}{what} | {base / t:.2f}x ({t:.2f} s) | "
+        f"{psnr(out, plain):.1f} | {ssim(out, plain):.3f} |",
+        flush=True,
+      )
+
+
+if __name__ == "__main__":
+  main()
