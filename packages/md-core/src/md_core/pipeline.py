@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -308,6 +309,44 @@ class Pipeline:
       return {}
     return _lora_runtime().status(self)
 
+  # --- quantization ----------------------------------------------------------------------------------
+  #: The components `quantize` converts when none is named: the denoisers.
+  DENOISERS = ("transformer", "transformer_2", "unet")
+
+  def quantize(
+    self, mode: str | None, *, component: str | Sequence[str] | None = None, targets: Any = None
+  ) -> list[str]:
+    """Quantizes the denoiser's Dense layers in place (see `md_core.quantize`): int8 / float8 kernels
+    with per-output-channel scales, placed with the kernels' shardings; LoRA slots stay float.
+
+    Args:
+      mode: "int8", "int8-dynamic" or "fp8"; None does nothing.
+      component: the component(s) to quantize; None: every denoiser the pipeline has (`DENOISERS`).
+      targets: the Dense paths to quantize (`md_core.quantize`); None: all.
+
+    Returns:
+      The quantized paths, each prefixed with its component (`"transformer:blocks.attn.to_q"`).
+
+    Raises:
+      ValueError: an unknown mode (naming `quantization`), or a component the pipeline does not have.
+    """
+    from md_core import quant  # noqa: PLC0415
+
+    if quant.check_mode(mode) is None:
+      return []
+    if component is None:
+      names = [n for n in self.DENOISERS if isinstance(getattr(self, n, None), nnx.Module)]
+    else:
+      names = [component] if isinstance(component, str) else list(component)
+    done = []
+    for name in names:
+      module, splits = self._splits_of(name)
+      done += [f"{name}:{p}" for p in quant.quantize(module, mode, targets=targets)]
+      for split in splits:
+        split.refresh()
+    self._memo.clear()  # the state's tree and dtypes changed
+    return done
+
   def decoding(self, progress: bool = True):
     """The "decoding" phase around a VAE decode (announced on stderr when progress is on)."""
     from md_core import progress as md_progress  # noqa: PLC0415
@@ -349,6 +388,23 @@ def read_index(
       f"{index_file}: pipeline class {cls!r} is not one md loads here; known: {classes}"
     )
   return index, cls
+
+
+def with_quantization(load: Callable[..., Pipeline]) -> Callable[..., Pipeline]:
+  """A family's `load_pipeline` that also takes `quantization=` ("int8", "int8-dynamic", "fp8" or
+  None): the mode is checked before any weight loads, and the loaded pipeline's denoisers are
+  quantized (`Pipeline.quantize`). The one path every family's loader goes through."""
+
+  @functools.wraps(load)
+  def wrapped(*args: Any, quantization: str | None = None, **kwargs: Any) -> Pipeline:
+    from md_core import quant  # noqa: PLC0415
+
+    quant.check_mode(quantization)
+    pipe = load(*args, **kwargs)
+    pipe.quantize(quantization)
+    return pipe
+
+  return wrapped
 
 
 def model_overrides(**settings: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ _FLUX1_CLASSES = ("FluxPipeline",)
 _FLUX2_CLASSES = ("Flux2KleinPipeline", "Flux2KleinKVPipeline")
 
 
+@mdp.with_quantization
 def load_pipeline(
   source: str | os.PathLike,
   *,
@@ -35,7 +36,8 @@ def load_pipeline(
       md-core (the hub cache; downloads when online).
     mesh: place every parameter on this mesh by its logical axes (and split the batch over data ×
       fsdp).
-    dtype: parameter dtype of the transformer (default float32; bfloat16 on accelerators).
+    dtype: parameter dtype of the transformer (default float32, the model's own: a bfloat16 file is
+      upcast; pass bfloat16 on accelerators).
     text_dtype: parameter dtype of the T5 encoder or of Klein's Qwen3 encoder (default float32: a
       bfloat16 file is upcast); CLIP and the VAEs stay float32.
     rules: md-sharding logical axis rules (default: `md_sharding.DEFAULT_RULES`).
@@ -43,6 +45,9 @@ def load_pipeline(
       `AttentionConfig(implementation="ulysses")` over the mesh's `context` axis).
     revision: hub revision.
     progress: progress bars while loading tensors.
+    quantization: quantize the denoiser(s) after loading: "int8" (weight-only), "int8-dynamic"
+      (weights and activations) or "fp8" (e4m3 weight-only); None keeps the loaded dtype
+      (`md_core.quantize`).
 
   Returns:
     A `FluxPipeline` (Flux.1; call it to generate images) or a `Flux2KleinPipeline` (Flux.2 Klein,

@@ -890,6 +890,7 @@ class LTXVideoPipeline(mdp.Pipeline):
 # --- loading ----------------------------------------------------------------------------------------------------
 
 
+@mdp.with_quantization
 def load_pipeline(
   source: str | os.PathLike,
   *,
@@ -925,6 +926,9 @@ def load_pipeline(
       its rematerialisation policy.
     revision: hub revision.
     progress: progress bars while loading tensors.
+    quantization: quantize the denoiser(s) after loading: "int8" (weight-only), "int8-dynamic"
+      (weights and activations) or "fp8" (e4m3 weight-only); None keeps the loaded dtype
+      (`md_core.quantize`).
 
   Returns:
     An `LTXVideoPipeline` (conditioning semantics by default for `LTXConditionPipeline` folders,

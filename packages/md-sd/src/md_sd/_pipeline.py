@@ -882,6 +882,7 @@ def _controlnet_folders(
   return folders, cls == "MultiControlNetModel"
 
 
+@mdp.with_quantization
 def load_pipeline(
   source: str | os.PathLike,
   *,
@@ -914,6 +915,9 @@ def load_pipeline(
     rules: md-sharding logical axis rules (default: `md_sharding.DEFAULT_RULES`).
     revision: hub revision.
     progress: progress bars while loading tensors.
+    quantization: quantize the denoiser(s) after loading: "int8" (weight-only), "int8-dynamic"
+      (weights and activations) or "fp8" (e4m3 weight-only); None keeps the loaded dtype
+      (`md_core.quantize`).
 
   Returns:
     A `StableDiffusionPipeline`; call it to generate images.

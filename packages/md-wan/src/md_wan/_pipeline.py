@@ -583,6 +583,7 @@ class WanVideoPipeline(mdp.Pipeline):
 # --- loading ----------------------------------------------------------------------------------------------------
 
 
+@mdp.with_quantization
 def load_pipeline(
   source: str | os.PathLike,
   *,
@@ -611,6 +612,9 @@ def load_pipeline(
     remat: rematerialisation policy of the transformer blocks.
     revision: hub revision.
     progress: progress bars while loading tensors.
+    quantization: quantize the denoiser(s) after loading: "int8" (weight-only), "int8-dynamic"
+      (weights and activations) or "fp8" (e4m3 weight-only); None keeps the loaded dtype
+      (`md_core.quantize`).
 
   Returns:
     A `WanVideoPipeline`.
