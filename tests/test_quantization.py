@@ -4,6 +4,11 @@ the stored dtypes, and loading with `quantization=` through the pipelines' one s
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +22,8 @@ import md_ltx
 import md_sd
 import md_wan
 from md_core.testing import fixture_path, load_arrays
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
@@ -211,3 +218,37 @@ def test_load_pipeline_quantization_and_lora():
   )  # fmt: skip
   got = psnr(images, outputs["schnell/images"])
   assert 52.0 <= got < QUANTIZED_CEILING, got
+
+
+@pytest.mark.parametrize("name", ["flux", "ltx", "ltx2", "sd", "wan"])
+def test_every_app_config_has_quantization(name):
+  spec = importlib.util.spec_from_file_location(
+    f"cfg_{name}", ROOT / "apps" / "configs" / f"{name}.py"
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("tiny")
+  assert "quantization" in config and config.quantization is None
+  problems = md_core.apps.Problems(config)
+  md_core.apps.check_quantization(problems, config)
+  assert not problems.lines
+  config.quantization = "int8-dynamic"
+  md_core.apps.check_quantization(problems, config)
+  assert not problems.lines
+  config.quantization = "int4"
+  md_core.apps.check_quantization(problems, config)
+  assert problems.lines == [
+    "--config.quantization='int4' is not a quantization mode; choose one of int8, int8-dynamic, fp8"
+  ]
+
+
+def test_app_rejects_a_bad_quantization_before_loading(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", MD_PROGRESS="0", XLA_FLAGS="")
+  out = subprocess.run(
+    [sys.executable, str(ROOT / "apps" / "flux_generate"), "--config=apps/configs/flux.py:tiny",
+     "--config.quantization=int4", f"--workdir={tmp_path / 'out'}"],
+    cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "--config.quantization='int4' is not a quantization mode" in out.stderr
+  assert "Traceback" not in out.stderr

@@ -195,6 +195,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.control_guidance_end = 1.0
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
   md_apps.add_cache_config(c)  # cache, cache_options (md-cache)
+  md_apps.add_quantization_config(c)  # quantization: int8, int8-dynamic or fp8
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -59,6 +59,7 @@ def _check(config, folder):
       f"--config.text_layers={config.text_layers!r}: give comma-separated layer indices, e.g. 9,18,27"
     )
   p.call(apps.make_cache, config, "flux")
+  apps.check_quantization(p, config)
   return apps.finish_checks(p, config, folder), model[0], images, layers
 
 
@@ -86,6 +87,7 @@ def main(argv):
       mesh=mesh,
       dtype=jnp.dtype(config.dtype),
       text_dtype=jnp.dtype(config.text_dtype),
+      quantization=config.quantization,
       attention=attention,
       progress=True,
     )

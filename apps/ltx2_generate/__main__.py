@@ -70,6 +70,7 @@ def _check(config, folder):
       transformer=(transformer or [None])[0],
     )  # fmt: skip
   p.call(apps.make_cache, config, "ltx2")
+  apps.check_quantization(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return mesh, model[0], (transformer or [None])[0], (image or [None])[0], sigmas, blocks
 
@@ -97,6 +98,7 @@ def main(argv):
       image_to_video=True if (config.needs_image or image) else None,
       mesh=mesh,
       dtype=jnp.dtype(config.dtype),
+      quantization=config.quantization,
       attention=config.attention,
       remat=config.remat,
       progress=True,

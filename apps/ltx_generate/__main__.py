@@ -93,6 +93,7 @@ def _check(config, folder):
   )
   conditions = _conditions(p, config)
   p.call(apps.make_cache, config, "ltx")
+  apps.check_quantization(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return (
     mesh,
@@ -125,6 +126,7 @@ def main(argv):
       condition=True if config.condition else None,
       mesh=mesh,
       dtype=jnp.dtype(config.dtype),
+      quantization=config.quantization,
       attention=config.attention,
       remat=config.remat,
       progress=True,

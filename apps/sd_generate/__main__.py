@@ -63,6 +63,7 @@ def _check(config, folder):
   if model:
     apps.scheduler_steps_problem(p, model[0])
   p.call(apps.make_cache, config, "sd")
+  apps.check_quantization(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return mesh, dict(model=model[0], nets=nets, refiner=refiner, unet=unet), images
 
@@ -83,7 +84,9 @@ def main(argv):
   import md_sd
 
   start = time.perf_counter()
-  load = dict(mesh=mesh, dtype=jnp.dtype(config.dtype), progress=True)
+  load = dict(
+    mesh=mesh, dtype=jnp.dtype(config.dtype), quantization=config.quantization, progress=True
+  )
   nets = src["nets"]
   with md_progress.phase("loading", announce=True):
     pipe = md_sd.load_pipeline(

@@ -77,6 +77,7 @@ def _check(config, folder):
     _size_problems(problems, config, model)
     apps.scheduler_steps_problem(problems, model)
   problems.call(apps.make_cache, config, "wan")
+  apps.check_quantization(problems, config)
   return apps.finish_checks(problems, config, folder), model, images
 
 
@@ -101,6 +102,7 @@ def main(argv):
       model,
       mesh=mesh,
       dtype=jnp.dtype(config.dtype),
+      quantization=config.quantization,
       attention=config.attention,
       remat=config.remat,
       progress=True,

@@ -718,6 +718,23 @@ def add_cache_config(config: Any) -> Any:
   return config
 
 
+def add_quantization_config(config: Any) -> Any:
+  """Adds `config.quantization` (None, or a `md_core.quantize` mode: "int8", "int8-dynamic", "fp8") to
+  an app config and returns it; the app passes it to `load_pipeline(..., quantization=)`."""
+  from ml_collections import config_dict
+
+  config.quantization = config_dict.placeholder(str)
+  return config
+
+
+def check_quantization(problems: Problems, config: Any) -> None:
+  """Reports a `--config.quantization` that is not a quantization mode (before any weight loads)."""
+  from md_core.quant import MODES  # noqa: PLC0415
+
+  if config.get("quantization") is not None:
+    problems.choice("quantization", MODES, what="a quantization mode")
+
+
 def make_cache(config: Any, family: str) -> Any:
   """The md-cache policy `config.cache` names with the set `config.cache_options`, for a pipeline's
   `cache=` (None when `config.cache` is unset).

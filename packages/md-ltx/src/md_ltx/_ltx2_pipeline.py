@@ -787,6 +787,7 @@ def save_ltx2_video(
 # --- loading ---------------------------------------------------------------------------------------------------
 
 
+@mdp.with_quantization
 def load_ltx2_pipeline(
   source: str | os.PathLike,
   *,
@@ -817,6 +818,8 @@ def load_ltx2_pipeline(
       the rematerialisation policy.
     revision: hub revision.
     progress: progress bars while loading tensors.
+    quantization: quantize the transformer after loading: "int8", "int8-dynamic" or "fp8"
+      (`md_core.quantize`); None keeps the loaded dtype.
 
   Raises:
     FileNotFoundError: no folder / hub id, or a component missing (named).
