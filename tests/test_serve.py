@@ -269,7 +269,9 @@ def test_healthz_and_metrics(served):
 
 
 def test_bearer_token(served):
-  _, _, queue, _ = served
+  _, _, _, model = served
+  # Its own queue: stopping this server shuts its queue down (the module's server keeps its own).
+  queue = md_serve.JobQueue({"sd-tiny": model})
   other = _Server(md_serve.make_app(queue, token="s3cret"))
   try:
     with httpx.Client(base_url=other.url, timeout=60) as c:
@@ -279,8 +281,8 @@ def test_bearer_token(served):
       assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "sd-tiny"
       assert c.get("/healthz").status_code == 200  # health stays open
   finally:
-    other.server.should_exit = True
-    other.thread.join(30)
+    other.stop()
+  assert not queue._thread.is_alive()
 
 
 def test_shutdown_cancels_or_finishes_every_accepted_job(served):
@@ -302,3 +304,57 @@ def test_shutdown_cancels_or_finishes_every_accepted_job(served):
   jobs = [q.submit(quick) for _ in range(6)]
   assert q.shutdown("finish") == []
   assert all(j.status == "succeeded" and len(j.results) == 1 for j in jobs)
+
+
+def _chromium():
+  from selenium import webdriver
+  from selenium.webdriver.chrome.service import Service
+
+  options = webdriver.ChromeOptions()
+  options.binary_location = "/usr/bin/chromium"
+  for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1000,900"):
+    options.add_argument(arg)
+  return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+
+
+def test_web_page_in_headless_chromium(served, tmp_path):
+  from selenium.webdriver.common.by import By
+  from selenium.webdriver.support.ui import WebDriverWait
+
+  server, _, _, _ = served
+  driver = _chromium()
+  try:
+    driver.get(server.url + "/")
+    wait = WebDriverWait(driver, 60, poll_frequency=0.01)
+    wait.until(
+      lambda d: d.find_element(By.ID, "size").get_attribute("value") == "32x32",
+      "the page did not list the models",
+    )
+    assert driver.title == "md test"
+    lora = [o.get_attribute("value") for o in driver.find_elements(By.CSS_SELECTOR, "#lora option")]
+    assert lora == ["", "a", "b"]
+    driver.find_element(By.ID, "prompt").send_keys("a blue square")
+    steps = driver.find_element(By.ID, "steps")
+    steps.clear()
+    steps.send_keys(str(STEPS))
+    driver.find_element(By.ID, "go").click()
+    bar = driver.find_element(By.ID, "bar")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#result img.result"), "no result shown")
+    assert driver.find_element(By.ID, "status").text == "succeeded"
+    # The bar advanced through every step event, in order, and ends full.
+    assert driver.execute_script("return window.mdProgress") == list(range(1, STEPS + 1))
+    assert bar.get_attribute("max") == str(STEPS)
+    assert int(float(bar.get_attribute("value"))) == STEPS
+    img = driver.find_element(By.CSS_SELECTOR, "#result img.result")
+    assert img.get_attribute("src").startswith("data:image/png;base64,")
+    assert driver.execute_script("return arguments[0].naturalWidth", img) == 32
+    assert driver.find_elements(By.CSS_SELECTOR, "#preview img")  # the latent preview was shown
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#gallery img")) == 1
+    shot = tmp_path / "page.png"
+    assert driver.save_screenshot(str(shot))
+    png = Image.open(shot)
+    assert png.size[0] >= 800 and np.asarray(png).std() > 1  # a drawn page, not a blank one
+    driver.refresh()  # the gallery is this browser's: it survives a reload
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#gallery img")) == 1)
+  finally:
+    driver.quit()

@@ -44,6 +44,7 @@ PAGE = """<!doctype html>
 "use strict";
 const $ = (id) => document.getElementById(id);
 let models = [], current = null;
+window.mdProgress = [];  // the steps the bar was set to, in order (for tests and debugging)
 const auth = () => $("token").value ? {"Authorization": "Bearer " + $("token").value} : {};
 const q = () => $("token").value ? "?token=" + encodeURIComponent($("token").value) : "";
 
@@ -84,7 +85,7 @@ $("form").addEventListener("submit", async (ev) => {
   if ($("lora").value) body.loras = [{name: $("lora").value, scale: parseFloat($("lora_scale").value)}];
   const kind = m.kind === "video" ? "videos" : "images";
   $("status").className = ""; $("status").textContent = "submitting";
-  $("bar").value = 0; $("result").replaceChildren();
+  $("bar").value = 0; $("result").replaceChildren(); window.mdProgress = [];
   const r = await fetch("/v1/" + kind + "/generations",
     {method: "POST", headers: {"Content-Type": "application/json", ...auth()}, body: JSON.stringify(body)});
   const job = await r.json();
@@ -94,7 +95,7 @@ $("form").addEventListener("submit", async (ev) => {
   es.addEventListener("running", () => { $("status").textContent = "running"; });
   es.addEventListener("progress", (e) => {
     const d = JSON.parse(e.data);
-    $("bar").max = d.total; $("bar").value = d.step;
+    $("bar").max = d.total; $("bar").value = d.step; window.mdProgress.push(d.step);
     $("status").textContent = "step " + d.step + " of " + d.total;
     if (d.preview) {
       const img = document.createElement("img"); img.src = "data:image/png;base64," + d.preview;
