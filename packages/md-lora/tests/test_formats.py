@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import md_core
 import md_flux
 import md_lora
 import md_ltx
@@ -91,6 +92,24 @@ def test_flux_layouts(ref):
   got = _run(md_lora.merge(model, [(xlabs, 1.0)]), kw)
   chex.assert_trees_all_close(got, ref["flux/xlabs"], atol=ATOL, rtol=0)
   assert np.abs(ref["flux/peft_model"] - ref["flux/base"]).max() > 0.1  # the LoRA matters
+
+
+def test_kohya_with_diffusers_transformer_names(tmp_path):
+  """kohya files of diffusers-trained Flux LoRAs (`lora_transformer_single_transformer_blocks_0_attn_to_q`):
+  the PEFT file's tensors renamed, alpha 4 per module, read back to the PEFT file's adapter."""
+  model = md_flux.load_flux(fixture_path("flux_transformer") / "dev")
+  source = md_core.SafetensorsFile(_file("flux_peft"))
+  tensors = {}
+  for key in source:
+    module, _, rest = key.removeprefix("transformer.").partition(".lora_")
+    name = "lora_transformer_" + module.replace(".", "_")
+    slot = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}[rest]
+    tensors[f"{name}.{slot}"] = np.asarray(source[key])
+    tensors[f"{name}.alpha"] = np.asarray(4.0, np.float32)
+  md_core.save_safetensors(tmp_path / "kohya.safetensors", tensors)
+  kohya = md_lora.load_lora(tmp_path / "kohya.safetensors", md_flux.convert_key, model)
+  assert kohya.format == "kohya"
+  _same_adapter(kohya, md_lora.load_lora(_file("flux_peft"), md_flux.convert_key, model))
 
 
 def test_wan_layouts(ref):
