@@ -37,7 +37,15 @@ from md_core._safetensors import (
   open_checkpoint,
   save_safetensors,
 )
-from md_core._scan import REMAT_POLICIES, BlockHook, block_hook, num_layers_of, remat, scan_layers
+from md_core._scan import (
+  REMAT_POLICIES,
+  BlockHook,
+  block_hook,
+  deep_branch,
+  num_layers_of,
+  remat,
+  scan_layers,
+)
 from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json, resolve_source
 from md_core.quant import QuantScale, quantize
 
@@ -57,6 +65,7 @@ __all__ = [
   "apps",
   "BlockHook",
   "block_hook",
+  "deep_branch",
   "num_layers_of",
   "scan_layers",
   "LAYOUTS",

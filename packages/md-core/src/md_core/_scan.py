@@ -137,3 +137,13 @@ def scan_layers(
   index = active.count
   active.count += 1
   return active.hook(run, carry, num_layers=n, index=index), None
+
+
+def deep_branch(run: Callable[[Any], Any], carry: Any) -> Any:
+  """A UNet's deep branch (everything between its first down block and its last up block) as one
+  hookable unit: an active `block_hook` whose hook has a `deep_branch(run, carry)` method takes it
+  over (DeepCache reuses its output on cheap steps); otherwise, and for hooks without that method (the
+  block caches of transformer stacks), `run(carry)`."""
+  active = _ACTIVE.get()
+  take = getattr(None if active is None else active.hook, "deep_branch", None)
+  return run(carry) if take is None else take(run, carry)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import md_attention as mda
+import md_core
 from md_core import nn
 from md_sd._config import UNetConfig
 from md_sd._unet_blocks import DownBlock, MidBlock, UpBlock
@@ -303,29 +304,61 @@ class UNet2DConditionModel(nnx.Module):
         )
     emb = self.time(timesteps, dtype, added_cond_kwargs)
 
-    x = self.conv_in(x)
-    x, skips = run_down_path(self, cfg, x, emb, context, mask)
-    if down_block_additional_residuals is not None:
-      for i, (s, r) in enumerate(zip(skips, residuals)):
+    def add_residuals(skips, offset):
+      if down_block_additional_residuals is None:
+        return skips
+      for i, s in enumerate(skips):
+        r = residuals[offset + i]
         if r.shape != s.shape:
           raise ValueError(
-            f"down_block_additional_residuals[{i}] has shape {r.shape}, the skip is {s.shape} "
-            "(channels-last)"
+            f"down_block_additional_residuals[{offset + i}] has shape {r.shape}, the skip is "
+            f"{s.shape} (channels-last)"
           )
-      skips = tuple(s + r.astype(s.dtype) for s, r in zip(skips, residuals))
-    x = self.mid_block(x, emb, context, mask)
-    if mid_block_additional_residual is not None:
-      if mid_block_additional_residual.shape != x.shape:
-        raise ValueError(
-          f"mid_block_additional_residual has shape {mid_block_additional_residual.shape}, the mid "
-          f"block's output is {x.shape} (channels-last)"
-        )
-      x = x + mid_block_additional_residual.astype(x.dtype)
+      return tuple(s + residuals[offset + i].astype(s.dtype) for i, s in enumerate(skips))
 
-    for block in self.up_blocks:
-      n = len(block.resnets)
-      x = block(x, skips[-n:], emb, context, mask)
-      skips = skips[:-n]
+    def middle(x):
+      x = self.mid_block(x, emb, context, mask)
+      if mid_block_additional_residual is not None:
+        if mid_block_additional_residual.shape != x.shape:
+          raise ValueError(
+            f"mid_block_additional_residual has shape {mid_block_additional_residual.shape}, the "
+            f"mid block's output is {x.shape} (channels-last)"
+          )
+        x = x + mid_block_additional_residual.astype(x.dtype)
+      return x
+
+    def up(x, skips, blocks):
+      for block in blocks:
+        n = len(block.resnets)
+        x = block(x, skips[-n:], emb, context, mask)
+        skips = skips[:-n]
+      return x
+
+    x = self.conv_in(x)
+    first = len(
+      self.up_blocks[-1].resnets
+    )  # the skips the last up block takes: conv_in's, block 0's
+    d0 = self.down_blocks[0]
+    if len(self.down_blocks) > 1 and first == 1 + len(d0.resnets) and d0.downsampler is not None:
+      # The shallow branch (conv_in, down block 0, the last up block) runs every call; the deep one
+      # (down block 0's downsampled output → the input of the last up block) is hookable (DeepCache).
+      x_in = x
+      x, s = d0(x, emb, context, mask)
+      skips0 = (s[-1],)  # the downsampled output: the deep branch's input and first skip
+
+      def deep(x):
+        skips = skips0
+        for block in self.down_blocks[1:]:
+          x, s_ = block(x, emb, context, mask)
+          skips = skips + s_
+        return up(middle(x), add_residuals(skips, first), self.up_blocks[:-1])
+
+      head = add_residuals((x_in,) + s[:-1], 0)
+      x = md_core.deep_branch(deep, x)
+      x = up(x, head, self.up_blocks[-1:])
+    else:
+      x, skips = run_down_path(self, cfg, x, emb, context, mask)
+      x = up(middle(x), add_residuals(skips, 0), self.up_blocks)
     x = nn.activation(cfg.act_fn)(self.conv_norm_out(x))
     return self.conv_out(x)
 
