@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from md_core import _keymap
+from md_core import _keymap, _stream
 from md_core._keymap import KeyMap, Path, Target
 
 _MAX_LISTED = 25
@@ -165,24 +165,23 @@ def load_weights(
     abstract = variable_value(var)
     shape = tuple(abstract.shape)
     pieces = plan.get(path)
+    sharding = placement(var, shape, mesh, rules)
     if not pieces:
       out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32)
       value = fill_missing(path, shape, out_dtype) if fill_missing else np.zeros(shape, out_dtype)
+      value = np.asarray(value).astype(out_dtype, copy=False)
+      value = jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
     else:
       ordered = sorted(pieces, key=lambda p: p[1].layer or 0)
-      # Memory-mapped views: nothing is read until converted.
+      # Memory-mapped views: each device reads only its slice of each tensor (see _stream).
       arrays = [(np.asarray(checkpoint[k]), t) for k, t in ordered]
       stored = np.result_type(*(a.dtype for a, _ in arrays))
       out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32, stored)
       if pieces[0][1].layer is not None:
-        value = np.stack([_keymap.convert(a, t).astype(out_dtype) for a, t in arrays])
+        value = _stream.place_stacked(shape, arrays, out_dtype, sharding)
       else:
-        value = _keymap.convert(*arrays[0])
-    value = np.asarray(value).astype(out_dtype, copy=False)
-    sharding = placement(var, shape, mesh, rules)
-    set_variable_value(
-      var, jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
-    )
+        value = _stream.place_tensor(*arrays[0], out_dtype, sharding)
+    set_variable_value(var, value)
   loaded = nnx.merge(graphdef, state)
   if return_report:
     return loaded, LoadReport(loaded=len(plan), unused=tuple(unused), missing=tuple(missing))

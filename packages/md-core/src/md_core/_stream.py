@@ -1,0 +1,136 @@
+"""Placing one parameter from memory-mapped checkpoint tensors, piece by piece.
+
+A parameter is never assembled as a whole host array. Each reference tensor (one layer of a stacked
+parameter) is placed on the devices in its stored dtype and layout, each device reading only its slice of the
+memory-mapped file; one jitted program per (layout, dtype, sharding) then permutes and casts it on the
+devices. A stacked parameter is allocated once on the devices and filled layer by layer in place (a donated
+`dynamic_update_slice`), so host memory beyond the placed weights stays at about one layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from md_core import _keymap
+from md_core._keymap import Target
+
+# Sharding of the placed parameter; None: jax's default device.
+Sharding = jax.sharding.Sharding | None
+
+
+def source_view(array: np.ndarray, target: Target) -> np.ndarray:
+  """The part of a reference tensor that `target` takes, as a view (no bytes read): its `split` slice."""
+  if target.split is None:
+    return array
+  index, parts, axis = target.split
+  _keymap.target_shape(array.shape, Target(target.path, "identity", target.split))
+  size = array.shape[axis] // parts
+  where = (slice(None),) * axis + (slice(index * size, (index + 1) * size),)
+  return array[where]
+
+
+def _permutation(target: Target, ndim: int) -> tuple[int, ...]:
+  perm = _keymap._PERMUTATIONS[target.layout]
+  return tuple(range(ndim)) if perm is None else perm
+
+
+def _device_dtype(stored: np.dtype, out: np.dtype) -> np.dtype:
+  """The dtype a tensor travels in: as stored when jax holds that dtype (the cast then runs on the devices),
+  else (int64 / float64 without x64) cast on the host to the parameter's dtype."""
+  if jax.dtypes.canonicalize_dtype(stored) == stored:
+    return np.dtype(stored)
+  return np.dtype(out)
+
+
+def _source_sharding(sharding: Sharding, perm: tuple[int, ...]) -> Sharding:
+  """The sharding of a tensor in reference layout whose permutation `perm` has `sharding`."""
+  if sharding is None or not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec) + (None,) * (len(perm) - len(sharding.spec))
+  source = [None] * len(perm)
+  for out_axis, src_axis in enumerate(perm):
+    source[src_axis] = spec[out_axis]
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*source))
+
+
+def _layer_sharding(sharding: Sharding, ndim: int) -> Sharding:
+  """The sharding of one layer of a stacked parameter (its leading `layers` axis dropped)."""
+  if sharding is None or not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+
+
+def _put(view: np.ndarray, dtype: np.dtype, sharding: Sharding) -> jax.Array:
+  """Places a (memory-mapped) host view; each device reads and copies only its own slice."""
+
+  def piece(index) -> np.ndarray:
+    # A fresh host buffer per piece, so no device buffer can alias the file mapping.
+    return np.array(view[index], dtype=dtype, order="C", copy=True)
+
+  if sharding is None:
+    return jax.device_put(piece(()))
+  return jax.make_array_from_callback(tuple(view.shape), sharding, piece)
+
+
+@functools.cache
+def _converter(perm: tuple[int, ...], dtype: np.dtype, sharding: Sharding):
+  def convert(x):
+    return jnp.transpose(x, perm).astype(dtype)
+
+  return jax.jit(convert, out_shardings=sharding) if sharding is not None else jax.jit(convert)
+
+
+@functools.cache
+def _allocator(shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding):
+  def zeros():
+    return jnp.zeros(shape, dtype)
+
+  return jax.jit(zeros, out_shardings=sharding) if sharding is not None else jax.jit(zeros)
+
+
+@functools.cache
+def _layer_writer(perm: tuple[int, ...], dtype: np.dtype, sharding: Sharding):
+  def write(stack, layer, index):
+    value = jnp.transpose(layer, perm).astype(dtype)
+    return jax.lax.dynamic_update_index_in_dim(stack, value, index, 0)
+
+  if sharding is None:
+    return jax.jit(write, donate_argnums=0)
+  return jax.jit(write, donate_argnums=0, out_shardings=sharding)
+
+
+def place_tensor(
+  array: np.ndarray, target: Target, dtype: np.dtype, sharding: Sharding
+) -> jax.Array:
+  """One reference tensor → the parameter `target` names: split, permuted, cast to `dtype`, placed."""
+  view = source_view(array, target)
+  perm = _permutation(target, view.ndim)
+  raw = _put(view, _device_dtype(view.dtype, dtype), _source_sharding(sharding, perm))
+  return _converter(perm, np.dtype(dtype), sharding)(raw).block_until_ready()
+
+
+def place_stacked(
+  shape: tuple[int, ...],
+  pieces: Sequence[tuple[np.ndarray, Target]],
+  dtype: np.dtype,
+  sharding: Sharding,
+) -> jax.Array:
+  """A stacked parameter of `shape` (layers first) from one reference tensor per layer, filled in place."""
+  dtype = np.dtype(dtype)
+  stack = _allocator(tuple(shape), dtype, sharding)()
+  layer_sharding = _layer_sharding(sharding, len(shape))
+  for array, target in pieces:
+    view = source_view(array, target)
+    perm = _permutation(target, view.ndim)
+    raw = _put(view, _device_dtype(view.dtype, dtype), _source_sharding(layer_sharding, perm))
+    stack = _layer_writer(perm, dtype, sharding)(stack, raw, np.int32(target.layer))
+    # Wait for each layer: with asynchronous dispatch the host copies of later layers would pile up.
+    stack.block_until_ready()
+    del raw
+  return stack

@@ -1,0 +1,165 @@
+"""md-core streaming loads: per-device pieces from the memory-mapped file, cast on the devices, layers in place."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_core
+import md_sharding as mds
+
+
+class Scanned(nnx.Module):
+  """A stacked linear kernel (layers, in, out), a fused qkv split into q and k, an int step table."""
+
+  def __init__(self, layers: int, d_in: int, d_out: int, rngs: nnx.Rngs):
+    self.w = nnx.Param(jnp.zeros((layers, d_in, d_out)), logical_axes=("layers", "embed", "mlp"))
+    self.q = nnx.Param(jnp.zeros((d_in, d_out)), logical_axes=("embed", "mlp"))
+    self.k = nnx.Param(jnp.zeros((d_in, d_out)), logical_axes=("embed", "mlp"))
+    self.steps = nnx.Param(jnp.zeros((layers,), jnp.int32), logical_axes=(None,))
+
+
+def _convert(name):
+  if name == "qk.weight":
+    return [
+      md_core.Target(("q",), "linear", split=(0, 2, 0)),
+      md_core.Target(("k",), "linear", split=(1, 2, 0)),
+    ]
+  if name == "steps":
+    return md_core.Target(("steps",))
+  return md_core.Target(("w",), "linear", layer=int(name.split(".")[1]))
+
+
+def _write(tmp_path, layers, d_in, d_out, dtype):
+  rng = np.random.default_rng(0)
+  tensors = {
+    f"blocks.{i}.weight": rng.normal(size=(d_out, d_in)).astype(dtype) for i in range(layers)
+  }
+  tensors["qk.weight"] = rng.normal(size=(2 * d_out, d_in)).astype(dtype)
+  tensors["steps"] = np.arange(layers, dtype=np.int64) * 3
+  md_core.save_safetensors(tmp_path / "model.safetensors", tensors)
+  return tensors
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize(
+  "mesh_axes",
+  [None, dict(ici_fsdp_parallelism=8), dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=4)],
+)
+def test_stacked_split_and_cast_on_meshes(tmp_path, dtype, mesh_axes):
+  """Values equal numpy's convert-then-cast on one device and on fsdp / fsdp x tensor meshes; each
+  parameter has its logical sharding; a bfloat16 file is upcast (on the devices) to the model's float32."""
+  layers, d_in, d_out = 3, 16, 8
+  tensors = _write(tmp_path, layers, d_in, d_out, dtype)
+  mesh = None if mesh_axes is None else mds.make_mesh(mds.MeshConfig(**mesh_axes))
+  model = md_core.load_weights(
+    lambda: Scanned(layers, d_in, d_out, nnx.Rngs(0)),
+    md_core.open_checkpoint(tmp_path),
+    _convert,
+    mesh=mesh,
+    progress=False,
+  )
+  want = np.stack([tensors[f"blocks.{i}.weight"].T for i in range(layers)]).astype(np.float32)
+  w = model.w[...]
+  assert w.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(w), want)
+  qk = tensors["qk.weight"].astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(model.q[...]), qk[:d_out].T)
+  np.testing.assert_array_equal(np.asarray(model.k[...]), qk[d_out:].T)
+  assert model.steps[...].dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(model.steps[...]), np.arange(layers) * 3)
+  if mesh is not None:
+    spec = mds.logical_to_spec(("layers", "embed", "mlp"), mesh=mesh, shape=w.shape)
+    assert w.sharding.spec == spec and "fsdp" in tuple(spec)
+    assert model.q[...].sharding.spec == mds.logical_to_spec(
+      ("embed", "mlp"), mesh=mesh, shape=(d_in, d_out)
+    )
+    # Every device holds only its own shard.
+    sizes = {s.data.size for s in w.addressable_shards}
+    assert sizes == {w.size // np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(spec))])}
+
+
+def test_cast_to_bfloat16_matches_numpy(tmp_path):
+  """dtype=bfloat16 from a float32 file: the device-side cast rounds as numpy / ml_dtypes do."""
+  tensors = _write(tmp_path, 2, 16, 8, np.float32)
+  model = md_core.load_weights(
+    lambda: Scanned(2, 16, 8, nnx.Rngs(0)),
+    md_core.open_checkpoint(tmp_path),
+    _convert,
+    dtype=jnp.bfloat16,
+    progress=False,
+  )
+  want = np.stack([tensors[f"blocks.{i}.weight"].T for i in range(2)]).astype(ml_dtypes.bfloat16)
+  assert model.w[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(model.w[...]), want)
+
+
+def test_loaded_weights_do_not_alias_the_file(tmp_path):
+  """The placed parameters are copies: overwriting the memory-mapped file afterwards changes nothing."""
+  tensors = _write(tmp_path, 2, 16, 8, np.float32)
+  path = tmp_path / "model.safetensors"
+  model = md_core.load_weights(
+    lambda: Scanned(2, 16, 8, nnx.Rngs(0)), md_core.open_checkpoint(path), _convert, progress=False
+  )
+  size = path.stat().st_size
+  with open(path, "r+b") as f:  # same inode, same size: any mapping of it now reads 0xff bytes
+    f.seek(4096 if size > 8192 else size // 2)
+    f.write(b"\xff" * (size - f.tell()))
+  want = np.stack([tensors[f"blocks.{i}.weight"].T for i in range(2)])
+  np.testing.assert_array_equal(np.asarray(model.w[...]), want)
+  np.testing.assert_array_equal(np.asarray(model.k[...]), tensors["qk.weight"][8:].T)
+
+
+def _rss_anon() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("RssAnon:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("no RssAnon")
+
+
+def test_stacked_load_holds_about_one_layer_beyond_the_weights(tmp_path):
+  """A 256 MB stacked parameter (32 layers of 8 MB) loads with peak anonymous memory under the weights plus
+  128 MB; assembling the stack on the host (as md did before streaming) needs at least the weights twice."""
+  layers, d_in, d_out = 32, 1024, 2048
+  rng = np.random.default_rng(0)
+  layer = rng.normal(size=(d_out, d_in)).astype(np.float32)
+  md_core.save_safetensors(
+    tmp_path / "model.safetensors",
+    {f"blocks.{i}.weight": layer * (i + 1) for i in range(layers)},
+  )
+  del layer
+
+  class Big(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(jnp.zeros((layers, d_in, d_out)), logical_axes=("layers", "embed", "mlp"))
+
+  ckpt = md_core.open_checkpoint(tmp_path)
+  weights = layers * d_in * d_out * 4
+  before, peak, stop = _rss_anon(), [0], threading.Event()
+
+  def sample():
+    while not stop.is_set():
+      peak[0] = max(peak[0], _rss_anon())
+      time.sleep(0.001)
+
+  thread = threading.Thread(target=sample, daemon=True)
+  thread.start()
+  model = md_core.load_weights(lambda: Big(nnx.Rngs(0)), ckpt, _convert, progress=False)
+  jax.block_until_ready(model.w[...])
+  stop.set()
+  thread.join()
+  peak[0] = max(peak[0], _rss_anon())
+  grown = peak[0] - before
+  assert weights <= grown + 16 * 2**20, (grown, weights)  # the weights are resident (CPU devices)
+  assert grown < weights + 128 * 2**20, (
+    f"peak grew by {grown / 2**20:.0f} MB for {weights / 2**20:.0f} MB"
+  )
+  w = model.w[...]
+  np.testing.assert_array_equal(np.asarray(w[5]), ckpt["blocks.5.weight"].T)
+  np.testing.assert_array_equal(np.asarray(w[31]), ckpt["blocks.31.weight"].T)
