@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -77,22 +78,15 @@ def merge(
   if not factors:
     return model_or_state
 
-  paths = list(touched)
-  sites = [(f[0].path, f[0].layer) for f in factors]
-
-  def apply(weights, downs, ups, mults):
-    acc = {p: weights[i].astype(jnp.float32) for i, p in enumerate(paths)}
-    for (path, layer), d, u, m in zip(sites, downs, ups, mults):
-      delta = m * jnp.tensordot(
-        d.astype(jnp.float32), u.astype(jnp.float32), 1, precision=jax.lax.Precision.HIGHEST
-      )
-      acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
-    return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
-
+  paths = tuple(touched)
+  sites = tuple((f[0].path, f[0].layer) for f in factors)
   weights = [touched[p] for p in paths]
   shardings = [getattr(w, "sharding", None) for w in weights]
-  out_shardings = shardings if all(s is not None for s in shardings) else None
-  new = jax.jit(apply, out_shardings=out_shardings)(
+  # On a mesh the merged weights keep their shardings; on one device they stay as placed (an uncommitted
+  # weight stays uncommitted: committedness is part of a compiled program's key).
+  named = all(isinstance(s, jax.sharding.NamedSharding) for s in shardings)
+  out_shardings = tuple(shardings) if named else None
+  new = _program(paths, sites, out_shardings)(
     weights,
     [f[1] for f in factors],
     [f[2] for f in factors],
@@ -103,6 +97,22 @@ def merge(
     [(p, v.replace(replaced[tuple(p)]) if tuple(p) in replaced else v) for p, v in flat]
   )
   return merged if graphdef is None else nnx.merge(graphdef, merged)
+
+
+@functools.lru_cache(maxsize=16)
+def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
+  """The merge program for one set of sites (cached: fusing, unfusing and other scales reuse it)."""
+
+  def apply(weights, downs, ups, mults):
+    acc = {p: weights[i].astype(jnp.float32) for i, p in enumerate(paths)}
+    for i, ((path, layer), d, u) in enumerate(zip(sites, downs, ups)):
+      delta = mults[i] * jnp.tensordot(
+        d.astype(jnp.float32), u.astype(jnp.float32), 1, precision=jax.lax.Precision.HIGHEST
+      )
+      acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
+    return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
+
+  return jax.jit(apply, out_shardings=None if out_shardings is None else list(out_shardings))
 
 
 def unmerge(model_or_state: Any, adapters: Sequence[tuple[Adapter, float]]) -> Any:
