@@ -102,7 +102,7 @@ class ClipVerifier:
       source, subfolder=image_subfolder, with_projection=True, progress=False
     )
     self.tokenizer = md_text.load_tokenizer(source, subfolder=tokenizer_subfolder)
-    self.image_size = int(self.vision.cfg.image_size)
+    self.image_size = int(self.vision.config.image_size)
 
   def score(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     images = np.asarray(images, np.float32)
@@ -114,8 +114,8 @@ class ClipVerifier:
     if pixels.shape[1] == 3:
       pixels = self._md_text.nchw_to_nhwc(pixels)
     tokens = self._md_text.tokenize(self.tokenizer, list(prompts))
-    t = np.asarray(self.text(tokens.ids, attention_mask=tokens.mask).text_embeds, np.float32)
-    v = np.asarray(self.vision(pixels).image_embeds, np.float32)
+    t = np.array(self.text(tokens.ids, attention_mask=tokens.mask).text_embeds, np.float32)
+    v = np.array(self.vision(pixels).image_embeds, np.float32)
     t /= np.linalg.norm(t, axis=-1, keepdims=True) + 1e-8
     v /= np.linalg.norm(v, axis=-1, keepdims=True) + 1e-8
     return np.sum(t * v, axis=-1)
