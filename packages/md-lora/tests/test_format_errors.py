@@ -79,28 +79,24 @@ def test_truncated_and_unknown_files(tmp_path, model):
   with pytest.raises(md_core.SafetensorsError, match="cut.safetensors.*truncated"):
     md_lora.load_lora(tmp_path / "cut.safetensors", md_wan.convert_key, model)
 
-  loha = {
-    f"lora_unet_blocks_0_self_attn_q.hada_w{i}_{ab}": np.ones((2, DIM), np.float32)
-    for i in (1, 2)
-    for ab in "ab"
-  }
-  md_core.save_safetensors(tmp_path / "loha.safetensors", loha)
+  lokr = {f"lora_unet_blocks_0_self_attn_q.lokr_w{i}": np.ones((4, 4), np.float32) for i in (1, 2)}
+  md_core.save_safetensors(tmp_path / "lokr.safetensors", lokr)
   with pytest.raises(
     md_lora.LoRAFileError,
-    match=r"loha.safetensors: unknown LoRA format.*LyCORIS LoHa / LoKr not yet",
+    match=r"lokr.safetensors: unknown LoRA format.*LyCORIS LoHa \(LoKr not yet\)",
   ):
-    md_lora.load_lora(tmp_path / "loha.safetensors", md_wan.convert_key, model)
+    md_lora.load_lora(tmp_path / "lokr.safetensors", md_wan.convert_key, model)
 
   mixed = tmp_path / "mixed.safetensors"
   tensors = dict(md_core.SafetensorsFile(_musubi(tmp_path / "plain.safetensors")))
-  md_core.save_safetensors(mixed, tensors | {"lora_unet_head_head.hada_w1_a": np.ones(2)})
+  md_core.save_safetensors(mixed, tensors | {"lora_unet_head_head.lokr_w1": np.ones(2)})
   with pytest.raises(
     md_lora.LoRAFileError,
-    match=r"mixed.safetensors: 'lora_unet_head_head.hada_w1_a' is a LyCORIS / DoRA tensor",
+    match=r"mixed.safetensors: 'lora_unet_head_head.lokr_w1' is a LyCORIS / DoRA tensor",
   ):
     md_lora.load_lora(mixed, md_wan.convert_key, model)
-  adapter = md_lora.load_lora(mixed, md_wan.convert_key, model, allow_unmatched=[r".*\.hada_.*"])
-  assert adapter.skipped == ("lora_unet_head_head.hada_w1_a",) and len(adapter.weights) == 2
+  adapter = md_lora.load_lora(mixed, md_wan.convert_key, model, allow_unmatched=[r".*\.lokr_.*"])
+  assert adapter.skipped == ("lora_unet_head_head.lokr_w1",) and len(adapter.weights) == 2
 
   with pytest.raises(md_lora.LoRAFileError, match=r"good.safetensors: format='lycoris'; md reads"):
     md_lora.load_lora(good, md_wan.convert_key, model, format="lycoris")
@@ -155,6 +151,19 @@ def test_rank_alpha_and_bias_errors(tmp_path, model):
   path = _comfy(tmp_path / "b.safetensors", {"blocks.0.self_attn.q": (2, DIM)}, extra=extra)
   with pytest.raises(md_lora.LoRAFileError, match=r"has dtype bool; an alpha is a number"):
     md_lora.load_lora(path, md_wan.convert_key, model)
+
+  loha = {
+    f"lora_unet_blocks_0_self_attn_q.hada_w{i}_a": np.ones((DIM, 2), np.float32) for i in (1, 2)
+  }
+  loha |= {"lora_unet_blocks_0_self_attn_q.hada_w1_b": np.ones((2, DIM), np.float32)}
+  loha |= {"lora_unet_blocks_0_self_attn_q.hada_w2_b": np.ones((3, DIM), np.float32)}
+  md_core.save_safetensors(tmp_path / "h.safetensors", loha)
+  with pytest.raises(
+    md_lora.LoRAFileError,
+    match=r"h.safetensors: rank or shape mismatch for LoHa module 'lora_unet_blocks_0_self_attn_q'.*"
+    r"hada_w2_b' \(3, 48\)",
+  ):
+    md_lora.load_lora(tmp_path / "h.safetensors", md_wan.convert_key, model)
 
   peft = {
     "transformer.blocks.0.attn1.to_q.lora_A.weight": np.ones((2, DIM), np.float32),

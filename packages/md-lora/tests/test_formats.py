@@ -137,6 +137,20 @@ def test_wan_layouts(ref):
   chex.assert_trees_all_close(out["musubi"], ref["wan/musubi"], atol=ATOL, rtol=0)
 
 
+def test_wan_loha(ref):
+  """LyCORIS LoHa read as an exact rank r1·r2 LoRA: merged, the peft LoHa model's output."""
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / "t2v")
+  io = load_arrays(fixture_path("wan_transformer") / "t2v.npz")
+  args = [jnp.asarray(io[k]) for k in ("hidden_states", "timestep", "encoder_hidden_states")]
+  adapter = md_lora.load_lora(_file("wan_loha"), md_wan.convert_key, model)
+  assert adapter.format == "kohya" and len(adapter.weights) == 2 * 10  # 2 blocks x (8 attn + 2 ffn)
+  assert {w.rank for w in adapter.weights.values()} == {4}  # r1 * r2 = 2 * 2
+  merged = md_lora.merge(model, [(adapter, 1.0)])
+  graphdef, state = nnx.split(merged)
+  out = jax.jit(lambda s: nnx.merge(graphdef, s)(*args, None))(state)
+  chex.assert_trees_all_close(np.asarray(out), ref["wan/loha_model"], atol=ATOL, rtol=0)
+
+
 def test_sdxl_unet_kohya_sgm_names(ref):
   folder = fixture_path("unet") / "sdxl"
   unet = md_sd.load_unet(folder, subfolder=None, progress=False)

@@ -75,6 +75,9 @@ _PEFT_FACTOR = _FACTORS["peft"]
 _KOHYA_FACTOR = _FACTORS["kohya"]
 _ALPHA = re.compile(r"(?P<module>.+)\.alpha")
 _DIFF = re.compile(r"(?P<module>.+)\.(?P<kind>diff|diff_b)")
+# LyCORIS LoHa: delta = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r (Hadamard product of two low-rank factors).
+_LOHA = re.compile(r"(?P<module>.+)\.(?P<slot>hada_w[12]_[ab])")
+_LOHA_SLOTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 _XLABS = re.compile(
   r"(?:diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.\w+\.(down|up)\.weight"
 )
@@ -249,13 +252,15 @@ def detect_format(keys: Sequence[str], where: str) -> str:
     return "comfyui"
   if any(_PEFT_FACTOR.fullmatch(k) for k in keys):
     return "peft"
-  if any(_KOHYA_FACTOR.fullmatch(k) and k.startswith("lora_") for k in keys):
+  if any(
+    (_KOHYA_FACTOR.fullmatch(k) or _LOHA.fullmatch(k)) and k.startswith("lora_") for k in keys
+  ):
     return "kohya"
   shown = ", ".join(repr(k) for k in list(keys)[:5])
   raise LoRAFileError(
     f"{where}: unknown LoRA format: no `lora_A`/`lora_B` (diffusers / PEFT), `lora_down`/`lora_up` "
     f"(kohya), `diffusion_model.` (ComfyUI) or `processor.*_lora` (XLabs) keys among {len(keys)} "
-    f"tensors (first: {shown}); md reads {FORMATS} (LyCORIS LoHa / LoKr not yet)"
+    f"tensors (first: {shown}); md reads {FORMATS} and LyCORIS LoHa (LoKr not yet)"
   )
 
 
@@ -324,6 +329,9 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
   m = _ALPHA.fullmatch(key)
   if m:
     return m["module"], "alpha"
+  m = _LOHA.fullmatch(key)
+  if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
+    return m["module"], m["slot"]
   if fmt in ("comfyui", "peft"):
     m = _DIFF.fullmatch(key)
     if m:
@@ -373,7 +381,7 @@ def read_modules(
   for key in tensors:
     found = _split_key(key, fmt)
     if found is None:
-      lycoris = re.search(r"\.(hada_w[12]_[ab]|lokr_w[12](_[ab])?|dora_scale|lora_mid)", key)
+      lycoris = re.search(r"\.(hada_t[12]|lokr_w[12](_[ab])?|lokr_t2|dora_scale|lora_mid)", key)
       why = (
         f"is a LyCORIS / DoRA tensor ({lycoris[1]}), which md does not read yet"
         if lycoris
@@ -416,6 +424,9 @@ def read_modules(
     for slot, kind in (("diff", "weight"), ("diff_b", "bias")):
       if slot in found:
         deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
+    if set(_LOHA_SLOTS) & set(found):
+      modules.append(_loha(path, module, name, found, tensors, default_alpha, some_alpha))
+      continue
     if not ({"a", "b", "alpha", "bias"} & set(found)):
       continue
     if "a" not in found or "b" not in found:
@@ -453,3 +464,55 @@ def read_modules(
         )
     modules.append(RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias))
   return modules, deltas, leftovers, others, rslora
+
+
+def _loha(
+  path: pathlib.Path,
+  module: str,
+  name: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+  default_alpha: float | None,
+  some_alpha: bool,
+) -> RawLoRA:
+  """A LoHa module as an exact low-rank LoRA of rank r1·r2 (the Khatri-Rao products of its factors):
+  `(w1a @ w1b) * (w2a @ w2b) = B @ A` with `B[:, (i, j)] = w1a[:, i] * w2a[:, j]` and
+  `A[(i, j), :] = w1b[i, :] * w2b[j, :]`; its alpha is rescaled so that scale = alpha / r1 stays."""
+  lacking = [s for s in _LOHA_SLOTS if s not in found]
+  if lacking:
+    raise LoRAFileError(f"{path}: LoHa module {module!r} has no {' / '.join(lacking)}")
+  w1a, w1b, w2a, w2b = (np.asarray(tensors[found[s]]) for s in _LOHA_SLOTS)
+  shapes = (
+    f"{', '.join(f'{found[s]!r} {t.shape}' for s, t in zip(_LOHA_SLOTS, (w1a, w1b, w2a, w2b)))}"
+  )
+  if (
+    min(w1a.ndim, w1b.ndim, w2a.ndim, w2b.ndim) < 2
+    or w1a.shape[1] != w1b.shape[0]
+    or w2a.shape[1] != w2b.shape[0]
+    or w1a.shape[0] != w2a.shape[0]
+    or w1b.shape[1:] != w2b.shape[1:]
+    or w1a.ndim != 2
+    or w2a.ndim != 2
+  ):
+    raise LoRAFileError(f"{path}: rank or shape mismatch for LoHa module {module!r}: {shapes}")
+  if w1b.ndim != 2:
+    raise LoRAFileError(
+      f"{path}: LoHa module {module!r}: only linear LoHa is read so far ({shapes})"
+    )
+  rank = w1b.shape[0]
+  if "alpha" in found:
+    alpha = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}")
+  elif default_alpha is not None:
+    alpha = _check_scalar(default_alpha, "default_alpha")
+  elif some_alpha:
+    raise LoRAFileError(
+      f"{path}: LoHa module {module!r} has no {module + '.alpha'!r} while the file's other modules "
+      "have one; pass default_alpha="
+    )
+  else:
+    alpha = float(rank)  # LyCORIS' default: alpha = dim, scale 1
+  r1, r2 = w1b.shape[0], w2b.shape[0]
+  a = (w1b[:, None, :] * w2b[None, :, :]).reshape(r1 * r2, w1b.shape[1])
+  b = (w1a[:, :, None] * w2a[:, None, :]).reshape(w1a.shape[0], r1 * r2)
+  keys = tuple(found.values())
+  return RawLoRA(name, a, b, alpha / rank * (r1 * r2), keys)
