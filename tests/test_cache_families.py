@@ -76,6 +76,7 @@ POLICIES = {
   ),
   "teacache": (lambda: md_cache.teacache(0.0), lambda: md_cache.teacache(1e9), [1, 0, 0, 1]),
   "sencache": (lambda: md_cache.sencache(-1.0), lambda: md_cache.sencache(1e9), [1, 0, 0, 1]),
+  "deepcache": (lambda: md_cache.deepcache(1), lambda: md_cache.deepcache(2), [1, 0, 1, 0]),
   "faster_cache": (
     lambda: md_cache.faster_cache(1),
     lambda: md_cache.faster_cache(2, timestep_range=(-1, 2000)),
@@ -117,8 +118,14 @@ def _flat(x):
 def test_policy_on_family(family, policy):
   pipe, kw, plain = _family(family)
   every, some, want = POLICIES[policy]
-  if family == "sd" and policy not in STEP_LEVEL + ("faster_cache",):
+  if family == "sd" and policy not in STEP_LEVEL + ("faster_cache", "deepcache"):
     with pytest.raises(ValueError, match="no hookable block stack.*step-level"):
+      pipe(**kw, cache=every())
+    return
+  if policy == "deepcache" and family != "sd":
+    with pytest.raises(
+      ValueError, match="deepcache caches a UNet's deep branch.*first_block_cache"
+    ):
       pipe(**kw, cache=every())
     return
   if policy == "faster_cache" and family in NO_CFG_CACHE:

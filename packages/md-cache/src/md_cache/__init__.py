@@ -5,6 +5,7 @@ traced values in the loop state, so changing them never recompiles.
 """
 
 from md_cache._common import prepare
+from md_cache._deepcache import DeepCacheState, deepcache
 from md_cache._faster_cache import FasterCacheState, faster_cache
 from md_cache._first_block import FirstBlockCacheState, first_block_cache
 from md_cache._magcache import (
@@ -21,6 +22,7 @@ from md_cache._taylorseer import TaylorSeerState, taylorseer
 from md_cache._teacache import TEACACHE_COEFFICIENTS, TeaCacheState, teacache
 
 __all__ = [
+  "DeepCacheState",
   "FasterCacheState",
   "FirstBlockCacheState",
   "MagCacheState",
@@ -30,6 +32,7 @@ __all__ = [
   "TeaCacheState",
   "calibrated_ratios",
   "computed_steps",
+  "deepcache",
   "faster_cache",
   "first_block_cache",
   "load_mag_ratios",
