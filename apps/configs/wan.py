@@ -17,12 +17,16 @@ guidance, flow_shift: 3.0 at 480p, 5.0 at 720p, 16 for FLF2V; 16 fps, 24 for TI2
 "ring", "ulysses" or "ulysses_ring" split the video tokens over the mesh's `context` axis.
 """
 
+import pathlib
+
 import ml_collections
 from ml_collections.config_dict import placeholder
 
 from md_core import apps as md_apps
 
 _FIXTURES = "tests/fixtures/wan_pipeline"
+# md's shapes model, found from this file so the default runs from any directory.
+_SHAPES_MODEL = str(pathlib.Path(__file__).resolve().parents[2] / "models" / "shapes-wan")
 
 # variant -> settings that differ from the defaults below
 VARIANTS = {
@@ -75,6 +79,20 @@ VARIANTS = {
     num_frames=121,
     frame_rate=24,
     flow_shift=5.0,
+  ),
+  # md's own shapes model (models/shapes-wan, trained by apps/configs/default_models.py): what
+  # `uv run apps/wan_generate --config.prompt="a green triangle moving up"` runs without --config.
+  "default": dict(
+    model=_SHAPES_MODEL,
+    prompt="a green triangle moving up",
+    negative_prompt="",
+    height=64,
+    width=64,
+    num_frames=9,
+    frame_rate=8,
+    num_inference_steps=20,
+    guidance_scale=3.0,
+    max_sequence_length=16,
   ),
   "tiny": dict(model=f"{_FIXTURES}/t2v", height=32, width=32, num_frames=9, num_inference_steps=3),
   "tiny-a14b": dict(
@@ -138,6 +156,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.width = 832
   c.num_frames = 81
   c.frame_rate = 16
+  # UMT5 tokens per prompt (512 as the Wan authors; md's shapes model was trained with 16).
+  c.max_sequence_length = 512
   c.num_inference_steps = 50
   c.guidance_scale = 5.0
   # The low-noise expert's guidance (Wan 2.2 A14B); None uses guidance_scale.

@@ -1,5 +1,6 @@
 """wan_generate: Wan 2.1 / 2.2 videos with md-wan; writes MP4s and the settings used.
 
+uv run apps/wan_generate --config.prompt="a green triangle moving up"   # md's shapes model (no --config)
 uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-1.3b --config.prompt="a cat surfing" --workdir=out
 uv run apps/wan_generate --help --config=apps/configs/wan.py:tiny   # the variants, keys and values
 """
@@ -16,8 +17,13 @@ from ml_collections import config_flags  # noqa: E402
 
 from md_core import apps  # noqa: E402
 
+# Without --config: the `default` variant, md's own shapes model (models/shapes-wan).
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "wan.py") + ":default"
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "ml-collections config file (apps/configs/wan.py:<variant>)."
+  "config",
+  _DEFAULT_CONFIG,
+  "ml-collections config file (apps/configs/wan.py:<variant>; default: the `default` variant, md's "
+  "shapes model).",
 )
 _WORKDIR, _OVERWRITE = apps.define_output_flags("outputs/wan", "videos")
 _FIXED = ("variant", "needs_image", "needs_last_image")
@@ -67,7 +73,9 @@ def _check(config, folder):
   images = {
     k: apps.check_local(problems, k, image=True)[0] for k in ("image", "last_image") if config[k]
   }
-  problems.positive("num_inference_steps", "frame_rate", "num_videos_per_prompt")
+  problems.positive(
+    "num_inference_steps", "frame_rate", "num_videos_per_prompt", "max_sequence_length"
+  )
   problems.positive("flow_shift", optional=True)
   problems.at_least("guidance_scale", 0)
   problems.at_least("guidance_scale_2", 0, optional=True)
@@ -125,6 +133,7 @@ def main(argv):
         guidance_scale_2=config.guidance_scale_2,
         num_videos_per_prompt=config.num_videos_per_prompt,
         seed=config.seed,
+        max_sequence_length=config.max_sequence_length,
         scheduler_options=options,
         cache=apps.make_cache(config, "wan"),
         **pixels,
@@ -140,6 +149,11 @@ def main(argv):
       media.save_video(staging / f"video_{i:04d}.mp4", video, config.frame_rate).name
       for i, video in enumerate(frames)
     ]
+    # A contact sheet per video: its frames side by side, left to right.
+    sheets = [
+      media.save_image(staging / f"video_{i:04d}_frames.png", np.concatenate(list(video), 1)).name
+      for i, video in enumerate(frames)
+    ]
     sched = pipe.make_scheduler(**options)
     folder.commit(
       apps.settings_of(
@@ -149,6 +163,7 @@ def main(argv):
         scheduler=sched.name,
         scheduler_config=dict(sched.config),
         videos=names,
+        contact_sheets=sheets,
         load_seconds=round(loaded, 2),
         generate_seconds=round(seconds, 2),
       )
@@ -158,6 +173,7 @@ def main(argv):
     f"{loaded:.1f}s)"
   )
 
+  print(f"contact sheet(s) of the frames: {', '.join(sheets)}")
   line = apps.cache_line(config.cache, apps.cache_report(pipe))
   if line:
     print(line)

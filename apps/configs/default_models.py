@@ -1,0 +1,75 @@
+"""md's default models: a tiny Wan 2.1 text-to-video model trained on md_data's moving shapes (models/shapes-wan).
+
+tools/.venv/bin/python tools/default_models/wan_template.py runs/shapes-wan-template   # the random start
+uv run apps/train --config=apps/configs/default_models.py:wan-vae --workdir=runs/shapes-wan-vae
+uv run apps/train --config=apps/configs/default_models.py:wan --workdir=runs/shapes-wan
+cp -r runs/shapes-wan/export/. models/shapes-wan/   # (bash tools/default_models/make.sh does all four)
+
+Variants: wan-vae (stage 1: the causal Wan VAE from its random init; exports the template folder with the
+trained vae/ and its latent statistics), wan (stage 2: the transformer on that VAE's latents; exports the
+whole pipeline). Recipes: `md_train.shapes_models`. The UMT5 text encoder stays at its random init (frozen).
+"""
+
+import ml_collections
+
+from md_core import apps as md_apps
+
+VARIANTS = {
+  "wan-vae": (
+    "md_train.shapes_models:wan_vae_recipe",
+    dict(steps=100, checkpoint_every=50),
+    dict(
+      template="runs/shapes-wan-template",
+      size=64,
+      frames=9,
+      train_frames=5,
+      crop=32,
+      batch_size=8,
+      learning_rate=2e-3,
+      warmup_steps=20,
+      kl_weight=1e-4,
+      stats_count=64,
+    ),
+  ),
+  "wan": (
+    "md_train.shapes_models:wan_recipe",
+    dict(steps=1500, checkpoint_every=250),
+    dict(
+      base="runs/shapes-wan-vae/export",
+      size=64,
+      frames=9,
+      num_clips=2048,
+      batch_size=32,
+      learning_rate=1e-3,
+      warmup_steps=50,
+      shift=3.0,
+      drop_caption=0.1,
+      max_sequence_length=16,
+    ),
+  ),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  name = arg or "wan"
+  if name not in VARIANTS:
+    raise ValueError(f"unknown variant {name!r}; choose one of {', '.join(VARIANTS)}")
+  recipe, run, options = VARIANTS[name]
+  config = ml_collections.ConfigDict(
+    dict(
+      variant=name,
+      recipe=recipe,
+      steps=run["steps"],
+      seed=0,
+      checkpoint_every=run["checkpoint_every"],
+      keep=2,
+      eval_every=0,
+      log_every=10,
+      export=True,
+      peak_flops=ml_collections.config_dict.placeholder(float),
+      recipe_options=ml_collections.ConfigDict(options),
+    )
+  )
+  md_apps.add_runtime_config(config)
+  config.lock()
+  return config

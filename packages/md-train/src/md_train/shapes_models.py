@@ -1,0 +1,419 @@
+"""Recipes for md's default models: a tiny Wan 2.1 text-to-video model trained on md_data's moving shapes.
+
+Two stages, each a recipe `apps/train` runs (`apps/configs/default_models.py`):
+
+  wan-vae   the causal Wan VAE, trained from its random init on shapes clips: L1 + MSE reconstruction of the
+            decoded latent sample plus a small KL term; exports vae/ with the latents' per-channel mean and std
+  wan       the Wan transformer, trained with the Wan flow-matching loss (`families.wan_loss`) on the trained
+            VAE's latents of shapes clips and the frozen UMT5's states of their captions (10% of them the empty
+            prompt, so classifier-free guidance works); exports the whole pipeline folder
+
+The starting folder (`tools/default_models/wan_template.py`, made by the PyTorch reference at random init) fixes
+the architecture; each stage replaces its component's safetensors with the trained weights, keyed exactly as
+the template's (`export_weights` inverts md's key map), so md's `md_wan.load_pipeline` (and diffusers) read
+the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+import md_core
+import md_data
+import md_vae
+import md_wan
+from md_train import families
+from md_train._loop import Recipe
+from md_train._optim import make_optimizer
+from md_train._step import Frozen, LossFn, init_state, make_train_step, split_trainable
+
+# --- data --------------------------------------------------------------------------------------------------
+
+
+def shapes_videos(
+  config: md_data.ShapesConfig,
+  *,
+  seed: int,
+  batch_size: int,
+  start: int = 0,
+  crop: int | None = None,
+) -> Iterator[tuple[np.ndarray, list[str]]]:
+  """Batches `(video [B, F, H, W, 3] in [-1, 1], captions)` of the shapes dataset (endless).
+
+  `crop`: cut one random `crop x crop` window per clip (drawn from `seed` and the batch's position), so a
+  convolutional model trains on full-scale pieces at a fraction of the cost.
+  """
+  it = md_data.ShapesIterator(config, seed=seed, batch_size=batch_size, start=start)
+  for b, batch in enumerate(it):
+    video = (2.0 * batch.pixels - 1.0).astype(np.float32)
+    if crop is not None:
+      if crop > config.size:
+        raise ValueError(f"crop={crop} is larger than the clips' size {config.size}")
+      rng = np.random.default_rng([seed, start, b])
+      corners = rng.integers(0, config.size - crop + 1, size=(batch_size, 2))
+      video = np.stack([v[..., y : y + crop, x : x + crop, :] for v, (y, x) in zip(video, corners)])
+    yield video, batch.captions
+
+
+# --- the VAE loss ------------------------------------------------------------------------------------------
+
+
+def wan_vae_loss(vae: Frozen, *, kl_weight: float = 1e-4, mse_weight: float = 1.0) -> LossFn:
+  """Reconstruction loss of the Wan VAE: `|x - x̂| + mse_weight (x - x̂)² + kl_weight KL(q(z|x) || N(0, 1))`.
+
+  Batch: `video [B, F, H, W, 3]` in [-1, 1] (F = 1 + 4k; a VAE without patchify). The decoder sees a
+  sample of the encoder's Gaussian. Means are over pixels (the KL over latent elements).
+  """
+
+  def loss_fn(params, batch, key):
+    model = vae.merge(params)
+    video = batch["video"]
+    dist = model.encode(video)
+    # The loss reads the decoder's output before its clamp to [-1, 1]: black and white pixels sit on the
+    # clamp, where a clamped output on the wrong side would get no gradient.
+    recon = model._decode_video(dist.sample(key), finish=False)
+    l1 = jnp.mean(jnp.abs(recon - video))
+    mse = jnp.mean(jnp.square(recon - video))
+    kl = 0.5 * jnp.mean(jnp.square(dist.mean) + jnp.exp(dist.logvar) - 1.0 - dist.logvar)
+    return l1 + mse_weight * mse + kl_weight * kl, {"l1": l1, "mse": mse, "kl": kl}
+
+  return loss_fn
+
+
+# --- export ------------------------------------------------------------------------------------------------
+
+
+def export_weights(
+  module: nnx.Module, template: Mapping[str, np.ndarray], convert_key: Callable
+) -> dict[str, np.ndarray]:
+  """The reference tensors of `module`: for every tensor name of `template`, md's parameter put back in the
+  reference's layout (the inverse of loading with `convert_key`), in the template's dtype.
+
+  Raises:
+    ValueError: a template tensor md does not map, or whose converted shape differs from the template's
+      (both shapes named).
+  """
+  flat = {tuple(path): v.get_value() for path, v in nnx.to_flat_state(nnx.state(module))}
+  inverse = {
+    "linear": (1, 0),
+    "conv1d": (2, 1, 0),
+    "conv2d": (3, 2, 0, 1),
+    "conv3d": (4, 3, 0, 1, 2),
+  }
+  out = {}
+  for name in template:
+    want = np.asarray(template[name])
+    targets = convert_key(name)
+    if targets is None:
+      raise ValueError(f"template tensor {name!r} maps to no md parameter")
+    targets = [targets] if isinstance(targets, md_core.Target) else list(targets)
+    parts = []
+    for t in targets:
+      if t.path not in flat:
+        raise ValueError(
+          f"template tensor {name!r} maps to {t.path}, which the module does not have"
+        )
+      a = np.asarray(flat[t.path], np.float32)
+      if t.layer is not None:
+        a = a[t.layer]
+      perm = inverse.get(t.layout)
+      parts.append(a if perm is None else np.transpose(a, perm))
+    split = targets[0].split
+    a = parts[0] if split is None else np.concatenate(parts, axis=split[2])
+    if a.shape != want.shape:
+      raise ValueError(f"template tensor {name!r} has shape {want.shape}, md's export {a.shape}")
+    out[name] = a.astype(want.dtype)
+  return out
+
+
+def save_component(folder: pathlib.Path, module: nnx.Module, convert_key: Callable) -> None:
+  """Overwrites `folder/diffusion_pytorch_model.safetensors` with `module`'s weights in its own keys."""
+  path = folder / "diffusion_pytorch_model.safetensors"
+  template = md_core.open_checkpoint(folder)
+  tensors = export_weights(module, template, convert_key)
+  del template
+  md_core.save_safetensors(path, tensors, metadata={"format": "pt"})
+
+
+# --- recipes -----------------------------------------------------------------------------------------------
+
+
+def _shapes_config(config: ml_collections.ConfigDict, split: str = "train") -> md_data.ShapesConfig:
+  return md_data.ShapesConfig(size=config.size, frames=config.frames, split=split)
+
+
+def _copy_folder(src: str | os.PathLike, dst: pathlib.Path) -> None:
+  if dst.exists():
+    shutil.rmtree(dst)
+  shutil.copytree(src, dst)
+
+
+def _optimizer(config: ml_collections.ConfigDict):
+  return make_optimizer(
+    learning_rate=config.learning_rate,
+    schedule="cosine",
+    warmup_steps=config.warmup_steps,
+    total_steps=config.steps,
+    end_learning_rate=config.learning_rate * 0.05,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+  )
+
+
+def _options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The recipe's settings: `config.recipe_options` with the run's `steps` and `seed`."""
+  opts = ml_collections.ConfigDict(config.recipe_options.to_dict())
+  opts.steps, opts.seed = int(config.steps), int(config.seed)
+  return opts
+
+
+def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
+  """Trains the template folder's Wan VAE on shapes clips.
+
+  `recipe_options`: `template` (the starting pipeline folder), `size`, `frames` (of the exported latent
+  statistics' clips), `train_frames` and `crop` (the training clips: frames and a random square window),
+  `batch_size`, `learning_rate`, `warmup_steps`, `kl_weight`, `stats_count` (clips for the latent
+  statistics).
+  """
+  config = _options(app_config)
+  vae = md_vae.load_vae_wan(config.template)
+  frozen, params = split_trainable(vae)
+  optimizer = _optimizer(config)
+  state = init_state(params, optimizer, rng=config.seed)
+  step = make_train_step(wan_vae_loss(frozen, kl_weight=config.kl_weight), optimizer)
+  data = _shapes_config(config)
+  train = md_data.ShapesConfig(size=config.size, frames=config.train_frames, split="train")
+  batches = (
+    {"video": jnp.asarray(v)}
+    for v, _ in shapes_videos(
+      train, seed=config.seed, batch_size=config.batch_size, crop=config.crop
+    )
+  )
+
+  def export(state, out: str | os.PathLike) -> pathlib.Path:
+    out = pathlib.Path(out)
+    _copy_folder(config.template, out)
+    model = frozen.merge(state.params)
+    mean, std = latent_statistics(model, data, seed=config.seed + 1, count=config.stats_count)
+    save_component(out / "vae", model, md_vae.vae_wan_convert_key)
+    cfg_path = out / "vae" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["latents_mean"] = [round(float(m), 5) for m in mean]
+    cfg["latents_std"] = [round(float(s), 5) for s in std]
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+  return Recipe(
+    state=state, step=step, batches=batches, export=export, fingerprint=config.to_dict()
+  )
+
+
+def latent_statistics(
+  vae: md_vae.WanVAE, data: md_data.ShapesConfig, *, seed: int, count: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per-channel mean and std of the encoder means over `count` clips (what the Wan pipelines normalise
+  latents with)."""
+  encode = jax.jit(lambda v: vae.encode(v).mean)
+  lat = [
+    encode(jnp.asarray(v))
+    for v, _ in _take(shapes_videos(data, seed=seed, batch_size=8), count // 8)
+  ]
+  lat = np.concatenate([np.asarray(x).reshape(-1, x.shape[-1]) for x in lat])
+  return lat.mean(0), lat.std(0)
+
+
+def _take(it, n):
+  for _ in range(n):
+    yield next(it)
+
+
+# --- a minimal loop (until md_train.fit) -------------------------------------------------------------------
+
+
+def run_recipe(
+  recipe: Recipe, *, steps: int, workdir: str | os.PathLike, log_every: int = 10
+) -> Any:
+  """Runs `steps` steps of `recipe`, appending metrics to `workdir/metrics.jsonl`, then exports to
+  `workdir/export` (when the recipe exports). Returns the final state."""
+  import time
+
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "fingerprint.json").write_text(
+    json.dumps(dict(recipe.fingerprint), indent=2, default=str)
+  )
+  state, start = recipe.state, time.perf_counter()
+  with open(workdir / "metrics.jsonl", "w") as log:
+    for i in range(steps):
+      state, metrics = recipe.step(state, next(recipe.batches))
+      if (i + 1) % log_every == 0 or i == 0 or i + 1 == steps:
+        row = {k: float(v) for k, v in metrics.items()}
+        row |= {"step": i + 1, "wall_s": round(time.perf_counter() - start, 2)}
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(json.dumps(row), flush=True)
+  if recipe.export is not None:
+    recipe.export(state, workdir / "export")
+  print(f"done: {steps} steps in {time.perf_counter() - start:.1f} s", flush=True)
+  return state
+
+
+# --- the transformer ---------------------------------------------------------------------------------------
+
+
+def train_captions(frames: int | None) -> tuple[str, ...]:
+  """Every caption the train split can draw (videos: colour × shape × direction × background)."""
+  labels = []
+  for colour, shape in md_data.split("train"):
+    for background in md_data.BACKGROUNDS:
+      if frames is None:
+        labels += [
+          md_data.ShapeLabel(colour, shape, background, position=p) for p in md_data.POSITIONS
+        ]
+      else:
+        labels += [
+          md_data.ShapeLabel(colour, shape, background, direction=d) for d in md_data.DIRECTIONS
+        ]
+  return tuple(md_data.caption(label) for label in labels)
+
+
+def encode_clips(
+  pipe: md_wan.WanVideoPipeline,
+  data: md_data.ShapesConfig,
+  *,
+  seed: int,
+  count: int,
+  batch_size: int = 8,
+) -> tuple[np.ndarray, list[str]]:
+  """The normalised VAE latents (encoder means) `[count, f, h, w, z]` of `count` shapes clips, and their
+  captions."""
+  vae = pipe.vae
+  encode = jax.jit(lambda v: vae.normalize_latents(vae.encode(v).mean))
+  lats, caps = [], []
+  for v, c in _take(shapes_videos(data, seed=seed, batch_size=batch_size), -(-count // batch_size)):
+    lats.append(np.asarray(encode(jnp.asarray(v))))
+    caps += c
+  return np.concatenate(lats)[:count], caps[:count]
+
+
+def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
+  """Trains the transformer of the folder `base` (the wan-vae stage's export) on cached latents of
+  `num_clips` shapes clips, with a fraction `drop_caption` of the captions replaced by the empty prompt.
+
+  `recipe_options`: `base`, `size`, `frames`, `num_clips`, `batch_size`, `learning_rate`, `warmup_steps`,
+  `shift` (the training sigmas' shift), `drop_caption`, `max_sequence_length` (text tokens; generate
+  with the same).
+  """
+  config = _options(app_config)
+  pipe = md_wan.load_pipeline(config.base)
+  data = _shapes_config(config)
+  latents, captions = encode_clips(pipe, data, seed=config.seed, count=config.num_clips)
+  table = ("",) + train_captions(config.frames)
+  index = {c: i for i, c in enumerate(table)}
+  length = int(config.max_sequence_length)
+  embeds = np.concatenate(
+    [
+      np.asarray(pipe.encode_prompt(list(table[i : i + 32]), max_sequence_length=length))
+      for i in range(0, len(table), 32)
+    ]
+  )  # [len(table), max_sequence_length, D]
+  ids = np.asarray([index[c] for c in captions])
+  frozen, params = split_trainable(pipe.transformer)
+  optimizer = _optimizer(config)
+  state = init_state(params, optimizer, rng=config.seed)
+  step = make_train_step(families.wan_loss(frozen, shift=config.shift), optimizer)
+
+  def batches():
+    rng = np.random.default_rng([config.seed, 1])
+    while True:
+      pick = rng.integers(0, len(latents), config.batch_size)
+      text = np.where(rng.random(config.batch_size) < config.drop_caption, 0, ids[pick])
+      yield {
+        "latents": jnp.asarray(latents[pick]),
+        "encoder_hidden_states": jnp.asarray(embeds[text]),
+      }
+
+  def export(state, out: str | os.PathLike) -> pathlib.Path:
+    out = pathlib.Path(out)
+    _copy_folder(config.base, out)
+    save_component(out / "transformer", frozen.merge(state.params), md_wan.convert_key)
+    return out
+
+  return Recipe(
+    state=state, step=step, batches=batches(), export=export, fingerprint=config.to_dict()
+  )
+
+
+# --- quality -----------------------------------------------------------------------------------------------
+
+
+def quality_prompts() -> dict[str, tuple[str, ...]]:
+  """The evaluation prompts of the video model: `held_out` (the 5 colour × shape pairs never trained on,
+  × 4 directions, backgrounds in turn: 20 prompts) and `train` (16 prompts of trained pairs, one per
+  colour × direction, shapes and backgrounds in turn)."""
+  backgrounds = tuple(md_data.BACKGROUNDS)
+  held = [
+    md_data.caption(md_data.ShapeLabel(c, s, backgrounds[(i + j) % 3], direction=d))
+    for i, (c, s) in enumerate(md_data.split("held_out"))
+    for j, d in enumerate(md_data.DIRECTIONS)
+  ]
+  pairs = md_data.split("train")
+  train = [
+    md_data.caption(
+      md_data.ShapeLabel(*pairs[(5 * i + 3 * j) % len(pairs)], backgrounds[i % 3], direction=d)
+    )
+    for i in range(4)
+    for j, d in enumerate(md_data.DIRECTIONS)
+  ]
+  return {"held_out": tuple(held), "train": tuple(train)}
+
+
+def video_scores(
+  pipe: md_wan.WanVideoPipeline,
+  *,
+  seeds: tuple[int, ...] = (0, 1),
+  num_inference_steps: int = 20,
+  guidance_scale: float = 3.0,
+  max_sequence_length: int = 16,
+  size: int = 64,
+  frames: int = 9,
+) -> dict[str, md_data.Scores]:
+  """md_data's analyser on videos of `quality_prompts()` (each prompt once per seed): `Scores` per group
+  (`held_out`, `train`) and over `all`."""
+  out, everything = {}, ([], [])
+  for group, prompts in quality_prompts().items():
+    videos = [
+      np.asarray(
+        pipe(
+          list(prompts),
+          "",
+          height=size,
+          width=size,
+          num_frames=frames,
+          num_inference_steps=num_inference_steps,
+          guidance_scale=guidance_scale,
+          max_sequence_length=max_sequence_length,
+          seed=seed,
+          progress=False,
+        )
+      )
+      for seed in seeds
+    ]
+    videos = np.concatenate(videos)
+    captions = list(prompts) * len(seeds)
+    out[group] = md_data.score(videos, captions)
+    everything[0].append(videos)
+    everything[1].extend(captions)
+  out["all"] = md_data.score(np.concatenate(everything[0]), everything[1])
+  return out

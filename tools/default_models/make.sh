@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Trains md's default video model from scratch and copies it to models/shapes-wan (see its README).
+#
+#   bash tools/default_models/make.sh          # runs/ holds the template, both stages' workdirs
+#
+# The template (random init, the architecture) comes from the PyTorch reference in tools/.venv
+# (bash tools/make_fixtures.sh creates it); training and export are md's own (apps/train).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export HF_HUB_OFFLINE=1
+rm -rf runs/shapes-wan-template runs/shapes-wan-vae runs/shapes-wan
+tools/.venv/bin/python tools/default_models/wan_template.py runs/shapes-wan-template
+uv run apps/train --config=apps/configs/default_models.py:wan-vae --workdir=runs/shapes-wan-vae
+uv run apps/train --config=apps/configs/default_models.py:wan --workdir=runs/shapes-wan
+mkdir -p models/shapes-wan
+for part in model_index.json scheduler text_encoder tokenizer transformer vae; do
+  rm -rf "models/shapes-wan/$part"
+  cp -r "runs/shapes-wan/export/$part" models/shapes-wan/
+done
+uv run python bench/default_models.py --scores models/shapes-wan   # the quality numbers of the card
