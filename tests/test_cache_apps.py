@@ -46,7 +46,7 @@ FLUX, SD = "apps/configs/flux.py:tiny", "apps/configs/sd.py:tiny"
   [
     ("flux_generate", FLUX, ["--config.cache=tea"], "'tea' is not an md-cache policy; expected one of"),
     ("flux_generate", FLUX, ["--config.cache=magcach"], "did you mean 'magcache'?"),
-    ("sd_generate", SD, ["--config.cache=first_block_cache"], "apply to any denoiser: ['faster_cache', 'sencache', 'taylorseer']"),
+    ("sd_generate", SD, ["--config.cache=first_block_cache"], "apply to any denoiser: ['deepcache', 'faster_cache', 'sencache', 'taylorseer']"),
     ("flux_generate", FLUX, ["--config.cache=magcache"], "calibrate=True"),
     (
       "flux_generate", FLUX, ["--config.cache=teacache", "--config.cache_options.interval=2"],
@@ -56,6 +56,7 @@ FLUX, SD = "apps/configs/flux.py:tiny", "apps/configs/sd.py:tiny"
       "sd_generate", SD, ["--config.cache=faster_cache", "--config.cache_options.epsilon=0.1"],
       "faster_cache takes ['interval', 'alpha_low', 'alpha_high'], not ['epsilon']",
     ),
+    ("flux_generate", FLUX, ["--config.cache=deepcache"], "caches a UNet's deep branch, and flux has a transformer"),
     ("flux_generate", FLUX, ["--config.cache_options.treshold=0.1"], "did you mean --config.cache_options.threshold?"),
   ],
 )  # fmt: skip

@@ -671,6 +671,7 @@ CACHE_OPTIONS: dict[str, type] = {
   "max_order": int,
   "factors_dtype": str,
   "coefficients": str,
+  "start": int,
   "alpha_low": float,
   "alpha_high": float,
   "epsilon": float,
@@ -687,6 +688,7 @@ _CACHE_POLICIES: dict[str, tuple[tuple[str, ...], bool]] = {
   "taylorseer": (("interval", "warmup_steps", "stop_step", "max_order", "factors_dtype"), False),
   "teacache": (("threshold", "coefficients"), True),
   "faster_cache": (("interval", "alpha_low", "alpha_high"), False),
+  "deepcache": (("interval", "start"), False),
   "sencache": (
     (
       "epsilon",
@@ -703,6 +705,7 @@ _CACHE_POLICIES: dict[str, tuple[tuple[str, ...], bool]] = {
 # TeaCache's published polynomial per family where one is known (md_cache.TEACACHE_COEFFICIENTS).
 _TEACACHE_FAMILY = {"flux": "flux", "ltx": "ltx-video"}
 _UNET_FAMILIES = ("sd",)
+_UNET_ONLY = ("deepcache",)
 
 
 def add_cache_config(config: Any) -> Any:
@@ -759,6 +762,12 @@ def make_cache(config: Any, family: str) -> Any:
     raise ValueError(
       f"--config.cache={name}: a block-level cache needs transformer block stacks, and the {family} "
       f"UNet has none; these apply to any denoiser: {steps}"
+    )
+  if name in _UNET_ONLY and family not in _UNET_FAMILIES:
+    raise ValueError(
+      f"--config.cache={name} caches a UNet's deep branch, and {family} has a transformer; block "
+      "caches apply: ['first_block_cache', 'magcache', 'teacache'], and any of ['faster_cache', "
+      "'sencache', 'taylorseer']"
     )
   options = {k: v for k, v in dict(config.cache_options).items() if v is not None}
   extra = sorted(set(options) - set(takes))
