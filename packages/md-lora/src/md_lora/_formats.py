@@ -19,6 +19,7 @@ Four formats, told apart by their key names (`format=` forces one):
   xlabs:   XLabs' Flux files: `double_blocks.N.processor.qkv_lora1|qkv_lora2|proj_lora1|proj_lora2.down|up.
            weight`, `single_blocks.N.processor.qkv_lora|proj_lora.…`; no alpha (scale 1, as XLabs applies
            them).
+LyCORIS LoHa modules (`.hada_w1_a` … in kohya or ComfyUI names) are read as exact rank r1·r2 LoRAs.
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
