@@ -20,7 +20,6 @@ import pytest
 import uvicorn
 from PIL import Image
 
-import md_lora
 import md_sd
 import md_serve
 from md_core import testing
@@ -61,10 +60,9 @@ class _Server:
 def served():
   pipe = md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd")
   root = testing.fixture_path("lora")
-  keymap = md_sd.unet_key_map(pipe.unet.cfg)
-  loras = {n: md_lora.load_lora(root / f"sd_{n}.safetensors", keymap, pipe.unet) for n in "ab"}
+  loras = {n: root / f"sd_{n}.safetensors" for n in "ab"}
   model = md_serve.ServedModel(
-    "sd-tiny", pipe, loras=loras, default_size=(32, 32), max_pixels=64 * 64
+    "sd-tiny", pipe, loras=loras, lora_rank=8, default_size=(32, 32), max_pixels=64 * 64
   )
   queue = md_serve.JobQueue(
     {"sd-tiny": model}, max_queue=6, max_batch=4, batch_buckets=(4,), batch_wait_s=0.25,

@@ -16,8 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 
-import md_core
-
 
 @dataclasses.dataclass(frozen=True)
 class NoiseSpec:
@@ -66,31 +64,15 @@ def noise_spec(pipe: Any) -> NoiseSpec | None:
   return None
 
 
-def _lora_weights(adapter: Any, dense: Mapping[str, Any], scale: float) -> tuple[dict, int]:
-  """An md-lora `Adapter` as `{dense path: md_core.LoRAWeight}` for run-time slots, and how many of its
-  sites are not Dense kernels (convolutions: merged LoRA only, not hot-swappable)."""
-  out, dropped = {}, 0
-  for site, w in adapter.weights.items():
-    path = ".".join(str(p) for p in site.path[:-1])
-    if site.path[-1] != "kernel" or path not in dense or np.ndim(w.down) != 2:
-      dropped += 1
-      continue
-    out[path] = md_core.LoRAWeight(
-      np.asarray(w.down), np.asarray(w.up), float(w.scale) * float(scale), site.layer
-    )
-  return out, dropped
-
-
 class ServedModel:
   """A pipeline the server runs, with its registry of hot-swappable LoRA adapters.
 
   Args:
     name: the model's name in requests (`"model": name`).
     pipe: a loaded md pipeline (`md_sd.load_pipeline(...)`, `md_wan.load_pipeline(...)`).
-    loras: `{name: md_lora.Adapter}` read for this pipeline's denoiser; run-time slots are added once
-      (rank = the sum of the adapters' ranks, so any combination fits), and each batch puts its requests'
-      adapters and scales into them without recompiling.
-    lora_component: the pipeline attribute the adapters are for (default: `unet` or `transformer`).
+    loras: `{name: LoRA file}`, loaded at run time into the pipeline's LoRA slots (`pipe.load_lora`);
+      each batch selects its requests' adapters and scales with `pipe.set_adapters` (never a recompile).
+    lora_rank: the slots' rank (adapters used together share it; default: the pipeline's, 64).
     default_size: (height, width) when a request gives no size (default: the pipeline's own).
     max_pixels: the largest height × width a request may ask for.
     num_frames: a video model's default frame count.
@@ -103,7 +85,7 @@ class ServedModel:
     pipe: Any,
     *,
     loras: Mapping[str, Any] | None = None,
-    lora_component: str | None = None,
+    lora_rank: int | None = None,
     default_size: tuple[int, int] | None = None,
     max_pixels: int = 1024 * 1024,
     num_frames: int = 5,
@@ -122,21 +104,13 @@ class ServedModel:
       int(num_frames),
       int(max_frames),
     )
-    self.lora_component = lora_component or ("unet" if hasattr(pipe, "unet") else "transformer")
-    self.loras: dict[str, dict] = {}
-    self.lora_dropped: dict[str, int] = {}
+    self.loras: dict[str, str] = {}
     self._active: tuple = ()
-    if loras:
-      module = getattr(pipe, self.lora_component)
-      dense = md_core.dense_layers(module)
-      for lora_name, adapter in loras.items():
-        weights, dropped = _lora_weights(adapter, dense, 1.0)
-        if not weights:
-          raise ValueError(f"LoRA {lora_name!r}: none of its sites is a Dense layer of {name}")
-        self.loras[lora_name], self.lora_dropped[lora_name] = weights, dropped
-      rank = sum(max(w.a.shape[-1] for w in ws.values()) for ws in self.loras.values())
-      targets = sorted({p for ws in self.loras.values() for p in ws})
-      pipe.add_lora_slots(rank, component=self.lora_component, targets=targets)
+    for lora_name, file in (loras or {}).items():
+      pipe.load_lora(file, name=lora_name, max_rank=lora_rank)
+      self.loras[lora_name] = str(file)
+    if self.loras:
+      pipe.set_adapters({})  # loaded, none active until a request names them
 
   @property
   def params(self) -> set[str]:
@@ -152,12 +126,7 @@ class ServedModel:
     if loras == self._active:
       return False
     if self.loras:
-      adapters = []
-      for lora_name, scale in loras:
-        adapters.append(
-          {p: w._replace(scale=w.scale * scale) for p, w in self.loras[lora_name].items()}
-        )
-      self.pipe.set_lora(adapters, component=self.lora_component)
+      self.pipe.set_adapters({n: s for n, s in loras})
     self._active = loras
     return True
 
