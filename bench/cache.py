@@ -41,7 +41,9 @@ def policies(steps: int, family: str) -> dict:
     "sencache": md_cache.sencache(0.1),
     "faster_cache": md_cache.faster_cache(5, timestep_range=(-1, 900)),
   }
-  if family != "sd":  # block-level policies need transformer block stacks
+  if family == "sd":
+    out["deepcache"] = md_cache.deepcache(3)
+  else:  # block-level policies need transformer block stacks
     out["first_block_cache"] = md_cache.first_block_cache(0.1)
     out["teacache"] = md_cache.teacache(0.2)
   return out
