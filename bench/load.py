@@ -69,13 +69,19 @@ class PeakAnon:
 
 
 def _measure(load) -> dict:
+  import resource
+
   before = _status("RssAnon")
+  usage = resource.getrusage(resource.RUSAGE_SELF)
   start = time.perf_counter()
   with PeakAnon() as peak:
     weights = load()
   seconds = time.perf_counter() - start
+  after = resource.getrusage(resource.RUSAGE_SELF)
+  cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
   return {
     "seconds": seconds,
+    "cpu_seconds": cpu,
     "anon_before": before,
     "peak_anon": peak.peak,
     "vm_hwm": _status("VmHWM"),
@@ -177,8 +183,8 @@ def main() -> None:
     f" {os.cpu_count()} CPUs, md on {args.devices} CPU device(s)"
   )
   print(
-    "| model | weights GB | md s | diffusers s | md / diffusers | md peak anon GB (excess) "
-    "| diffusers peak anon GB | md VmHWM GB |"
+    "| model | weights GB | md s (CPU s) | diffusers s (CPU s) | md / diffusers | "
+    "md peak anon GB (excess over weights) | diffusers peak anon GB | md VmHWM GB |"
   )
   print("|---|---|---|---|---|---|---|---|")
   for model in args.models.split(","):
@@ -191,7 +197,8 @@ def main() -> None:
     ref = _run_worker(str(TORCH_PYTHON), ["diffusers", model, str(folder)])
     excess = md["peak_anon"] - md["weights"]
     print(
-      f"| {name} {sub} | {md['weights'] / GB:.2f} | {md['seconds']:.1f} | {ref['seconds']:.1f} "
+      f"| {name} {sub} | {md['weights'] / GB:.2f} | {md['seconds']:.1f} ({md['cpu_seconds']:.1f}) "
+      f"| {ref['seconds']:.1f} ({ref['cpu_seconds']:.1f}) "
       f"| {md['seconds'] / ref['seconds']:.2f} | {md['peak_anon'] / GB:.2f} ({excess / GB:+.2f}; "
       f"runtime before load {md['anon_before'] / GB:.2f}) | {ref['peak_anon'] / GB:.2f} "
       f"| {md['vm_hwm'] / GB:.2f} |",

@@ -70,8 +70,12 @@ def _put(view: np.ndarray, dtype: np.dtype, sharding: Sharding) -> jax.Array:
   """Places a (memory-mapped) host view; each device reads and copies only its own slice."""
 
   def piece(index) -> np.ndarray:
-    # A fresh host buffer per piece, so no device buffer can alias the file mapping.
-    return np.array(view[index], dtype=dtype, order="C", copy=True)
+    part = view[index]
+    if part.dtype == dtype and part.flags.c_contiguous:
+      return (
+        part  # the transfer copies it (no host copy); the jitted conversion writes a new buffer
+      )
+    return np.array(part, dtype=dtype, order="C", copy=True)
 
   if sharding is None:
     return jax.device_put(piece(()))
