@@ -162,3 +162,38 @@ def test_too_much_rank_names_the_layer_and_keeps_the_state(sd, root, tmp_path):
   with pytest.raises(ValueError, match="needs rank 66 .* slot holds 64.*max_rank=64"):
     pipe.load_lora(big, name="big")  # 4 (sd_a, active) + 62
   assert "big" not in pipe.loras and pipe.loras["a"]["active"]
+
+
+def test_app_loras_config(sd, root, tmp_path):
+  import ml_collections
+
+  from md_core import apps
+
+  assert apps.parse_loras("") == []
+  assert apps.parse_loras("a.safetensors:0.8, b.safetensors,c.safetensors:1@transformer_2") == [
+    apps.LoRASpec("a.safetensors", 0.8),
+    apps.LoRASpec("b.safetensors", 1.0),
+    apps.LoRASpec("c.safetensors", 1.0, "transformer_2"),
+  ]
+  with pytest.raises(ValueError, match="loras entry 'a.safetensors:x': scale 'x' is not a number"):
+    apps.parse_loras("a.safetensors:x")
+  with pytest.raises(ValueError, match="loras entry 2 of 'a.safetensors,' is empty"):
+    apps.parse_loras("a.safetensors,")
+  with pytest.raises(ValueError, match="scale 'nan' is not finite"):
+    apps.parse_loras("a.safetensors:nan")
+  config = apps.add_lora_config(ml_collections.ConfigDict())
+  config.loras = f"{root / 'sd_a.safetensors'}:0.5,{tmp_path / 'missing.safetensors'}:1"
+  problems = apps.Problems(config)
+  apps.check_loras(problems, config)
+  assert problems.lines == [f"loras entry {str(tmp_path / 'missing.safetensors')!r}: no such file"]
+
+  pipe, _ = sd
+  config.loras = f"{root / 'sd_b.safetensors'}:0.25@unet"
+  before = set(pipe.loras)
+  names = apps.load_loras(pipe, config)
+  assert names == ["0_sd_b"] and pipe.loras["0_sd_b"]["scales"] == {"unet": 0.25}
+  pipe.unload_lora(names)
+  assert set(pipe.loras) == before
+  config.loras = f"{root / 'sd_b.safetensors'}@transformer"
+  with pytest.raises(ValueError, match="loras entry .*sd_b.safetensors'.*component 'transformer'"):
+    apps.load_loras(pipe, config)

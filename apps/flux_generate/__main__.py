@@ -60,6 +60,7 @@ def _check(config, folder):
     )
   p.call(apps.make_cache, config, "flux")
   apps.check_quantization(p, config)
+  apps.check_loras(p, config)
   return apps.finish_checks(p, config, folder), model[0], images, layers
 
 
@@ -91,6 +92,7 @@ def main(argv):
       attention=attention,
       progress=True,
     )
+    apps.load_loras(pipe, config)  # --config.loras, at run time
   loaded = time.perf_counter() - start
   klein = isinstance(pipe, md_flux.Flux2KleinPipeline)
   if config.edit and not klein:

@@ -71,6 +71,7 @@ def _check(config, folder):
     )  # fmt: skip
   p.call(apps.make_cache, config, "ltx2")
   apps.check_quantization(p, config)
+  apps.check_loras(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return mesh, model[0], (transformer or [None])[0], (image or [None])[0], sigmas, blocks
 
@@ -103,6 +104,7 @@ def main(argv):
       remat=config.remat,
       progress=True,
     )
+    apps.load_loras(pipe, config)  # --config.loras, at run time
   loaded = time.perf_counter() - start
   start = time.perf_counter()
   with md_progress.phase("generating", announce=True):

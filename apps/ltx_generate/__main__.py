@@ -94,6 +94,7 @@ def _check(config, folder):
   conditions = _conditions(p, config)
   p.call(apps.make_cache, config, "ltx")
   apps.check_quantization(p, config)
+  apps.check_loras(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return (
     mesh,
@@ -131,6 +132,7 @@ def main(argv):
       remat=config.remat,
       progress=True,
     )
+    apps.load_loras(pipe, config)  # --config.loras, at run time
     upsampler = None
     if src["upsampler"]:
       upsampler = md_ltx.load_latent_upsampler(src["upsampler"][0], mesh=mesh, progress=True)

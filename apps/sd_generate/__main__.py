@@ -64,6 +64,7 @@ def _check(config, folder):
     apps.scheduler_steps_problem(p, model[0])
   p.call(apps.make_cache, config, "sd")
   apps.check_quantization(p, config)
+  apps.check_loras(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return mesh, dict(model=model[0], nets=nets, refiner=refiner, unet=unet), images
 
@@ -95,6 +96,7 @@ def main(argv):
       unet_file=src["unet"][0] if src["unet"] else None,
       **load,
     )
+    apps.load_loras(pipe, config)  # --config.loras, at run time
     refiner = md_sd.load_pipeline(src["refiner"][0], **load) if src["refiner"] else None
   loaded = time.perf_counter() - start
   size = (config.height, config.width)
