@@ -173,6 +173,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
   md_apps.add_cache_config(c)  # cache, cache_options (md-cache)
   md_apps.add_quantization_config(c)  # quantization: int8, int8-dynamic or fp8
+  md_apps.add_lora_config(c)  # loras: "file[:scale][@component],…" (md-lora, at run time)
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -86,6 +86,7 @@ def _check(config, folder):
     apps.scheduler_steps_problem(problems, model)
   problems.call(apps.make_cache, config, "wan")
   apps.check_quantization(problems, config)
+  apps.check_loras(problems, config)
   return apps.finish_checks(problems, config, folder), model, images
 
 
@@ -115,6 +116,7 @@ def main(argv):
       remat=config.remat,
       progress=True,
     )
+    apps.load_loras(pipe, config)  # --config.loras, at run time
   loaded = time.perf_counter() - start
   size = (config.height, config.width)
   options = {} if config.flow_shift is None else {"flow_shift": config.flow_shift}
