@@ -6,7 +6,9 @@ uv run --no-sync python bench/plans.py --tiny             # the same path on the
 
 Each model is built with `nnx.eval_shape` from its real config (the families' VARIANTS), bfloat16, and one
 jitted denoiser call (the transformer forward at the step's batch) is lowered on `jax.ShapeDtypeStruct`
-inputs: nothing is allocated or run. FLOPs come from XLA's cost analysis of the lowered program. Weight bytes
+inputs: nothing is allocated or run. FLOPs are the matmul/conv FLOPs of the step's jaxpr with every scan body
+counted times its length (bench/_flops.py; XLA's `lowered.cost_analysis()` counts a loop body once, so a
+scanned 40-block stack would read as one block). Weight bytes
 are exact (abstract parameter shapes; per device from the shard shapes of md-sharding's rules on an 8-device
 `fsdp` mesh, faked with --xla_force_host_platform_device_count=8); int8 counts 1 byte per element for
 the >= 2-d matmul / conv kernels and keeps the rest in bfloat16. Activation (temporary) bytes are compiled
@@ -33,6 +35,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import md_sharding as mds  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _flops import count_flops  # noqa: E402
 
 BF16 = jnp.bfloat16
 GiB = 2**30
@@ -173,9 +178,8 @@ def analyse(plan: Plan, devices: int, compile_: bool) -> dict:
       lowered = jitted.lower(state, plan.inputs)
   else:
     lowered = jitted.lower(state, plan.inputs)
-  cost = lowered.cost_analysis() or {}
   result = {
-    "flops": float(cost.get("flops", float("nan"))),
+    "flops": float(count_flops(step, state, plan.inputs)),
     "weights": bf16 * plan.experts,
     "weights_int8": int8 * plan.experts,
     "per_device_weights": per_device_weights * plan.experts,
