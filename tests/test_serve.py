@@ -22,6 +22,7 @@ from PIL import Image
 
 import md_sd
 import md_serve
+import md_wan
 from md_core import testing
 
 STEPS = 4
@@ -64,8 +65,10 @@ def served():
   model = md_serve.ServedModel(
     "sd-tiny", pipe, loras=loras, lora_rank=8, default_size=(32, 32), max_pixels=64 * 64
   )
+  wan = md_wan.load_pipeline(testing.fixture_path("wan_pipeline") / "t2v")
+  video = md_serve.ServedModel("wan-tiny", wan, default_size=(16, 16), num_frames=5, max_frames=9)
   queue = md_serve.JobQueue(
-    {"sd-tiny": model}, max_queue=6, max_batch=4, batch_buckets=(4,), batch_wait_s=0.25,
+    {"sd-tiny": model, "wan-tiny": video}, max_queue=6, max_batch=4, batch_buckets=(4,), batch_wait_s=0.25,
     preview_every=2,
   )  # fmt: skip
   server = _Server(md_serve.make_app(queue, title="md test"))
@@ -227,10 +230,21 @@ def test_bad_requests_name_the_field(served, body, param, words):
   assert err["param"] == param and words in err["message"], err
 
 
-def test_video_route_without_video_model_is_404(served):
+def test_video_generation_is_an_animated_gif(served):
   _, client, _, _ = served
-  r = client.post("/v1/videos/generations", json={"prompt": "a cat"})
-  assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+  body = {"prompt": "a cat walking", "size": "16x16", "num_frames": 5, "steps": 2, "n": 2}
+  r = client.post("/v1/videos/generations", json=body)
+  assert r.status_code == 200, r.text
+  data = r.json()["data"]
+  assert len(data) == 2 and data[0]["mime_type"] == "image/gif"
+  gif = Image.open(io.BytesIO(base64.b64decode(data[0]["b64_json"])))
+  assert gif.n_frames == 5 and gif.size == (16, 16)
+  bad = client.post("/v1/videos/generations", json={**body, "num_frames": 4})
+  assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_frames"
+  wrong = client.post("/v1/images/generations", json={"prompt": "a cat", "num_frames": 5})
+  assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "num_frames"
+  kind = client.post("/v1/videos/generations", json={"prompt": "a cat", "model": "sd-tiny"})
+  assert kind.status_code == 400 and "video models: ['wan-tiny']" in kind.json()["error"]["message"]
 
 
 def test_full_queue_is_429_with_retry_after(served):
@@ -263,7 +277,8 @@ def test_healthz_and_metrics(served):
   assert _metric(client, "md_serve_step_seconds_count") > 0
   assert _metric(client, "md_serve_compiles_total") > 0
   models = client.get("/v1/models").json()["data"]
-  assert models[0]["id"] == "sd-tiny" and models[0]["loras"] == ["a", "b"]
+  assert [(m["id"], m["kind"]) for m in models] == [("sd-tiny", "image"), ("wan-tiny", "video")]
+  assert models[0]["loras"] == ["a", "b"]
 
 
 def test_bearer_token(served):
