@@ -56,6 +56,12 @@ def no_stacks_error(policy: str) -> ValueError:
   )
 
 
+def outside(state: Any, step) -> Any:
+  """A block-level state after a step whose model call ran outside the block hook (a program of its
+  own, as the Klein KV edit's step 0): the step counts as computed, and nothing is cached from it."""
+  return state._replace(computed=state.computed.at[step].set(True))
+
+
 def prepare(run: Callable[[Any], Any], carry: Any) -> Any:
   """The loop carry with a block-level cache's slots sized (a no-op for other caches).
 

@@ -118,8 +118,8 @@ class _Hook:
         return s._replace(head=c.zeros(c.first(shapes[0])), slots=tuple(map(c.zeros, shapes)))
 
       raise c._Sized(fill)
-    if self._rows is None:
-      raise c.no_stacks_error("first_block_cache")
+    if self._rows is None:  # the model ran outside the hook this step (the Klein KV edit's step 0)
+      return c.outside(st, self._step)
     slots = tuple(self._slots.get(i, s) for i, s in enumerate(st.slots))
     return st._replace(
       valid=jnp.ones((), bool),

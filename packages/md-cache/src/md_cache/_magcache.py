@@ -208,8 +208,8 @@ class _Hook:
         )
 
       raise c._Sized(fill)
-    if self._skip is None:
-      raise c.no_stacks_error("magcache")
+    if self._skip is None:  # the model ran outside the hook this step (the Klein KV edit's step 0)
+      return c.outside(st, self._step)
     ratio, err, count = self._acc
     new = st._replace(
       accumulated_ratio=ratio, accumulated_err=err, accumulated_steps=count,

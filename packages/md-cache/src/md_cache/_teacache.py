@@ -173,8 +173,8 @@ class _Hook:
         )
 
       raise c._Sized(fill)
-    if self._rows is None:
-      raise c.no_stacks_error("teacache")
+    if self._rows is None:  # the model ran outside the hook this step (the Klein KV edit's step 0)
+      return c.outside(st, self._step)
     return st._replace(
       valid=jnp.ones((), bool),
       computed=st.computed.at[self._step].set(self._any),

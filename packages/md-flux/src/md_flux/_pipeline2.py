@@ -529,12 +529,6 @@ class Flux2KleinPipeline(mdp.Pipeline):
       lambda: pc.run_fn(self._denoiser(mode, s_img), sched, guide, cache),
     )
     params = self._tr.state
-    if kv and cache is not None and cache.hook is not None:
-      raise ValueError(
-        "a block-level step cache (FirstBlockCache, MagCache, TeaCache) does not run on the Klein KV edit "
-        "yet: its step 0 (the references' K/V) is a program of its own outside the block hook; a "
-        "step-level cache (md_cache.taylorseer) works, and so do block caches without the KV cache"
-      )
     if kv:
       first = self.jit(("first", sched_key, cache), lambda: self._first_step_fn(sched, cache))
       first_cond = dict(
@@ -555,6 +549,16 @@ class Flux2KleinPipeline(mdp.Pipeline):
         return carry
 
       args = ()
+      if cache is not None and cache.prepare is not None:
+        # Step 0 runs outside the block hook (it counts as computed; a block cache starts at step 1,
+        # whose hidden states have the cached-KV layout): size the cache's slots from step 1.
+        plain_first = self.jit(("first", sched_key, None), lambda: self._first_step_fn(sched, None))
+
+        def probe(c):
+          c, cache_kv = plain_first(params, c, first_cond)
+          return run(c, np.int32(1), np.int32(2), params, {**cond, "kv": cache_kv}, scales)
+
+        cache = cache._replace(prepare=lambda run_one, carry, _p=cache.prepare: _p(probe, carry))
     else:
       chunk_fn, args = run, (params, cond, scales)
 
