@@ -99,6 +99,7 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).expanduser().absolute()
     self.keep, self.every, self.async_save = keep, every, async_save
     self._manager = self._open()
+    self._pending: int | None = None  # the step of the save that may still be writing
 
   def _open(self):
     import orbax.checkpoint as ocp
@@ -167,6 +168,11 @@ class Checkpointer:
       "fingerprint": dict(fingerprint or {}),
     }
     try:
+      self._manager.check_for_errors()  # an earlier asynchronous save that failed
+    except Exception as e:  # noqa: BLE001
+      self._failed(self._pending, e)
+    try:
+      self._pending = step
       self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)),
@@ -180,11 +186,14 @@ class Checkpointer:
 
   def _failed(self, step: int | None, error: Exception):
     what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
-    try:
-      self._manager.close()
-    except Exception:  # noqa: BLE001 - the manager is being replaced
-      pass
-    self._manager = self._open()  # drops the half-written temporary folder
+    complete = set(self.steps())
+    for finish in (self._manager.wait_until_finished, self._manager.close):
+      try:  # let the other writes of the failed save end before its folder is removed
+        finish()
+      except Exception:  # noqa: BLE001 - the manager is being replaced
+        pass
+    self._drop_incomplete(complete)
+    self._manager = self._open()
     latest = self.latest_step()
     kept = (
       f"the checkpoint of step {latest} is intact and restorable"
@@ -195,6 +204,28 @@ class Checkpointer:
       f"{self.directory}: saving {what} failed ({type(error).__name__}: {error}); {kept}"
     ) from error
 
+  def _drop_incomplete(self, complete: set[int]) -> None:
+    """Removes what a failed save left: step folders that are not complete checkpoints. A writer of
+    the failed save may still be running (Orbax stops waiting at the first error); it fails once its
+    folder is gone, so removal is repeated until the folder stays away."""
+    import shutil
+    import time
+
+    keep = {str(s) for s in complete}
+    quiet = 0
+    for _ in range(50):
+      left = [
+        e
+        for e in self.directory.iterdir()
+        if e.is_dir() and e.name.split(".", 1)[0].isdigit() and e.name not in keep
+      ]
+      for entry in left:
+        shutil.rmtree(entry, ignore_errors=True)
+      quiet = 0 if left else quiet + 1
+      if quiet >= 2:
+        return
+      time.sleep(0.1)
+
   def wait(self) -> None:
     """Blocks until every asynchronous save is written.
 
@@ -204,7 +235,8 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001
-      self._failed(None, e)
+      self._failed(self._pending, e)
+    self._pending = None
 
   def close(self) -> None:
     """Waits for pending saves, then releases the manager."""

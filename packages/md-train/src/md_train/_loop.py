@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from md_train._checkpoint import Checkpointer
@@ -103,7 +105,7 @@ def fit(
   `step_time` (wall seconds per step since the last log), `tflops_per_device` (the compiled step's
   FLOPs by XLA's cost model over the step time) and `mfu` (those FLOP/s over `peak_flops`, default
   the measured matmul FLOP/s of the first device at the parameters' dtype). Every `eval_every` steps
-  (and at the end) it logs `recipe.eval(state)`.
+  (and at the last) it logs `recipe.eval(state)`.
 
   Args:
     recipe: what to train.
@@ -111,7 +113,7 @@ def fit(
     workdir: the run's folder, or None for a run without checkpoints or files.
     checkpoint_every: save every this many steps (0: only at the end).
     keep: checkpoints to keep.
-    eval_every: evaluate every this many steps (0: only at the end, when the recipe has `eval`).
+    eval_every: evaluate every this many steps and at the last (0: never).
     log_every: log every this many steps (0: only the last step).
     progress: show a progress bar with the loss.
     peak_flops: FLOP/s per device for MFU.
@@ -125,13 +127,13 @@ def fit(
     ValueError: a bad setting, a checkpoint of another run (differing fingerprint keys named), or a
       data source that yields nothing.
   """
-  for name, value in (
-    ("checkpoint_every", checkpoint_every),
-    ("eval_every", eval_every),
-    ("log_every", log_every),
+  for name, value, zero in (
+    ("checkpoint_every", checkpoint_every, "only at the end"),
+    ("eval_every", eval_every, "never"),
+    ("log_every", log_every, "only the last step"),
   ):
     if not isinstance(value, int) or value < 0:
-      raise ValueError(f"{name}={value!r} must be an int >= 0 (0: only at the end)")
+      raise ValueError(f"{name}={value!r} must be an int >= 0 (0: {zero})")
   if not isinstance(steps, int) or steps < 0:
     raise ValueError(f"steps={steps!r} must be an int >= 0")
   from md_core import progress as md_progress
@@ -198,7 +200,7 @@ def fit(
           bar.set_postfix(loss=f"{float(scalars['loss']):.4f}", refresh=False)
       if bar is not None:
         bar.update(1)
-      if recipe.eval is not None and ((eval_every and n % eval_every == 0) or last):
+      if recipe.eval is not None and eval_every and (n % eval_every == 0 or last):
         log(n, {k: v for k, v in recipe.eval(state).items()})
       if ckpt is not None and (ckpt.should_save(n) or last):
         ckpt.save(
@@ -239,11 +241,32 @@ class _Compiled:
     return self.compiled(state, batch)
 
 
+# Compiled steps per jitted step function and input signature: fits that share a step (tests, a run
+# restarted in the same process) compile it once.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _signature(tree: Any) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(
+    (tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+    for x in leaves
+  )
+
+
 def _compile(step: StepFn, state: TrainState, batches: Iterator[Any], needed: bool):
   """(the step to call, its FLOPs or None): a jitted step is lowered and compiled once on the first
   batch, and that compiled program runs every step."""
   if not needed or not hasattr(step, "lower"):
     return step, None
   first = _next_batch(batches, int(jax.device_get(state.step)) + 1)
-  compiled = step.lower(state, first).compile()
-  return _Compiled(compiled, first), compiled_flops(compiled)
+  key = _signature((state, first))
+  try:
+    memo = _COMPILED.setdefault(step, {})
+  except TypeError:  # not weak-referenceable
+    memo = {}
+  if key not in memo:
+    compiled = step.lower(state, first).compile()
+    memo[key] = (compiled, compiled_flops(compiled))
+  compiled, flops = memo[key]
+  return _Compiled(compiled, first), flops

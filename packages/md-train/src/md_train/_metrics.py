@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,7 +44,11 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter
 
       purge = resume_step + 1 if resume_step > 0 else None
-      self._tb = SummaryWriter(str(self.workdir / TENSORBOARD_DIR), purge_step=purge)
+      # A unique file per writer: two runs in one second would otherwise share a file name.
+      suffix = f".{os.getpid()}.{time.time_ns()}"
+      self._tb = SummaryWriter(
+        str(self.workdir / TENSORBOARD_DIR), purge_step=purge, filename_suffix=suffix
+      )
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     """Logs `scalars` (name → number) at `step`: one JSON line and one TensorBoard scalar each."""
