@@ -86,7 +86,8 @@ POLICIES = {
 STEP_LEVEL = ("taylorseer", "sencache")
 # SenCache goes through the same step-level path as TaylorSeer (decide / update), tested on every
 # family; here on a UNet and on a two-leaf sample (LTX-2's video + audio) only, to keep the test short.
-ONLY = {"sencache": ("sd", "ltx2")}
+# The CFG cache on SD is tested against diffusers in tests/test_cache_faster.py.
+ONLY = {"sencache": ("sd", "ltx2"), "faster_cache": tuple(f for f in FAMILIES if f != "sd")}
 # The CFG cache needs classifier-free guidance alone: refused (with the reason) where a family's call
 # here runs none (guidance-distilled Flux.1 dev, the Klein KV edit) or adds STG / modality rows (LTX-2).
 NO_CFG_CACHE = {
