@@ -30,6 +30,13 @@ LONG = 300  # steps of the runs that are cancelled (one more compiled program, s
 COMMON = {"size": "32x32", "steps": STEPS, "guidance": 5.0}
 
 
+class _Brightness:
+  """A verifier for tests: mean pixel value (meaningful on random weights)."""
+
+  def score(self, images, prompts):
+    return np.asarray(images, np.float32).mean(axis=tuple(range(1, np.ndim(images))))
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -69,7 +76,7 @@ def served():
   video = md_serve.ServedModel("wan-tiny", wan, default_size=(16, 16), num_frames=5, max_frames=9)
   queue = md_serve.JobQueue(
     {"sd-tiny": model, "wan-tiny": video}, max_queue=6, max_batch=4, batch_buckets=(4,), batch_wait_s=0.25,
-    preview_every=2,
+    preview_every=2, verifier=_Brightness(),
   )  # fmt: skip
   server = _Server(md_serve.make_app(queue, title="md test"))
   client = httpx.Client(base_url=server.url, timeout=120)
@@ -245,6 +252,20 @@ def test_video_generation_is_an_animated_gif(served):
   assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "num_frames"
   kind = client.post("/v1/videos/generations", json={"prompt": "a cat", "model": "sd-tiny"})
   assert kind.status_code == 400 and "video models: ['wan-tiny']" in kind.json()["error"]["message"]
+
+
+def test_search_option(served):
+  _, client, _, _ = served
+  plain = client.post("/v1/images/generations", json={"prompt": "a star", "seed": 0, **COMMON})
+  base = float(_Brightness().score(_png(plain.json()["data"][0])[None] / 255.0, ["a star"])[0])
+  body = {"prompt": "a star", "seed": 0, "search": {"budget": 6, "method": "random"}, **COMMON}
+  r = client.post("/v1/images/generations", json=body)
+  assert r.status_code == 200, r.text
+  item = r.json()["data"][0]
+  found = float(_Brightness().score(_png(item)[None] / 255.0, ["a star"])[0])
+  assert item["score"] >= base - 1e-6 and abs(found - item["score"]) < 3e-3  # uint8 rounding
+  bad = client.post("/v1/images/generations", json={**body, "search": {"method": "beam"}})
+  assert bad.status_code == 400 and bad.json()["error"]["param"] == "search.method"
 
 
 def test_full_queue_is_429_with_retry_after(served):
