@@ -27,7 +27,8 @@ import md_sd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = ["a photo of a cat"]
-ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
+ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")  # reference module names in the file
+ATTENTION_SLOTS = ("to_q", "to_k", "to_v", "to_out")  # md layer paths
 
 
 def _peft(
@@ -117,7 +118,7 @@ def main() -> None:
 
   attn = md_sd.load_pipeline(args.model)
   f_attn = _peft(tmp / "attn.safetensors", template, ranks[-1], 7, keep=ATTENTION)
-  attn.load_lora(f_attn, name="attn", max_rank=args.max_rank, targets=ATTENTION)
+  attn.load_lora(f_attn, name="attn", max_rank=args.max_rank, targets=ATTENTION_SLOTS)
   t_attn = _per_step(attn, args)
 
   print(

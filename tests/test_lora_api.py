@@ -197,3 +197,14 @@ def test_app_loras_config(sd, root, tmp_path):
   config.loras = f"{root / 'sd_b.safetensors'}@transformer"
   with pytest.raises(ValueError, match="loras entry .*sd_b.safetensors'.*component 'transformer'"):
     apps.load_loras(pipe, config)
+
+
+def test_slot_targets_that_miss_layers_are_named(root):
+  pipe = md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd")  # loads only, no compile
+  with pytest.raises(
+    ValueError, match="have no run-time LoRA slot .*targets=\\('to_q',\\).*fuse=True"
+  ):
+    pipe.load_lora(root / "sd_a.safetensors", targets=("to_q",))
+  assert pipe.loras == {}
+  pipe.load_lora(root / "sd_a.safetensors", name="fused", fuse=True, scale=0.5)
+  assert pipe.loras["fused"]["fused"] and md_core.lora_rank(pipe.unet) == 64  # the to_q slots

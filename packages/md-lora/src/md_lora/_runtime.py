@@ -138,8 +138,8 @@ def _check_fits(pipe: Any, component: str, adapter: Adapter) -> None:
   if missing:
     raise ValueError(
       f"{adapter.source}: {len(missing)} layer(s) of {component} it adapts have no run-time LoRA slot "
-      f"(the slots were added for the first adapter's targets): {missing[:5]}; load it with "
-      "fuse=True, or load every adapter once before the first generation with targets=None"
+      f"(slots were added at the first run-time load, targets={_registry(pipe).targets!r}): "
+      f"{missing[:5]}; load it with fuse=True, or give the first load targets= that cover it"
     )
 
 
@@ -156,6 +156,8 @@ def _rebuild(pipe: Any) -> None:
     ]
     if pairs:
       _ensure_slots(pipe, component)
+      for adapter, _ in pairs:
+        _check_fits(pipe, component, adapter)
     elif not _has_slots(pipe, component):
       continue
     try:
