@@ -196,7 +196,10 @@ def parse_request(
   if search is not None:
     if not isinstance(search, dict) or set(search) - {"budget", "method"}:
       raise RequestError("search", 'search is {"budget": int, "method": "random"|...}')
-    budget = _int(search, "budget", 8, 1, max_budget)
+    try:
+      budget = _int(search, "budget", 8, 1, max_budget)
+    except RequestError as e:
+      raise RequestError("search.budget", f"search.{e}") from None
     method = search.get("method", "random")
     if method not in _METHODS:
       raise RequestError("search.method", f"search.method must be one of {_METHODS}")
