@@ -58,6 +58,7 @@ VARIANTS = {
       warmup_steps=2,
       max_grad_norm=1.0,
       weight_decay=1e-2,
+      max_sequence_length=64,
       guidance=3.5,
     ),
   ),

@@ -40,32 +40,6 @@ def _define_workdir():
 _WORKDIR = _define_workdir()
 
 
-def import_recipe(spec: str):
-  """The function `module.path:function` names.
-
-  Raises:
-    ValueError: a malformed string, a module that does not import, or a name it lacks (said which).
-  """
-  import importlib
-
-  module_name, sep, attr = (spec or "").partition(":")
-  if not sep or not module_name or not attr:
-    raise ValueError(
-      f"--config.recipe={spec!r} must be 'module.path:function' (e.g. md_train.recipes:wan21_tiny)"
-    )
-  try:
-    module = importlib.import_module(module_name)
-  except ImportError as e:
-    raise ValueError(f"--config.recipe={spec!r}: cannot import {module_name!r} ({e})") from None
-  fn = getattr(module, attr, None)
-  if not callable(fn):
-    known = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n)))
-    near = apps.suggest(attr, known)
-    hint = f"; did you mean {module_name}:{near}?" if near else ""
-    raise ValueError(f"--config.recipe={spec!r}: {module_name} has no function {attr!r}{hint}")
-  return fn
-
-
 def _check(config, workdir):
   import pathlib
 
@@ -79,7 +53,9 @@ def _check(config, workdir):
   existing = next((p for p in (path, *path.parents) if p.exists()), None)
   if existing is not None and not existing.is_dir():
     problems.add(f"--workdir={workdir!r} is (inside) a file; give a folder")
-  fn = problems.call(import_recipe, config.recipe)
+  from md_train import recipes
+
+  fn = problems.call(recipes.import_recipe, config.recipe, prefix="--config.")
   mesh = problems.call(apps.start, config, prefix="--config.mesh: ")
   problems.raise_if_any()
   return fn, mesh

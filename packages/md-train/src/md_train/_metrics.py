@@ -2,8 +2,8 @@
 
 `MetricsWriter(workdir)` appends one JSON object per logged step to `<workdir>/metrics.jsonl` and the same
 scalars to TensorBoard under `<workdir>/tb/`. A run resumed from step `n` first drops what an interrupted
-run logged after `n` (the JSON lines past `n`; TensorBoard is told to purge steps from `n + 1` on), so the
-files read as one uninterrupted run.
+run logged after `n` from the JSON lines and rebuilds TensorBoard's events from the lines kept, so both
+read as one uninterrupted run.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class MetricsWriter:
     self.workdir = pathlib.Path(workdir)
     self.workdir.mkdir(parents=True, exist_ok=True)
     self.path = self.workdir / METRICS_FILE
+    kept = []
     if self.path.exists():
       kept = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
       self.path.write_text("".join(f"{line}\n" for line in kept))
@@ -43,12 +44,24 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter
 
-      purge = resume_step + 1 if resume_step > 0 else None
+      # TensorBoard is rebuilt from the JSON lines kept: a killed writer may not have flushed its last
+      # events, and steps after the checkpoint must go.
+      folder = self.workdir / TENSORBOARD_DIR
+      for old in folder.glob("events.out.tfevents.*") if folder.is_dir() else ():
+        old.unlink()
       # A unique file per writer: two runs in one second would otherwise share a file name.
       suffix = f".{os.getpid()}.{time.time_ns()}"
-      self._tb = SummaryWriter(
-        str(self.workdir / TENSORBOARD_DIR), purge_step=purge, filename_suffix=suffix
-      )
+      self._tb = SummaryWriter(str(folder), filename_suffix=suffix)
+      for line in kept:
+        row = json.loads(line)
+        step = row.pop("step")
+        self._add_scalars(step, row)
+      self._tb.flush()
+
+  def _add_scalars(self, step: int, values: Mapping[str, float | None]) -> None:
+    for name, value in values.items():
+      if value is not None:
+        self._tb.add_scalar(name, value, int(step))
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     """Logs `scalars` (name → number) at `step`: one JSON line and one TensorBoard scalar each."""
@@ -56,9 +69,7 @@ class MetricsWriter:
     self._file.write(json.dumps({"step": int(step), **values}) + "\n")
     self._file.flush()
     if self._tb is not None:
-      for name, value in values.items():
-        if value is not None:
-          self._tb.add_scalar(name, value, int(step))
+      self._add_scalars(step, values)
       self._tb.flush()
 
   def close(self) -> None:

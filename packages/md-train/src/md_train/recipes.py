@@ -91,6 +91,34 @@ class CaptionCache:
     return {k: jnp.asarray(np.stack([self.cache[c][k] for c in captions])) for k in keys}
 
 
+def import_recipe(spec: str) -> Callable[[Any], Recipe]:
+  """The recipe function `"module.path:function"` names (what `apps/train`'s `recipe` key holds).
+
+  Raises:
+    ValueError: a malformed string, a module that does not import, or a name it lacks (with the
+      nearest one it has).
+  """
+  import difflib
+  import importlib
+
+  module_name, sep, attr = (spec or "").partition(":")
+  if not sep or not module_name or not attr:
+    raise ValueError(
+      f"recipe={spec!r} must be 'module.path:function' (e.g. md_train.recipes:wan21_tiny)"
+    )
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(f"recipe={spec!r}: cannot import {module_name!r} ({e})") from None
+  fn = getattr(module, attr, None)
+  if not callable(fn):
+    known = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+    near = difflib.get_close_matches(attr, known, n=1)
+    hint = f"; did you mean {module_name}:{near[0]}?" if near else ""
+    raise ValueError(f"recipe={spec!r}: {module_name} has no function {attr!r}{hint}")
+  return fn
+
+
 # --- options ---------------------------------------------------------------------------------------------
 
 
@@ -248,8 +276,12 @@ _FLUX = "tests/fixtures/flux_pipeline/dev"
 EVAL_TIMESTEPS = (100, 500, 900)
 
 
-def _evaluator(loss_fn, batches, *, key: str, scale: float):
+def _evaluator(loss_fn, make_batches: Callable[[], list], *, key: str, scale: float):
+  batches = []  # encoded at the first evaluation
+
   def evaluate(state: TrainState) -> dict[str, float]:
+    if not batches:
+      batches.extend(make_batches())
     losses = eval_loss(loss_fn, state.params, batches, EVAL_TIMESTEPS, key=key, scale=scale)
     out = {f"eval/loss_t{t}": v for t, v in losses.items()}
     out["eval/loss"] = float(np.mean(list(losses.values())))
@@ -283,7 +315,7 @@ def wan21_tiny(config: Any) -> Recipe:
   optimizer = _optimizer(opts, int(config.steps))
   state = init_state(params, optimizer, rng=int(config.seed))
   batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
-  held_out = _eval_batches(opts, config, frames, pixels, captions)
+  held_out = lambda: _eval_batches(opts, config, frames, pixels, captions)  # noqa: E731
   transformer = model / "transformer"
   return Recipe(
     state=state,
@@ -294,4 +326,99 @@ def wan21_tiny(config: Any) -> Recipe:
       frozen, s.params, transformer, pathlib.Path(folder) / "transformer", md_wan.convert_key
     ),
     fingerprint=_fingerprint("wan21-tiny", model, opts, config),
+  )
+
+
+def _image_latents(vae: nnx.Module, scale: Callable) -> Callable[[np.ndarray], jax.Array]:
+  """Images `[B, H, W, 3]` in [0, 1] → the denoiser's latents: the posterior mean, scaled."""
+  return _split_jit(vae, lambda m, x: scale(m, m.encode(x * 2 - 1).mean))
+
+
+def sd15_tiny(config: Any) -> Recipe:
+  """The tiny SD 1.5 UNet (tests/fixtures/sd_pipeline/sd) on shapes images, diffusers'
+  train_text_to_image.py loss (epsilon target; Min-SNR-γ when `snr_gamma` > 0).
+
+  `config.recipe_options`: `model`, `batch_size`, `size`, `learning_rate`, `warmup_steps`,
+  `max_grad_norm`, `weight_decay`, `snr_gamma`.
+  """
+  import md_schedulers as mdsch
+  import md_sd
+
+  opts = _options(config)
+  model = _fixture(config, _SD)
+  mesh = _mesh(config)
+  sharding = batch_sharding(mesh, int(opts["batch_size"]))
+  pipe = md_sd.load_pipeline(model, mesh=mesh)
+  sched = pipe.scheduler_config
+  keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
+  acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
+  captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c)[0]})
+  factor = float(pipe.vae.config.scaling_factor)
+  pixels = _image_latents(pipe.vae, lambda m, z: z * factor)
+  frozen, params = split_trainable(pipe.unet)
+  gamma = float(opts.get("snr_gamma", 0.0) or 0.0)
+  prediction = sched.get("prediction_type", "epsilon")
+  loss_fn = families.sd_loss(
+    frozen, alphas_cumprod=acp, prediction_type=prediction, snr_gamma=gamma or None
+  )
+  optimizer = _optimizer(opts, int(config.steps))
+  state = init_state(params, optimizer, rng=int(config.seed))
+  batches = EncodedBatches(_shapes(opts, config, frames=None), pixels, captions, sharding)
+  held_out = lambda: _eval_batches(opts, config, None, pixels, captions)  # noqa: E731
+  unet = model / "unet"
+  return Recipe(
+    state=state,
+    step=make_train_step(loss_fn, optimizer),
+    batches=batches,
+    eval=_evaluator(loss_fn, held_out, key="timesteps", scale=1.0),
+    export=lambda s, folder: export_denoiser(
+      frozen, s.params, unet, pathlib.Path(folder) / "unet", md_sd.convert_unet_key
+    ),
+    fingerprint=_fingerprint("sd15-tiny", model, opts, config),
+  )
+
+
+def flux1_tiny(config: Any) -> Recipe:
+  """The tiny Flux.1 dev transformer (tests/fixtures/flux_pipeline/dev) on shapes images, diffusers'
+  train_dreambooth_flux.py loss (logit-normal sigmas, embedded guidance `guidance`).
+
+  `config.recipe_options`: `model`, `batch_size`, `size`, `max_sequence_length`, `learning_rate`,
+  `warmup_steps`, `max_grad_norm`, `weight_decay`, `guidance`.
+  """
+  import md_flux
+
+  opts = _options(config)
+  model = _fixture(config, _FLUX)
+  mesh = _mesh(config)
+  sharding = batch_sharding(mesh, int(opts["batch_size"]))
+  pipe = md_flux.load_pipeline(model, mesh=mesh)
+  length = int(opts.get("max_sequence_length", 64))
+
+  def encode(c):
+    t5, pooled = pipe.encode_prompt(c, max_sequence_length=length)
+    return {"encoder_hidden_states": t5, "pooled_projections": pooled}
+
+  cache = CaptionCache(encode)
+  txt_ids = jnp.zeros((length, 3), jnp.float32)
+  captions = lambda c: {**cache(c), "txt_ids": txt_ids}  # noqa: E731
+  pixels = _image_latents(pipe.vae, lambda m, z: m.scale_latents(z))
+  frozen, params = split_trainable(pipe.transformer)
+  guided = bool(pipe.transformer.cfg.guidance_embeds)
+  loss_fn = families.flux_loss(
+    frozen, guidance=float(opts.get("guidance", 3.5)) if guided else None
+  )
+  optimizer = _optimizer(opts, int(config.steps))
+  state = init_state(params, optimizer, rng=int(config.seed))
+  batches = EncodedBatches(_shapes(opts, config, frames=None), pixels, captions, sharding)
+  held_out = lambda: _eval_batches(opts, config, None, pixels, captions)  # noqa: E731
+  transformer = model / "transformer"
+  return Recipe(
+    state=state,
+    step=make_train_step(loss_fn, optimizer),
+    batches=batches,
+    eval=_evaluator(loss_fn, held_out, key="sigmas", scale=1e-3),
+    export=lambda s, folder: export_denoiser(
+      frozen, s.params, transformer, pathlib.Path(folder) / "transformer", md_flux.convert_key
+    ),
+    fingerprint=_fingerprint("flux1-tiny", model, opts, config),
   )
