@@ -245,8 +245,11 @@ def set_lora(
         "slots with a larger rank"
       )
     # Several adapters at once: (x @ [A1 A2]) @ [B1; B2] = x A1 B1 + x A2 B2; the rest stays zero.
-    new[ka] = jax.device_put(a_new.astype(a_slot.dtype), a_slot.sharding)
-    new[kb] = jax.device_put(b_new.astype(b_slot.dtype), b_slot.sharding)
+    new[ka] = (a_new.astype(a_slot.dtype), a_slot.sharding)
+    new[kb] = (b_new.astype(b_slot.dtype), b_slot.sharding)
+  keys = list(new)
+  placed = jax.device_put([new[k][0] for k in keys], [new[k][1] for k in keys])  # one transfer
+  new = dict(zip(keys, placed))
   out = jax.tree.map(lambda x: x, state)  # a copy of the tree
   flat_out = dict(nnx.to_flat_state(out))
   for key, value in new.items():

@@ -75,6 +75,9 @@ class _Registry:
   entries: dict[str, _Entry] = dataclasses.field(default_factory=dict)
   max_rank: int = DEFAULT_MAX_RANK
   targets: Any = None
+  slots: dict[str, frozenset[str]] = dataclasses.field(
+    default_factory=dict
+  )  # component → slot paths
 
 
 def _registry(pipe: Any) -> _Registry:
@@ -120,19 +123,29 @@ def _scales(value: Any, components: Sequence[str], what: str) -> dict[str, float
   return {c: s for c in components}
 
 
+def _slot_paths(pipe: Any, component: str) -> frozenset[str]:
+  """The layer paths with slots (read once per component; walking the module graph is slow)."""
+  reg = _registry(pipe)
+  paths = reg.slots.get(component)
+  if not paths:
+    paths = reg.slots[component] = frozenset(md_core.lora_paths(getattr(pipe, component)))
+  return paths
+
+
 def _has_slots(pipe: Any, component: str) -> bool:
-  return bool(md_core.lora_paths(getattr(pipe, component)))
+  return bool(_slot_paths(pipe, component))
 
 
 def _ensure_slots(pipe: Any, component: str) -> None:
   if not _has_slots(pipe, component):
     reg = _registry(pipe)
-    pipe.add_lora_slots(reg.max_rank, component=component, targets=reg.targets)
+    paths = pipe.add_lora_slots(reg.max_rank, component=component, targets=reg.targets)
+    reg.slots[component] = frozenset(paths)
 
 
 def _check_fits(pipe: Any, component: str, adapter: Adapter) -> None:
   """Every site of `adapter` has a slot in `component` (else: which ones, and what to do)."""
-  slots = set(md_core.lora_paths(getattr(pipe, component)))
+  slots = _slot_paths(pipe, component)
   layers = to_slots(adapter)
   missing = sorted(p for p in layers if p not in slots)
   if missing:
