@@ -89,7 +89,7 @@ def _measure(load) -> dict:
   }
 
 
-def _md_worker(model: str, folder: str, devices: int) -> dict:
+def _md_worker(model: str, folder: str, devices: int, dtype: str) -> dict:
   import jax
 
   if model == "sd":
@@ -110,14 +110,14 @@ def _md_worker(model: str, folder: str, devices: int) -> dict:
   def load():
     from flax import nnx
 
-    m = loader(folder, subfolder=None, mesh=mesh, progress=False)
+    m = loader(folder, subfolder=None, mesh=mesh, dtype=jax.numpy.dtype(dtype), progress=False)
     leaves = jax.block_until_ready(jax.tree.leaves(nnx.state(m)))
     return sum(x.nbytes for x in leaves)
 
   return _measure(load)
 
 
-def _diffusers_worker(model: str, folder: str) -> dict:
+def _diffusers_worker(model: str, folder: str, dtype: str) -> dict:
   import diffusers
   import torch
 
@@ -125,7 +125,7 @@ def _diffusers_worker(model: str, folder: str) -> dict:
   cls = diffusers.UNet2DConditionModel if model == "sd" else diffusers.WanTransformer3DModel
 
   def load():
-    m = cls.from_pretrained(folder)
+    m = cls.from_pretrained(folder, torch_dtype=getattr(torch, dtype))
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
   return _measure(load)
@@ -154,6 +154,12 @@ def main() -> None:
   parser.add_argument("--models", default="sd,wan")
   parser.add_argument("--devices", type=int, default=1, help="md on this many CPU devices (fsdp)")
   parser.add_argument(
+    "--dtype",
+    default="float32",
+    choices=("float32", "bfloat16"),
+    help="load dtype on both sides (bfloat16 makes diffusers cast, so it touches every weight)",
+  )
+  parser.add_argument(
     "--worker", nargs=3, metavar=("WHO", "MODEL", "FOLDER"), help=argparse.SUPPRESS
   )
   args = parser.parse_args()
@@ -161,9 +167,9 @@ def main() -> None:
   if args.worker:
     who, model, folder = args.worker
     if who == "md":
-      result = _md_worker(model, folder, args.devices)
+      result = _md_worker(model, folder, args.devices, args.dtype)
     else:
-      result = _diffusers_worker(model, folder)
+      result = _diffusers_worker(model, folder, args.dtype)
     print(json.dumps(result))
     return
   if args.make:
@@ -180,7 +186,7 @@ def main() -> None:
     )
   print(
     f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()},"
-    f" {os.cpu_count()} CPUs, md on {args.devices} CPU device(s)"
+    f" {os.cpu_count()} CPUs, md on {args.devices} CPU device(s), {args.dtype}"
   )
   print(
     "| model | weights GB | md s (CPU s) | diffusers s (CPU s) | md / diffusers | "
@@ -193,8 +199,11 @@ def main() -> None:
     if not (folder / "config.json").is_file():
       sys.exit(f"{folder}: not there; run `python bench/load.py --make --root={args.root}` first")
     _read_once(folder)
-    md = _run_worker(sys.executable, ["md", model, str(folder), f"--devices={args.devices}"], env)
-    ref = _run_worker(str(TORCH_PYTHON), ["diffusers", model, str(folder)])
+    dtype = f"--dtype={args.dtype}"
+    md = _run_worker(
+      sys.executable, ["md", model, str(folder), f"--devices={args.devices}", dtype], env
+    )
+    ref = _run_worker(str(TORCH_PYTHON), ["diffusers", model, str(folder), dtype])
     excess = md["peak_anon"] - md["weights"]
     print(
       f"| {name} {sub} | {md['weights'] / GB:.2f} | {md['seconds']:.1f} ({md['cpu_seconds']:.1f}) "

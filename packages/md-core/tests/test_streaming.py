@@ -12,6 +12,7 @@ from flax import nnx
 
 import md_core
 import md_sharding as mds
+from md_core import _stream
 
 
 class Scanned(nnx.Module):
@@ -51,9 +52,13 @@ def _write(tmp_path, layers, d_in, d_out, dtype):
   "mesh_axes",
   [None, dict(ici_fsdp_parallelism=8), dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=4)],
 )
-def test_stacked_split_and_cast_on_meshes(tmp_path, dtype, mesh_axes):
+@pytest.mark.parametrize("path", ["devices", "host"])
+def test_stacked_split_and_cast_on_meshes(tmp_path, monkeypatch, dtype, mesh_axes, path):
   """Values equal numpy's convert-then-cast on one device and on fsdp / fsdp x tensor meshes; each
-  parameter has its logical sharding; a bfloat16 file is upcast (on the devices) to the model's float32."""
+  parameter has its logical sharding; a bfloat16 file is upcast to the model's float32. "devices": every
+  tensor converted on the devices (layers written in place); "host": small ones converted on the host."""
+  if path == "devices":
+    monkeypatch.setattr(_stream, "HOST_BYTES", 0)
   layers, d_in, d_out = 3, 16, 8
   tensors = _write(tmp_path, layers, d_in, d_out, dtype)
   mesh = None if mesh_axes is None else mds.make_mesh(mds.MeshConfig(**mesh_axes))
@@ -84,8 +89,10 @@ def test_stacked_split_and_cast_on_meshes(tmp_path, dtype, mesh_axes):
     assert sizes == {w.size // np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(spec))])}
 
 
-def test_cast_to_bfloat16_matches_numpy(tmp_path):
-  """dtype=bfloat16 from a float32 file: the device-side cast rounds as numpy / ml_dtypes do."""
+@pytest.mark.parametrize("host_bytes", [0, _stream.HOST_BYTES])
+def test_cast_to_bfloat16_matches_numpy(tmp_path, monkeypatch, host_bytes):
+  """dtype=bfloat16 from a float32 file: the device-side (and the host) cast rounds as ml_dtypes does."""
+  monkeypatch.setattr(_stream, "HOST_BYTES", host_bytes)
   tensors = _write(tmp_path, 2, 16, 8, np.float32)
   model = md_core.load_weights(
     lambda: Scanned(2, 16, 8, nnx.Rngs(0)),
@@ -99,8 +106,10 @@ def test_cast_to_bfloat16_matches_numpy(tmp_path):
   np.testing.assert_array_equal(np.asarray(model.w[...]), want)
 
 
-def test_loaded_weights_do_not_alias_the_file(tmp_path):
+@pytest.mark.parametrize("host_bytes", [0, _stream.HOST_BYTES])
+def test_loaded_weights_do_not_alias_the_file(tmp_path, monkeypatch, host_bytes):
   """The placed parameters are copies: overwriting the memory-mapped file afterwards changes nothing."""
+  monkeypatch.setattr(_stream, "HOST_BYTES", host_bytes)
   tensors = _write(tmp_path, 2, 16, 8, np.float32)
   path = tmp_path / "model.safetensors"
   model = md_core.load_weights(

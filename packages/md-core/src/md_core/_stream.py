@@ -22,6 +22,10 @@ from md_core._keymap import Target
 # Sharding of the placed parameter; None: jax's default device.
 Sharding = jax.sharding.Sharding | None
 
+# Parameters up to this size are converted on the host and placed in one transfer: the host copy is
+# small, and the devices would otherwise compile one conversion program per distinct small shape.
+HOST_BYTES = 16 * 2**20
+
 
 def source_view(array: np.ndarray, target: Target) -> np.ndarray:
   """The part of a reference tensor that `target` takes, as a view (no bytes read): its `split` slice."""
@@ -82,6 +86,11 @@ def _put(view: np.ndarray, dtype: np.dtype, sharding: Sharding) -> jax.Array:
   return jax.make_array_from_callback(tuple(view.shape), sharding, piece)
 
 
+def _place_host(value: np.ndarray, sharding: Sharding) -> jax.Array:
+  out = jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+  return out.block_until_ready()
+
+
 @functools.cache
 def _converter(perm: tuple[int, ...], dtype: np.dtype, sharding: Sharding):
   def convert(x):
@@ -115,6 +124,8 @@ def place_tensor(
   """One reference tensor → the parameter `target` names: split, permuted, cast to `dtype`, placed."""
   view = source_view(array, target)
   perm = _permutation(target, view.ndim)
+  if view.size * max(view.dtype.itemsize, np.dtype(dtype).itemsize) <= HOST_BYTES:
+    return _place_host(np.array(np.transpose(view, perm), dtype=dtype, order="C"), sharding)
   raw = _put(view, _device_dtype(view.dtype, dtype), _source_sharding(sharding, perm))
   return _converter(perm, np.dtype(dtype), sharding)(raw).block_until_ready()
 
@@ -127,6 +138,12 @@ def place_stacked(
 ) -> jax.Array:
   """A stacked parameter of `shape` (layers first) from one reference tensor per layer, filled in place."""
   dtype = np.dtype(dtype)
+  if int(np.prod(shape)) * dtype.itemsize <= HOST_BYTES:
+    value = np.empty(shape, dtype)
+    for array, target in pieces:
+      view = source_view(array, target)
+      value[target.layer] = np.transpose(view, _permutation(target, view.ndim))
+    return _place_host(value, sharding)
   stack = _allocator(tuple(shape), dtype, sharding)()
   layer_sharding = _layer_sharding(sharding, len(shape))
   for array, target in pieces:
