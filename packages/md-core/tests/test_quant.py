@@ -214,9 +214,27 @@ def test_bad_modes_and_targets_name_the_setting():
     md_core.quantize(model, "int4")
   with pytest.raises(ValueError, match=r"mode must be one of"):
     md_core.quantize(model, None)
-  with pytest.raises(ValueError, match=r"match no Dense layer; some are: blocks.down"):
+  with pytest.raises(ValueError, match=r"match no Dense or Conv layer; some are: blocks.down"):
     md_core.quantize(model, "int8", targets=("to_q",))
   with pytest.raises(ValueError, match=r"quantization='bf16'"):
     quant.check_mode("bf16")
   assert quant.check_mode(None) is None
   assert ml_dtypes.finfo(quant.storage_dtype("fp8")).max == 448
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-dynamic", "fp8"])
+def test_conv_is_weight_only_per_output_channel(mode):
+  conv = nn.Conv(6, 5, (3, 3), padding=1, rngs=nnx.Rngs(0))
+  x = _x((2, 7, 7, 6))
+  ref = conv(x)
+  assert md_core.quantize(conv, mode) == [""]
+  assert conv.kernel[...].dtype == quant.storage_dtype(mode) and conv.kernel_scale[...].shape == (
+    5,
+  )
+  assert conv.weight_dtype == jnp.float32
+  deq = quant.dequantize_kernel(conv.kernel[...], conv.kernel_scale[...])
+  float_conv = nn.Conv(6, 5, (3, 3), padding=1, rngs=nnx.Rngs(0))
+  float_conv.kernel.set_value(deq)
+  out = conv(x)
+  chex.assert_trees_all_close(out, float_conv(x), atol=1e-5, rtol=1e-5)
+  assert 0 < float(jnp.abs(out - ref).max()) < 0.1 * float(jnp.abs(ref).max())

@@ -162,6 +162,19 @@ class Conv(nnx.Module):
   lora_a: nnx.Variable | None = None
   lora_b: nnx.Variable | None = None
 
+  # Quantized weights (`md_core.quantize`; weight-only in every mode): the kernel holds int8 / float8
+  # values, `kernel_scale` `[out]` their per-output-channel scales; None unless quantized.
+  kernel_scale: nnx.Variable | None = None
+  quant_mode: str | None = None
+  quant_from: str | None = None
+
+  @property
+  def weight_dtype(self) -> Any:
+    """The kernel's floating dtype (before quantization for a quantized one)."""
+    if self.quant_from is not None:
+      return jnp.dtype(self.quant_from)
+    return self.kernel[...].dtype
+
   def _conv(self, x: jax.Array, kernel: jax.Array, groups: int) -> jax.Array:
     ndim = len(self.kernel_size)
     spatial = "DHW"[-ndim:] if ndim <= 3 else None
@@ -184,7 +197,12 @@ class Conv(nnx.Module):
       )
     dtype = self.dtype or x.dtype
     x = x.astype(dtype)
-    y = self._conv(x, self.kernel[...].astype(dtype), self.groups)
+    kernel = self.kernel[...].astype(dtype)
+    if self.kernel_scale is not None:
+      # Dequantized per output channel as the kernel is converted (one fused elementwise op on the
+      # int8 / float8 kernel; the convolution itself runs in the compute dtype).
+      kernel = kernel * _last(self.kernel_scale[...].astype(dtype), kernel.ndim)
+    y = self._conv(x, kernel, self.groups)
     if self.bias is not None:
       y = y + _last(self.bias[...].astype(dtype), y.ndim)
     if self.lora_a is not None:

@@ -312,7 +312,7 @@ class WanTransformer(nnx.Module):
     cfg = self.cfg
     text, image = encoder_hidden_states, encoder_hidden_states_image
     fhw = self._check(hidden_states, timestep, text, image, layout)
-    dtype = self.patch_embedding.kernel[...].dtype
+    dtype = self.patch_embedding.weight_dtype
     x = hidden_states if layout == "BFHWC" else jnp.transpose(hidden_states, (0, 2, 3, 4, 1))
     b = x.shape[0]
     pt, ph, pw = cfg.patch_size
