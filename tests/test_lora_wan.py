@@ -6,6 +6,7 @@ one adapter and two at different scales, within 1e-4."""
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -56,3 +57,32 @@ def test_runtime_matches_diffusers(setup):
     )
     chex.assert_trees_all_close(got, want[case], atol=ATOL, rtol=0)
   chex.assert_trees_all_close(_apply(graphdef, state, *args), want["base"], atol=ATOL, rtol=0)
+
+
+def _slots(module):
+  flat = dict(nnx.to_flat_state(nnx.state(module)))
+  return {k: np.asarray(v.get_value()) for k, v in flat.items() if k[-1] in ("lora_a", "lora_b")}
+
+
+def test_wan22_experts_take_per_expert_scales():
+  """Wan 2.2's two experts: one file on both with a scale each, or a file on one expert only."""
+  pipe = md_wan.load_pipeline(testing.fixture_path("wan_pipeline") / "t2v_a14b")  # no compile here
+  root = testing.fixture_path("lora_wan")
+  pipe.load_lora(
+    root / "wan_a.safetensors", name="a", scale={"transformer": 1.0, "transformer_2": 0.25},
+    max_rank=8,
+  )  # fmt: skip
+  high, low = _slots(pipe.transformer), _slots(pipe.transformer_2)
+  assert high.keys() == low.keys() and md_core.lora_rank(pipe.transformer_2) == 8
+  for key in high:
+    want = high[key] * (0.25 if key[-1] == "lora_b" else 1.0)
+    np.testing.assert_allclose(low[key], want, rtol=1e-6, atol=1e-7, err_msg=str(key))
+  assert any(np.abs(v).max() > 0 for v in high.values())
+  pipe.set_adapters({"a": {"transformer": 1.0, "transformer_2": 0.0}})
+  assert all(
+    np.abs(v).max() == 0 for k, v in _slots(pipe.transformer_2).items() if k[-1] == "lora_b"
+  )
+  pipe.load_lora(root / "wan_b.safetensors", name="b_low", component="transformer_2")
+  assert pipe.loras["b_low"]["scales"] == {"transformer_2": 1.0}
+  with pytest.raises(ValueError, match="must name exactly \\['transformer', 'transformer_2'\\]"):
+    pipe.set_adapters({"a": {"transformer": 1.0}})

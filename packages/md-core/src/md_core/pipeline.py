@@ -219,11 +219,13 @@ class Pipeline:
     component's LoRA slots; the same compiled programs run them."""
     from md_core._lora import set_lora  # noqa: PLC0415
 
-    _, splits = self._splits_of(component)
+    module, splits = self._splits_of(component)
     if not splits:
       raise ValueError(f"{component!r} is not a split module of this pipeline")
+    state = set_lora(splits[0].state, adapters)
     for split in splits:
-      split.state = set_lora(split.state, adapters)
+      split.state = state
+    nnx.update(module, state)  # the module shows the adapters too (e.g. to merge from it)
 
   # --- the LoRA API (md-lora does the work; every family gets it here) ---------------------------------
   # The components LoRA files adapt (the denoisers), e.g. ("unet",) or ("transformer", "transformer_2").
