@@ -193,6 +193,10 @@ def test_empty_data_source(tmp_path):
     mdt.fit(recipe._replace(batches=iter([])), steps=2, workdir=tmp_path)
   with pytest.raises(ValueError, match="ran out before step 3"):
     mdt.fit(recipe._replace(batches=iter([next(Batches())] * 2)), steps=4)
+  first = next(Batches())
+  odd = {"latents": first["latents"][:1]}
+  with pytest.raises(ValueError, match=r"shapes \{'latents': \(1, 48\)\} does not fit the step"):
+    mdt.fit(_recipe()[0]._replace(batches=iter([first, odd])), steps=2)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the failed writer

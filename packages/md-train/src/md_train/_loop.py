@@ -153,7 +153,8 @@ def fit(
       start = int(info["step"])
       if progress:
         print(f"resumed from {ckpt.directory} at step {start}", flush=True)
-    writer = MetricsWriter(workdir, resume_step=start)
+    if jax.process_index() == 0:  # one writer for the run (every process saves its checkpoint part)
+      writer = MetricsWriter(workdir, resume_step=start)
 
   step_fn, flops = _compile(recipe.step, state, batches, start < steps)
   peak = peak_flops
@@ -238,7 +239,14 @@ class _Compiled:
     self.compiled, self.first_batch = compiled, first_batch
 
   def __call__(self, state, batch):
-    return self.compiled(state, batch)
+    try:
+      return self.compiled(state, batch)
+    except TypeError as e:
+      shapes = jax.tree.map(lambda x: tuple(np.shape(x)), batch)
+      raise ValueError(
+        f"a batch with shapes {shapes} does not fit the step compiled on the first batch ({e}); "
+        "every batch must have the first one's shapes and dtypes"
+      ) from None
 
 
 # Compiled steps per jitted step function and input signature: fits that share a step (tests, a run
