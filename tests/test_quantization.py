@@ -180,20 +180,8 @@ def test_int8_weight_only_psnr(family):
   layers = md_core.quant.quantized_paths(model)
   assert layers and set(layers.values()) == {"int8"}
   for path in layers:
-    dense = md_core.dense_layers(model)[path]
-    assert dense.kernel[...].dtype == jnp.int8 and dense.kernel_scale[...].dtype == jnp.float32
-
-
-# ltx-video, measured: int8-dynamic 47.5 dB, fp8 37.1 dB (every family: bench/quant.py --psnr).
-@pytest.mark.parametrize(
-  ("mode", "floor", "stored"), [("int8-dynamic", 42.0, jnp.int8), ("fp8", 32.0, jnp.float8_e4m3fn)]
-)
-def test_dynamic_and_fp8_psnr(mode, floor, stored):
-  out, ref, model = quantized_output("ltx-video", mode)
-  got = psnr(out, ref)
-  assert floor <= got < QUANTIZED_CEILING, (mode, got)
-  kernels = [d.kernel[...] for d in md_core.dense_layers(model).values()]
-  assert kernels and {k.dtype for k in kernels} == {jnp.dtype(stored)}
+    layer = md_core.quant.quantizable_layers(model)[path]
+    assert layer.kernel[...].dtype == jnp.int8 and layer.kernel_scale[...].dtype == jnp.float32
 
 
 def test_load_pipeline_quantization_and_lora():

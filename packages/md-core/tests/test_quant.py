@@ -104,6 +104,11 @@ def test_scanned_stack_matches_dequantized_float_model():
   assert up.kernel_scale[...].shape == (3, 32)
   assert md_core.logical_axes(up.kernel_scale) == ("layers", "mlp")
   assert md_core.quantize(model, "int8") == []  # already quantized: unchanged
+  # Only the scales were added: no float copy of a kernel stays in the state.
+  float_leaves = jax.tree.leaves(nnx.state(Toy(nnx.Rngs(0))))
+  leaves = jax.tree.leaves(nnx.state(model))
+  assert len(leaves) == len(float_leaves) + 3
+  assert sum(x.dtype == jnp.int8 for x in leaves) == 3
   # The same model with float kernels equal to the dequantized values gives the same output.
   deq = Toy(nnx.Rngs(0))
   for path, dense in md_core.dense_layers(deq).items():
