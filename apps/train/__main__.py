@@ -15,6 +15,7 @@ import sys
 if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
   os.environ["TF_CPP_MIN_LOG_LEVEL"] = os.environ.get("TF_CPP_MIN_LOG_LEVEL") or "2"
 
+from absl import flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from md_core import apps  # noqa: E402
@@ -22,22 +23,16 @@ from md_core import apps  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "ml-collections config file (apps/configs/train.py:<variant>)."
 )
-_WORKDIR = None
 _FIXED = ("variant",)
 # Test hook: "N:path" makes the run write `path` and wait there while step N runs (a test then kills
 # the process in the middle of that step).
 HOLD_ENV = "MD_TRAIN_HOLD_AT_STEP"
 
 
-def _define_workdir():
-  from absl import flags
-
-  return flags.DEFINE_string(
-    "workdir", "runs/train", "Folder of the run: checkpoints, metrics, TensorBoard, export."
-  )
-
-
-_WORKDIR = _define_workdir()
+# Not apps.define_output_flags: a training workdir is reused on purpose (that is how a run resumes).
+_WORKDIR = flags.DEFINE_string(
+  "workdir", "runs/train", "Folder of the run: checkpoints, metrics, TensorBoard, export."
+)
 
 
 def _check(config, workdir):
