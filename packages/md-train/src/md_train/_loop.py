@@ -158,7 +158,7 @@ def fit(
 
   step_fn, flops = _compile(recipe.step, state, batches, start < steps)
   peak = peak_flops
-  if peak is None and flops is not None and log_every >= 0:
+  if peak is None and flops is not None:
     dtype = next((a.dtype for a in jax.tree.leaves(state.params)), "float32")
     peak = peak_flops_per_second(dtype)
   # The batch drawn (and compiled on) before the loop is the first one trained on.
@@ -211,7 +211,8 @@ def fit(
           force=last,
         )
     if ckpt is not None and start >= steps and ckpt.latest_step() != start:
-      ckpt.save(state, data=batches.state() if resumable else None, fingerprint=fingerprint)
+      data = _json_safe(batches.state()) if resumable else None
+      ckpt.save(state, data=data, fingerprint=fingerprint, force=True)
   finally:
     if bar is not None:
       bar.close()

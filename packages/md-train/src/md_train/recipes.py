@@ -150,7 +150,7 @@ def _fixture(config: Any, default: str) -> pathlib.Path:
   return path
 
 
-def _optimizer(opts: Mapping[str, Any], steps: int):
+def _optimizer(opts: Mapping[str, Any]):
   return make_optimizer(
     learning_rate=float(opts.get("learning_rate", 1e-3)),
     warmup_steps=int(opts.get("warmup_steps", 0)),
@@ -312,7 +312,7 @@ def wan21_tiny(config: Any) -> Recipe:
   pixels = _split_jit(pipe.vae, lambda vae, x: vae.normalize_latents(vae.encode(x * 2 - 1).mode()))
   frozen, params = split_trainable(pipe.transformer)
   loss_fn = families.wan_loss(frozen, shift=float(opts.get("shift", 5.0)))
-  optimizer = _optimizer(opts, int(config.steps))
+  optimizer = _optimizer(opts)
   state = init_state(params, optimizer, rng=int(config.seed))
   batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
   held_out = lambda: _eval_batches(opts, config, frames, pixels, captions)  # noqa: E731
@@ -361,7 +361,7 @@ def sd15_tiny(config: Any) -> Recipe:
   loss_fn = families.sd_loss(
     frozen, alphas_cumprod=acp, prediction_type=prediction, snr_gamma=gamma or None
   )
-  optimizer = _optimizer(opts, int(config.steps))
+  optimizer = _optimizer(opts)
   state = init_state(params, optimizer, rng=int(config.seed))
   batches = EncodedBatches(_shapes(opts, config, frames=None), pixels, captions, sharding)
   held_out = lambda: _eval_batches(opts, config, None, pixels, captions)  # noqa: E731
@@ -407,7 +407,7 @@ def flux1_tiny(config: Any) -> Recipe:
   loss_fn = families.flux_loss(
     frozen, guidance=float(opts.get("guidance", 3.5)) if guided else None
   )
-  optimizer = _optimizer(opts, int(config.steps))
+  optimizer = _optimizer(opts)
   state = init_state(params, optimizer, rng=int(config.seed))
   batches = EncodedBatches(_shapes(opts, config, frames=None), pixels, captions, sharding)
   held_out = lambda: _eval_batches(opts, config, None, pixels, captions)  # noqa: E731
