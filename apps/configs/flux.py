@@ -2,6 +2,7 @@
 
 uv run apps/flux_generate --config=apps/configs/flux.py:flux1-dev --config.prompt="a cat surfing"
 uv run apps/flux_generate --config=apps/configs/flux.py:flux1-schnell --config.seed=3
+uv run apps/flux_generate --config=apps/configs/flux.py:flux1-dev --config.quantization=int8   # int8 weights
 uv run apps/flux_generate --config=apps/configs/flux.py:flux2-klein-4b --config.prompt="a red fox"
 uv run apps/flux_generate --config=apps/configs/flux.py:flux2-klein-9b-kv-edit --config.images=a.png,b.png
 uv run apps/flux_generate --config=apps/configs/flux.py:tiny --workdir=/tmp/flux   # the bundled tiny pipeline
