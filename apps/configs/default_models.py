@@ -17,7 +17,7 @@ from md_core import apps as md_apps
 VARIANTS = {
   "wan-vae": (
     "md_train.shapes_models:wan_vae_recipe",
-    dict(steps=100, checkpoint_every=50),
+    dict(steps=60, checkpoint_every=30),
     dict(
       template="runs/shapes-wan-template",
       size=64,
@@ -26,22 +26,22 @@ VARIANTS = {
       crop=32,
       batch_size=8,
       learning_rate=2e-3,
-      warmup_steps=20,
+      warmup_steps=10,
       kl_weight=1e-4,
       stats_count=64,
     ),
   ),
   "wan": (
     "md_train.shapes_models:wan_recipe",
-    dict(steps=1500, checkpoint_every=250),
+    dict(steps=1000, checkpoint_every=250),
     dict(
       base="runs/shapes-wan-vae/export",
       size=64,
       frames=9,
-      num_clips=2048,
-      batch_size=32,
-      learning_rate=1e-3,
-      warmup_steps=50,
+      num_clips=512,
+      batch_size=16,
+      learning_rate=2e-3,
+      warmup_steps=20,
       shift=3.0,
       drop_caption=0.1,
       max_sequence_length=16,

@@ -72,8 +72,8 @@ def shapes_videos(
 def wan_vae_loss(vae: Frozen, *, kl_weight: float = 1e-4, mse_weight: float = 1.0) -> LossFn:
   """Reconstruction loss of the Wan VAE: `|x - x̂| + mse_weight (x - x̂)² + kl_weight KL(q(z|x) || N(0, 1))`.
 
-  Batch: `video [B, F, H, W, 3]` in [-1, 1] (F = 1 + 4k; a VAE without patchify). The decoder sees a
-  sample of the encoder's Gaussian. Means are over pixels (the KL over latent elements).
+  Batch: `video [B, F, H, W, 3]` in [-1, 1] (F = 1 + 4k; a VAE without patchify). The decoder sees the
+  encoder's mean. Means are over pixels (the KL over latent elements).
   """
 
   def loss_fn(params, batch, key):
@@ -82,7 +82,10 @@ def wan_vae_loss(vae: Frozen, *, kl_weight: float = 1e-4, mse_weight: float = 1.
     dist = model.encode(video)
     # The loss reads the decoder's output before its clamp to [-1, 1]: black and white pixels sit on the
     # clamp, where a clamped output on the wrong side would get no gradient.
-    recon = model._decode_video(dist.sample(key), finish=False)
+    # The decoder reads the mean: at init the encoder's log-variance is ~0, so a sample would bury the
+    # latents under unit noise and the decoder would learn nothing but the average colour; the KL term
+    # still keeps the means near N(0, 1). (`key` is unused.)
+    recon = model._decode_video(dist.mean, finish=False)
     l1 = jnp.mean(jnp.abs(recon - video))
     mse = jnp.mean(jnp.square(recon - video))
     kl = 0.5 * jnp.mean(jnp.square(dist.mean) + jnp.exp(dist.logvar) - 1.0 - dist.logvar)
@@ -391,12 +394,13 @@ def video_scores(
 ) -> dict[str, md_data.Scores]:
   """md_data's analyser on videos of `quality_prompts()` (each prompt once per seed): `Scores` per group
   (`held_out`, `train`) and over `all`."""
-  out, everything = {}, ([], [])
-  for group, prompts in quality_prompts().items():
-    videos = [
+  groups = quality_prompts()
+  prompts = [p for group in groups.values() for p in group]
+  videos = np.stack(
+    [
       np.asarray(
         pipe(
-          list(prompts),
+          prompts,
           "",
           height=size,
           width=size,
@@ -410,10 +414,11 @@ def video_scores(
       )
       for seed in seeds
     ]
-    videos = np.concatenate(videos)
-    captions = list(prompts) * len(seeds)
-    out[group] = md_data.score(videos, captions)
-    everything[0].append(videos)
-    everything[1].extend(captions)
-  out["all"] = md_data.score(np.concatenate(everything[0]), everything[1])
+  )  # [seeds, prompts, F, H, W, 3]
+  out, start = {}, 0
+  for group, texts in groups.items():
+    part = videos[:, start : start + len(texts)].reshape(-1, *videos.shape[2:])
+    out[group] = md_data.score(part, list(texts) * len(seeds))
+    start += len(texts)
+  out["all"] = md_data.score(videos.reshape(-1, *videos.shape[2:]), prompts * len(seeds))
   return out

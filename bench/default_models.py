@@ -1,0 +1,74 @@
+"""md's default video model (models/shapes-wan): quality on the held-out prompt set and speed.
+
+uv run python bench/default_models.py            # quality + speed (in-process and the README command)
+uv run python bench/default_models.py --scores   # quality only
+
+Quality: md_data's analyser on `md_train.shapes_models.quality_prompts()` x 2 seeds (20 steps, guidance 3),
+rates of the right colour, shape, direction and background, for the held-out colour x shape pairs and the
+trained ones. Speed: one video after compilation (in process), and the README's command
+`uv run apps/wan_generate --config.prompt=...` run twice as a fresh process: cold (empty compilation cache
+folder) then warm (the same cache).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def scores() -> dict:
+  import md_wan
+  from md_train import shapes_models as sm
+
+  pipe = md_wan.load_pipeline(ROOT / "models" / "shapes-wan")
+  start = time.perf_counter()
+  result = sm.video_scores(pipe)
+  out = {
+    group: {k: getattr(s, k) for k in ("colour", "shape", "direction", "background")}
+    | {"videos": s.counts["colour"]}
+    for group, s in result.items()
+  }
+  out["seconds"] = round(time.perf_counter() - start, 1)
+  return out
+
+
+def speed() -> dict:
+  import md_wan
+
+  pipe = md_wan.load_pipeline(ROOT / "models" / "shapes-wan")
+  kw = dict(height=64, width=64, num_frames=9, num_inference_steps=20, guidance_scale=3.0)
+  kw |= dict(max_sequence_length=16, progress=False)
+  pipe("a red circle moving right", "", **kw)  # compile
+  times = []
+  for seed in range(3):
+    t = time.perf_counter()
+    pipe("a green triangle moving up", "", seed=seed, **kw)
+    times.append(time.perf_counter() - t)
+  out = {"video_after_compile_s": round(min(times), 2)}
+  with tempfile.TemporaryDirectory() as tmp:
+    env = dict(os.environ, MD_PROGRESS="0", HF_HUB_OFFLINE="1")
+    for run in ("cold", "warm"):
+      t = time.perf_counter()
+      subprocess.run(
+        [
+          "uv", "run", "--no-sync", "apps/wan_generate",
+          '--config.prompt=a green triangle moving up',
+          f"--workdir={tmp}/{run}",
+          f"--config.compilation_cache={tmp}/cache",
+        ],
+        cwd=ROOT, env=env, check=True, capture_output=True,
+      )  # fmt: skip
+      out[f"readme_command_{run}_s"] = round(time.perf_counter() - t, 1)
+  return out
+
+
+if __name__ == "__main__":
+  report = {"scores": scores()}
+  if "--scores" not in sys.argv:
+    report["speed"] = speed()
+  print(json.dumps(report, indent=2))
