@@ -6,7 +6,7 @@ A random-init SD pipeline (default: the tiny test fixture) with random PEFT LoRA
 and conv layers (sd_a's modules in tests/fixtures/lora, at each rank). Rows:
   swap       `pipe.set_adapters` between two loaded adapters (host fill of the slots + transfer), ms,
              and `pipe.load_lora` of a new file (read + map + fill), ms; compilations while swapping.
-  per step   denoising-step time (difference of --steps and 1 + --steps calls / steps) for: the base
+  per step   denoising-step time (difference of 1 + --steps and 1-step calls / steps, measured round-robin) for: the base
              model (no slots), merged (`fuse_lora`, the same programs as the base), run time with slots of
              --max_rank on every Dense and Conv, and run time with slots on the attention projections only
              (`targets=`); each after a warm-up call, best of --repeats.
@@ -55,14 +55,18 @@ def _call(pipe, steps: int, size: int) -> float:
   return time.perf_counter() - start
 
 
-def _per_step(pipe, args) -> float:
-  for s in (1, 1 + args.steps):
-    _call(pipe, s, args.size)  # compile
-  best = float("inf")
+def _per_step(pipes: dict, args) -> dict[str, float]:
+  """Per-step time of each pipeline, measured round-robin (a machine whose load drifts biases none),
+  best of --repeats."""
+  for pipe in pipes.values():
+    for s in (1, 1 + args.steps):
+      _call(pipe, s, args.size)  # compile
+  best = dict.fromkeys(pipes, float("inf"))
   for _ in range(args.repeats):
-    t1 = _call(pipe, 1, args.size)
-    tn = _call(pipe, 1 + args.steps, args.size)
-    best = min(best, (tn - t1) / args.steps)
+    for name, pipe in pipes.items():
+      t1 = _call(pipe, 1, args.size)
+      tn = _call(pipe, 1 + args.steps, args.size)
+      best[name] = min(best[name], (tn - t1) / args.steps)
   return best
 
 
@@ -85,16 +89,15 @@ def main() -> None:
   )
 
   base = md_sd.load_pipeline(args.model)
-  t_base = _per_step(base, args)
-  base.load_lora(files[ranks[-1]], name="m", fuse=True)
-  t_merged = _per_step(base, args)
+  merged = md_sd.load_pipeline(args.model)
+  merged.load_lora(files[ranks[-1]], name="m", fuse=True)
 
   rt = md_sd.load_pipeline(args.model)
   for r, f in files.items():
     rt.load_lora(f, name=f"r{r}", max_rank=args.max_rank if r == ranks[0] else None)
     rt.set_adapters({})  # loaded, not active: the ranks together exceed the slot
   rt.set_adapters({f"r{ranks[-1]}": 1.0})
-  t_runtime = _per_step(rt, args)
+  _call(rt, 1 + args.steps, args.size)  # compile before counting
   compiles = []
 
   def listen(event, duration, **kw):
@@ -119,7 +122,9 @@ def main() -> None:
   attn = md_sd.load_pipeline(args.model)
   f_attn = _peft(tmp / "attn.safetensors", template, ranks[-1], 7, keep=ATTENTION)
   attn.load_lora(f_attn, name="attn", max_rank=args.max_rank, targets=ATTENTION_SLOTS)
-  t_attn = _per_step(attn, args)
+  rt.set_adapters({f"r{ranks[-1]}": 1.0})
+  t = _per_step(dict(base=base, merged=merged, runtime=rt, attn=attn), args)
+  t_base, t_merged, t_runtime, t_attn = t["base"], t["merged"], t["runtime"], t["attn"]
 
   print(
     f"swap: set_adapters median {1e3 * float(np.median(swaps)):.1f} ms (max {1e3 * max(swaps):.1f}),"
