@@ -35,10 +35,11 @@ def loss_plot(runs: list[pathlib.Path], out: pathlib.Path) -> None:
     loss = np.log10(np.array([x["loss"] for x in rows], float))
     top = r * h
     lo, hi = math.floor(loss.min() * 4) / 4, math.ceil(loss.max() * 4) / 4 + 1e-9
+    last = max(float(steps.max()), 1.0)
 
-    def xy(s, v, top=top, lo=lo, hi=hi):
+    def xy(s, v, top=top, lo=lo, hi=hi, last=last):
       return (
-        pad + (w - 2 * pad) * s / max(steps.max(), 1),
+        pad + (w - 2 * pad) * s / last,
         top + h - pad - (h - 2 * pad) * (v - lo) / (hi - lo),
       )
 
