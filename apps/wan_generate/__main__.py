@@ -21,8 +21,8 @@ from md_core import apps  # noqa: E402
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "wan.py") + ":default"
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
-  _DEFAULT_CONFIG,
-  "ml-collections config file (apps/configs/wan.py:<variant>; default: the `default` variant, md's "
+  None,
+  "ml-collections config file (apps/configs/wan.py:<variant>; without it: the `default` variant, md's "
   "shapes model).",
 )
 _WORKDIR, _OVERWRITE = apps.define_output_flags("outputs/wan", "videos")
@@ -182,4 +182,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  if not any(a == "--config" or a.startswith("--config=") for a in sys.argv[1:]):
+    sys.argv.insert(1, f"--config={_DEFAULT_CONFIG}")  # no --config: md's shapes model
   apps.run(main, doc=__doc__, fixed=_FIXED)
