@@ -6,7 +6,8 @@ A random-init SD pipeline (default: the tiny test fixture) with random PEFT LoRA
 and conv layers (sd_a's modules in tests/fixtures/lora, at each rank). Rows:
   swap       `pipe.set_adapters` between two loaded adapters (host fill of the slots + transfer), ms,
              and `pipe.load_lora` of a new file (read + map + fill), ms; compilations while swapping.
-  per step   denoising-step time (difference of 1 + --steps and 1-step calls / steps, measured round-robin) for: the base
+  per step   one denoising step's UNet call (batch 2, --size px; mean of --steps calls, best of --repeats,
+             the variants round-robin) for: the base
              model (no slots), merged (`fuse_lora`, the same programs as the base), run time with slots of
              --max_rank on every Dense and Conv, and run time with slots on the attention projections only
              (`targets=`); each after a warm-up call, best of --repeats.
@@ -20,7 +21,9 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import md_core
 import md_sd
@@ -56,17 +59,28 @@ def _call(pipe, steps: int, size: int) -> float:
 
 
 def _per_step(pipes: dict, args) -> dict[str, float]:
-  """Per-step time of each pipeline, measured round-robin (a machine whose load drifts biases none),
-  best of --repeats."""
-  for pipe in pipes.values():
-    for s in (1, 1 + args.steps):
-      _call(pipe, s, args.size)  # compile
+  """One denoising step's UNet call (batch 2: CFG's rows) of each pipeline with its own state (slots
+  included), timed round-robin (a machine whose load drifts biases none), best of --repeats means."""
+  lat = args.size // 8
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, lat, lat, 4)), jnp.float32)
+  t = jnp.asarray([500.0, 500.0], jnp.float32)
+  fns = {}
+  for name, pipe in pipes.items():
+    split = pipe._unet  # the state the pipeline's programs take
+    dim = pipe.unet.cfg.cross_attention_dim
+    dim = dim[0] if isinstance(dim, tuple | list) else dim
+    ctx = jnp.asarray(np.random.default_rng(1).standard_normal((2, 77, dim)), jnp.float32)
+    fn = jax.jit(lambda state, x, t, c, g=split.graphdef: nnx.merge(g, state)(x, t, c))
+    jax.block_until_ready(fn(split.state, x, t, ctx))  # compile
+    fns[name] = (fn, split.state, ctx)
   best = dict.fromkeys(pipes, float("inf"))
   for _ in range(args.repeats):
-    for name, pipe in pipes.items():
-      t1 = _call(pipe, 1, args.size)
-      tn = _call(pipe, 1 + args.steps, args.size)
-      best[name] = min(best[name], (tn - t1) / args.steps)
+    for name, (fn, state, ctx) in fns.items():
+      start = time.perf_counter()
+      for _ in range(args.steps):
+        out = fn(state, x, t, ctx)
+      jax.block_until_ready(out)
+      best[name] = min(best[name], (time.perf_counter() - start) / args.steps)
   return best
 
 
