@@ -114,24 +114,31 @@ def test_second_run_loses_nothing_and_settings_describe_the_folder(tmp_path):
   first = run("wan_generate", WAN, f"--workdir={work}", "--config.num_videos_per_prompt=2")
   assert first.returncode == 0, first.stderr[-2000:]
   before = {p.name: p.read_bytes() for p in work.iterdir()}
-  assert sorted(before) == ["settings.json", "video_0000.mp4", "video_0001.mp4"]
+  videos = ["video_0000.mp4", "video_0000_frames.png", "video_0001.mp4", "video_0001_frames.png"]
+  assert sorted(before) == ["settings.json", *videos]
   again = run("wan_generate", WAN, f"--workdir={work}")
   one_line_error(
-    again, "is not empty (holds settings.json, video_0000.mp4, video_0001.mp4)", "--overwrite"
+    again,
+    "is not empty (holds settings.json, video_0000.mp4, video_0000_frames.png, video_0001.mp4 "
+    "and 1 more)",
+    "--overwrite",
   )
   assert {p.name: p.read_bytes() for p in work.iterdir()} == before
   # --overwrite with fewer outputs: the earlier run's extra video goes, settings.json lists what is there.
   third = run("wan_generate", WAN, f"--workdir={work}", "--overwrite", "--config.seed=4")
   assert third.returncode == 0, third.stderr[-2000:]
   names = sorted(p.name for p in work.iterdir())
-  assert names == ["settings.json", "video_0000.mp4"]
+  assert names == ["settings.json", "video_0000.mp4", "video_0000_frames.png"]
   settings = json.loads((work / "settings.json").read_text())
-  assert settings["files"] == ["video_0000.mp4"] and settings["seed"] == 4
+  assert settings["files"] == ["video_0000.mp4", "video_0000_frames.png"] and settings["seed"] == 4
   # A clean run prints nothing but its summary: no warning, no INFO line, no PyTorch-not-found advice.
   assert third.stderr.strip() == "", third.stderr
   lines = third.stdout.strip().splitlines()
   assert (
-    len(lines) == 2 and lines[0].startswith("mesh: ") and lines[1].startswith("wrote 1 video(s)")
+    len(lines) == 3
+    and lines[0].startswith("mesh: ")
+    and lines[1].startswith("wrote 1 video(s)")
+    and lines[2] == "contact sheet(s) of the frames: video_0000_frames.png"
   )
 
 
