@@ -290,6 +290,43 @@ def _evaluator(loss_fn, make_batches: Callable[[], list], *, key: str, scale: fl
   return evaluate
 
 
+def _denoiser_recipe(
+  name: str,
+  config: Any,
+  opts: dict,
+  model: pathlib.Path,
+  *,
+  frozen: Any,
+  params: Any,
+  loss_fn: Any,
+  pixels: Callable,
+  captions: Callable,
+  sharding: Any,
+  frames: int | None,
+  component: str,
+  convert_key: Callable,
+  eval_key: str,
+  eval_scale: float,
+) -> Recipe:
+  """The part every denoiser recipe shares: optimizer, state, shapes batches, held-out eval, export of
+  `component` in the diffusers layout, fingerprint."""
+  optimizer = _optimizer(opts)
+  state = init_state(params, optimizer, rng=int(config.seed))
+  batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
+  held_out = lambda: _eval_batches(opts, config, frames, pixels, captions)  # noqa: E731
+  source = model / component
+  return Recipe(
+    state=state,
+    step=make_train_step(loss_fn, optimizer),
+    batches=batches,
+    eval=_evaluator(loss_fn, held_out, key=eval_key, scale=eval_scale),
+    export=lambda s, folder: export_denoiser(
+      frozen, s.params, source, pathlib.Path(folder) / component, convert_key
+    ),
+    fingerprint=_fingerprint(name, model, opts, config),
+  )
+
+
 def wan21_tiny(config: Any) -> Recipe:
   """The tiny Wan 2.1 T2V transformer (tests/fixtures/wan_pipeline/t2v) on shapes clips.
 
@@ -312,21 +349,11 @@ def wan21_tiny(config: Any) -> Recipe:
   pixels = _split_jit(pipe.vae, lambda vae, x: vae.normalize_latents(vae.encode(x * 2 - 1).mode()))
   frozen, params = split_trainable(pipe.transformer)
   loss_fn = families.wan_loss(frozen, shift=float(opts.get("shift", 5.0)))
-  optimizer = _optimizer(opts)
-  state = init_state(params, optimizer, rng=int(config.seed))
-  batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
-  held_out = lambda: _eval_batches(opts, config, frames, pixels, captions)  # noqa: E731
-  transformer = model / "transformer"
-  return Recipe(
-    state=state,
-    step=make_train_step(loss_fn, optimizer),
-    batches=batches,
-    eval=_evaluator(loss_fn, held_out, key="sigmas", scale=1e-3),
-    export=lambda s, folder: export_denoiser(
-      frozen, s.params, transformer, pathlib.Path(folder) / "transformer", md_wan.convert_key
-    ),
-    fingerprint=_fingerprint("wan21-tiny", model, opts, config),
-  )
+  return _denoiser_recipe(
+    "wan21-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
+    captions=captions, sharding=sharding, frames=frames, component="transformer", convert_key=md_wan.convert_key,
+    eval_key="sigmas", eval_scale=1e-3,
+  )  # fmt: skip
 
 
 def _image_latents(vae: nnx.Module, scale: Callable) -> Callable[[np.ndarray], jax.Array]:
@@ -361,21 +388,11 @@ def sd15_tiny(config: Any) -> Recipe:
   loss_fn = families.sd_loss(
     frozen, alphas_cumprod=acp, prediction_type=prediction, snr_gamma=gamma or None
   )
-  optimizer = _optimizer(opts)
-  state = init_state(params, optimizer, rng=int(config.seed))
-  batches = EncodedBatches(_shapes(opts, config, frames=None), pixels, captions, sharding)
-  held_out = lambda: _eval_batches(opts, config, None, pixels, captions)  # noqa: E731
-  unet = model / "unet"
-  return Recipe(
-    state=state,
-    step=make_train_step(loss_fn, optimizer),
-    batches=batches,
-    eval=_evaluator(loss_fn, held_out, key="timesteps", scale=1.0),
-    export=lambda s, folder: export_denoiser(
-      frozen, s.params, unet, pathlib.Path(folder) / "unet", md_sd.convert_unet_key
-    ),
-    fingerprint=_fingerprint("sd15-tiny", model, opts, config),
-  )
+  return _denoiser_recipe(
+    "sd15-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
+    captions=captions, sharding=sharding, frames=None, component="unet", convert_key=md_sd.convert_unet_key,
+    eval_key="timesteps", eval_scale=1.0,
+  )  # fmt: skip
 
 
 def flux1_tiny(config: Any) -> Recipe:
@@ -407,18 +424,8 @@ def flux1_tiny(config: Any) -> Recipe:
   loss_fn = families.flux_loss(
     frozen, guidance=float(opts.get("guidance", 3.5)) if guided else None
   )
-  optimizer = _optimizer(opts)
-  state = init_state(params, optimizer, rng=int(config.seed))
-  batches = EncodedBatches(_shapes(opts, config, frames=None), pixels, captions, sharding)
-  held_out = lambda: _eval_batches(opts, config, None, pixels, captions)  # noqa: E731
-  transformer = model / "transformer"
-  return Recipe(
-    state=state,
-    step=make_train_step(loss_fn, optimizer),
-    batches=batches,
-    eval=_evaluator(loss_fn, held_out, key="sigmas", scale=1e-3),
-    export=lambda s, folder: export_denoiser(
-      frozen, s.params, transformer, pathlib.Path(folder) / "transformer", md_flux.convert_key
-    ),
-    fingerprint=_fingerprint("flux1-tiny", model, opts, config),
-  )
+  return _denoiser_recipe(
+    "flux1-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
+    captions=captions, sharding=sharding, frames=None, component="transformer", convert_key=md_flux.convert_key,
+    eval_key="sigmas", eval_scale=1e-3,
+  )  # fmt: skip
