@@ -7,6 +7,19 @@ The family losses (SD UNet, Flux.1, Wan 2.1) are in `md_train.families` and the 
 from md_train._checkpoint import Checkpointer, CheckpointError, Restored
 from md_train._eval import eval_loss
 from md_train._loop import CHECKPOINTS_DIR, Recipe, batch_sharding, fit
+from md_train._lora import (
+  DEFAULT_TARGETS,
+  LORA_INITS,
+  LoRA,
+  LoRAConfig,
+  add_lora,
+  load_lora_factors,
+  lora_adapter,
+  lora_loss,
+  lora_parameter_count,
+  save_lora,
+  split_lora,
+)
 from md_train._losses import (
   FLOW_SAMPLERS,
   PREDICTION_TYPES,
@@ -53,7 +66,9 @@ from md_train._step import (
 
 __all__ = [
   "CHECKPOINTS_DIR",
+  "DEFAULT_TARGETS",
   "FLOW_SAMPLERS",
+  "LORA_INITS",
   "METRICS_FILE",
   "PREDICTION_TYPES",
   "SCHEDULES",
@@ -63,6 +78,8 @@ __all__ = [
   "EmaState",
   "FlowTable",
   "Frozen",
+  "LoRA",
+  "LoRAConfig",
   "LossFn",
   "MetricsWriter",
   "NoisedBatch",
@@ -71,6 +88,7 @@ __all__ = [
   "Recipe",
   "Restored",
   "TrainState",
+  "add_lora",
   "batch_sharding",
   "compiled_flops",
   "diffusion_inputs",
@@ -83,12 +101,18 @@ __all__ = [
   "flow_training_table",
   "init_state",
   "learning_rate_schedule",
+  "load_lora_factors",
+  "lora_adapter",
+  "lora_loss",
+  "lora_parameter_count",
   "loss_and_grads",
   "make_optimizer",
   "make_train_step",
   "min_snr_weights",
   "peak_flops_per_second",
   "read_metrics",
+  "save_lora",
+  "split_lora",
   "split_trainable",
   "state_shardings",
   "table_lookup",

@@ -1,0 +1,390 @@
+"""LoRA fine-tuning: md_core's run-time LoRA slots as the only trainable state, the base frozen.
+
+`add_lora` picks the layers (by the reference's module names, as peft's `target_modules` does, or by
+md's layer paths), gives them `md_core.add_lora_slots` slots of the LoRA's rank and initialises them as
+peft does (`lora_A` kaiming-uniform(a=√5) or gaussian, `lora_B` zero); `split_lora` splits the module
+into its frozen part and the slots; `lora_loss` wraps a family loss so the slots' `b` carries the
+`alpha / r` scale (the trainable `b` is peft's `lora_B`, so the gradients and the optimizer see the
+same numbers as peft's); `save_lora` writes the adapter as a diffusers / PEFT safetensors file
+(`pytorch_lora_weights.safetensors`, `unet.` / `transformer.` prefixes) that `Pipeline.load_lora` and
+diffusers' `load_lora_weights` read.
+
+    lora = mdt.add_lora(unet, mdt.LoRAConfig(rank=4), convert_key=md_sd.unet_key_map(unet.cfg),
+                        reference_names=names, family="sd")
+    frozen, params = mdt.split_lora(unet)
+    loss_fn = mdt.lora_loss(mtf.sd_loss(frozen, alphas_cumprod=acp), lora)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import md_core
+from md_train._step import Frozen, LossFn, split_trainable
+
+# The modules diffusers' LoRA scripts adapt by default (their `target_modules`).
+DEFAULT_TARGETS = {
+  # train_text_to_image_lora.py / train_dreambooth_lora.py
+  "sd": ("to_k", "to_q", "to_v", "to_out.0"),
+  # train_dreambooth_lora_flux.py
+  "flux": (
+    "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+    "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+    "ff_context.net.2",
+  ),
+  # the attention projections of self- and cross-attention (as for SD)
+  "wan": ("to_k", "to_q", "to_v", "to_out.0"),
+}  # fmt: skip
+LORA_INITS = ("kaiming", "gaussian")  # peft's `init_lora_weights=True` and `"gaussian"`
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+  """What to train: peft's `LoraConfig(r, lora_alpha, target_modules, init_lora_weights)`.
+
+  Attributes:
+    rank: r.
+    alpha: lora_alpha (None: `rank`, scale 1); the delta is `alpha / rank · B A`.
+    targets: module names matched as peft matches `target_modules` (a name equal to the module's or
+      a `.`-separated suffix of it: `to_q`, `attn1.to_q`, `to_out.0`), reference (diffusers) names
+      first, else md's layer paths (`blocks.attn1.to_q`); None: the family's `DEFAULT_TARGETS`.
+    init: `kaiming` (peft's default: lora_A kaiming-uniform(a=√5), i.e. U(±1/√fan_in)) or `gaussian`
+      (lora_A ~ N(0, 1/r)); lora_B starts at zero either way.
+    seed: the initialisation's PRNG seed.
+  """
+
+  rank: int = 4
+  alpha: float | None = None
+  targets: tuple[str, ...] | None = None
+  init: str = "kaiming"
+  seed: int = 0
+
+  def __post_init__(self):
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+      raise ValueError(f"lora.rank={self.rank!r} must be a positive int")
+    if self.alpha is not None and (
+      isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha <= 0
+    ):
+      raise ValueError(f"lora.alpha={self.alpha!r} must be a positive number (or None: the rank)")
+    if self.init not in LORA_INITS:
+      raise ValueError(f"lora.init={self.init!r}; expected one of {LORA_INITS}")
+    if isinstance(self.targets, str):
+      object.__setattr__(self, "targets", _split_names(self.targets))
+    elif self.targets is not None:
+      object.__setattr__(self, "targets", tuple(str(t) for t in self.targets))
+    if self.targets is not None and not self.targets:
+      raise ValueError("lora.targets is empty; name modules (e.g. 'to_q,to_k') or pass None")
+
+  @classmethod
+  def from_options(cls, options: Mapping[str, Any]) -> LoRAConfig:
+    """From a recipe's `lora` options (`rank`, `alpha`, `targets` as a list or a comma string,
+    `init`, `seed`); unknown keys are refused with the nearest known one."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in options:
+      if key not in known:
+        near = difflib.get_close_matches(key, known, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"lora option {key!r} is unknown (known: {known}){hint}")
+    opts = dict(options)
+    if "alpha" in opts and opts["alpha"] is not None:
+      opts["alpha"] = float(opts["alpha"])
+    return cls(**opts)
+
+
+def _split_names(text: str) -> tuple[str, ...]:
+  return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+class LoRA(NamedTuple):
+  """The LoRA `add_lora` added: rank, alpha, and the reference module each slot layer stands for.
+
+  Attributes:
+    rank, alpha: as trained; `scale = alpha / rank`.
+    modules: `{reference module name: (md layer path, layer index or None)}`, e.g.
+      `"blocks.1.attn1.to_q": ("blocks.attn1.to_q", 1)` for a scanned stack.
+  """
+
+  rank: int
+  alpha: float
+  modules: dict[str, tuple[str, int | None]]
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  @property
+  def paths(self) -> list[str]:
+    """The md layer paths with slots."""
+    return sorted({p for p, _ in self.modules.values()})
+
+
+def _matches(name: str, target: str) -> bool:
+  return name == target or name.endswith("." + target)
+
+
+def _resolve(
+  module: nnx.Module,
+  targets: tuple[str, ...],
+  convert_key: md_core.KeyMap,
+  reference_names: Iterable[str],
+) -> dict[str, tuple[str, int | None]]:
+  """Reference module names → (md layer path, layer), for the modules `targets` select."""
+  layers = md_core.lora_layers(module)
+  modules = sorted({n[: -len(".weight")] for n in reference_names if n.endswith(".weight")})
+  chosen: dict[str, tuple[str, int | None]] = {}
+  for target in targets:
+    hits = [m for m in modules if _matches(m, target)]
+    if not hits:  # md's layer paths
+      md_hits = [p for p in layers if _matches(p, target)]
+      if not md_hits:
+        sample = sorted({m.rsplit(".", 1)[-1] for m in modules})[:12]
+        raise ValueError(
+          f"lora target {target!r} matches no module of the model (neither a reference module name "
+          f"nor an md layer path); module names end in e.g. {sample}"
+        )
+      names = {}
+      for m in modules:
+        t = convert_key(m + ".weight")
+        if isinstance(t, md_core.Target) and ".".join(map(str, t.path[:-1])) in md_hits:
+          names[m] = t
+      hits = sorted(names)
+    for m in hits:
+      t = convert_key(m + ".weight")
+      if not isinstance(t, md_core.Target):
+        raise ValueError(
+          f"lora target {target!r}: module {m!r} maps to {t!r}, not one md layer (a fused or "
+          "unmapped weight has no LoRA slot of its own)"
+        )
+      path = ".".join(str(p) for p in t.path[:-1])
+      if t.path[-1] != "kernel" or path not in layers or t.split is not None:
+        raise ValueError(
+          f"lora target {target!r}: module {m!r} is md parameter {md_core.path_str(t.path)} "
+          f"(layout {t.layout}, split {t.split}), not the kernel of a Dense / Conv layer"
+        )
+      chosen[m] = (path, t.layer)
+  # A scanned stack has one slot for all its layers: every layer of it must be chosen.
+  by_path: dict[str, set] = {}
+  for path, layer in chosen.values():
+    by_path.setdefault(path, set()).add(layer)
+  for path, got in by_path.items():
+    kernel = layers[path].kernel.get_value()
+    axes = md_core.logical_axes(layers[path].kernel) or ()
+    if got != {None}:
+      n = kernel.shape[0]
+      if not (axes and axes[0] == "layers") or got != set(range(n)):
+        raise ValueError(
+          f"lora targets {targets!r} select layers {sorted(got)} of the scanned stack {path!r} "
+          f"({n} layers); md trains a stack's LoRA on all of its layers: name the module without "
+          "its layer index (e.g. 'attn1.to_q')"
+        )
+  return chosen
+
+
+def _init_a(key: jax.Array, shape: tuple[int, ...], n_lead: int, rank: int, init: str) -> jax.Array:
+  """lora_A in md's layout `[*lead, *k, in, r]`: peft's kaiming-uniform(a=√5) bound is 1/√fan_in
+  (fan_in = in · prod(k), torch's for a `[r, in, *k]` weight); gaussian: N(0, 1/r)."""
+  fan_in = int(np.prod(shape[n_lead:-1]))
+  if init == "gaussian":
+    return jax.random.normal(key, shape, jnp.float32) / rank
+  bound = 1.0 / math.sqrt(fan_in)
+  return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def add_lora(
+  module: nnx.Module,
+  config: LoRAConfig,
+  *,
+  convert_key: md_core.KeyMap,
+  reference_names: Iterable[str],
+  family: str | None = None,
+  dtype: Any = jnp.float32,
+) -> LoRA:
+  """Adds trainable LoRA slots to `module` (in place) and initialises them as peft does.
+
+  Args:
+    module: an md denoiser (or any md module) without LoRA slots.
+    config: rank, alpha, targets, init and seed.
+    convert_key: the family's diffusers key map (`md_sd.unet_key_map(cfg)`, `md_wan.convert_key`,
+      `md_flux.convert_key`): reference module names → md layers.
+    reference_names: the tensor names of the reference checkpoint (its `.weight` keys name the
+      modules), e.g. `md_core.open_checkpoint(folder)`.
+    family: `sd`, `flux` or `wan`: the default targets when `config.targets` is None.
+    dtype: the slots' dtype.
+
+  Returns:
+    The `LoRA` (rank, alpha, the reference module of every slot layer), for `lora_loss` / `save_lora`.
+
+  Raises:
+    ValueError: slots already present, no targets (and no family), a target that matches nothing
+      (with some module names), one that is not a plain layer kernel (fused), or a subset of the
+      layers of a scanned stack.
+  """
+  if md_core.lora_paths(module):
+    raise ValueError(
+      f"{type(module).__name__} has LoRA slots already ({md_core.lora_paths(module)[:3]}…); "
+      "add_lora takes a module without them"
+    )
+  targets = config.targets
+  if targets is None:
+    if family not in DEFAULT_TARGETS:
+      raise ValueError(
+        f"lora.targets is None and family={family!r} has no default targets "
+        f"(families: {sorted(DEFAULT_TARGETS)}); name the modules"
+      )
+    targets = DEFAULT_TARGETS[family]
+  modules = _resolve(module, tuple(targets), convert_key, list(reference_names))
+  paths = sorted({p for p, _ in modules.values()})
+  md_core.add_lora_slots(module, config.rank, targets=lambda p: p in paths, dtype=dtype)
+  layers = md_core.lora_layers(module)
+  key = jax.random.key(config.seed)
+  for i, path in enumerate(paths):
+    layer = layers[path]
+    a = layer.lora_a.get_value()
+    n_lead = layer.lora_b.get_value().ndim - 2
+    new = _init_a(jax.random.fold_in(key, i), a.shape, n_lead, config.rank, config.init)
+    sharding = getattr(a, "sharding", None)
+    new = new.astype(a.dtype)
+    layer.lora_a.set_value(jax.device_put(new, sharding) if sharding is not None else new)
+  alpha = float(config.rank if config.alpha is None else config.alpha)
+  return LoRA(config.rank, alpha, modules)
+
+
+def split_lora(module: nnx.Module) -> tuple[Frozen, Any]:
+  """(the frozen part: graph, parameters and the rest; the trainable LoRA slots) of a module with
+  slots (`add_lora`)."""
+  if not md_core.lora_paths(module):
+    raise ValueError(f"{type(module).__name__} has no LoRA slots; call add_lora first")
+  return split_trainable(module, md_core.LoRASlot)
+
+
+def _scaled(params: Any, scale: float) -> Any:
+  """The slots as the model reads them: `b` times the LoRA scale (the trainable `b` is peft's
+  lora_B)."""
+
+  def scale_b(path, x):
+    # The state's last dict key names the variable (a Variable's own `.value` may follow it).
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return x * jnp.asarray(scale, x.dtype) if keys and keys[-1] == "lora_b" else x
+
+  return jax.tree_util.tree_map_with_path(scale_b, params)
+
+
+def lora_loss(loss_fn: LossFn, lora: LoRA) -> LossFn:
+  """`loss_fn` (a family loss over a `split_lora` frozen part) of the trainable slots: `b` enters the
+  model as `alpha / r · b`, peft's `scaling`."""
+  scale = lora.scale
+
+  def wrapped(params, batch, key):
+    return loss_fn(_scaled(params, scale), batch, key)
+
+  return wrapped
+
+
+def _slot_values(params: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  flat = {tuple(p): v for p, v in nnx.to_flat_state(params)}
+  out = {}
+  for p, v in flat.items():
+    if p[-1] == "lora_a":
+      b = flat[p[:-1] + ("lora_b",)]
+      value = lambda x: np.asarray(  # noqa: E731
+        jax.device_get(x.get_value() if hasattr(x, "get_value") else x), np.float32
+      )
+      out[".".join(str(x) for x in p[:-1])] = (value(v), value(b))
+  return out
+
+
+def lora_adapter(lora: LoRA, params: Any, *, source: str = "md_train") -> Any:
+  """The trained slots as an `md_lora.Adapter` (one site per reference module, scale alpha / r)."""
+  import md_lora
+
+  values = _slot_values(params)
+  weights, names = {}, {}
+  for module, (path, layer) in sorted(lora.modules.items()):
+    if path not in values:
+      raise ValueError(f"{module!r}: the parameters hold no LoRA slot at {path!r}")
+    a, b = values[path]
+    if layer is not None:
+      a, b = a[layer], b[layer]
+    site = md_lora.Site(tuple(_path_parts(path)) + ("kernel",), layer)
+    weights[site] = md_lora.LoRAWeight(a, b, lora.scale)
+    names[site] = module
+  return md_lora.Adapter(weights, names, source, "peft")
+
+
+def _path_parts(path: str) -> list[str | int]:
+  return [int(p) if p.isdigit() else p for p in path.split(".")]
+
+
+def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
+  """`params` (the slots) holding an adapter's factors for every module of `lora` (e.g. a PEFT file
+  read by `md_lora.load_lora`, to continue training it): `a = down`, `b = up · adapter scale / lora
+  scale`, so the model's delta is the adapter's.
+
+  Raises:
+    ValueError: an adapter that misses a module of `lora`, adapts others, or has another rank.
+  """
+  by_site = {(tuple(s.path[:-1]), s.layer): w for s, w in adapter.weights.items()}
+  want = {(tuple(_path_parts(p)), layer): m for m, (p, layer) in lora.modules.items()}
+  missing = sorted(m for k, m in want.items() if k not in by_site)
+  extra = sorted(str(s) for s in adapter.weights if (tuple(s.path[:-1]), s.layer) not in want)
+  if missing or extra:
+    raise ValueError(
+      f"{adapter.source}: the adapter does not cover the trained modules: missing {missing[:5]}, "
+      f"extra {extra[:5]}"
+    )
+  flat = {tuple(p): v for p, v in nnx.to_flat_state(params)}
+  updates: dict[tuple, np.ndarray] = {}
+  for (parts, layer), module in want.items():
+    w = by_site[(parts, layer)]
+    if w.rank != lora.rank:
+      raise ValueError(f"{adapter.source}: {module!r} has rank {w.rank}, the LoRA {lora.rank}")
+    for name, value in (("lora_a", w.down), ("lora_b", np.asarray(w.up) * (w.scale / lora.scale))):
+      key = parts + (name,)
+      if key not in updates:
+        updates[key] = np.array(jax.device_get(flat[key].get_value()), np.float32)
+      if layer is None:
+        updates[key][...] = value
+      else:
+        updates[key][layer] = value
+  out = jax.tree.map(lambda x: x, params)
+  flat_out = {tuple(p): v for p, v in nnx.to_flat_state(out)}
+  for key, value in updates.items():
+    old = flat_out[key].get_value()
+    new = jnp.asarray(value, old.dtype)
+    sharding = getattr(old, "sharding", None)
+    flat_out[key].set_value(jax.device_put(new, sharding) if sharding is not None else new)
+  return out
+
+
+def save_lora(
+  lora: LoRA,
+  params: Any,
+  path: str | os.PathLike,
+  *,
+  convert_key: md_core.KeyMap,
+  reference_names: Iterable[str],
+  prefix: str,
+) -> Any:
+  """Writes the trained adapter as a diffusers / PEFT LoRA file (`md_lora.save_peft`):
+  `<prefix>.<module>.lora_A.weight` / `.lora_B.weight` (the scale folded into lora_B, `lora_alpha = r`
+  in the header's `lora_adapter_metadata`), which `Pipeline.load_lora` and diffusers'
+  `load_lora_weights` read. `prefix`: `unet` (SD) or `transformer` (Flux, Wan)."""
+  import md_lora
+
+  md_lora.save_peft(lora_adapter(lora, params), path, convert_key, reference_names, prefix=prefix)
+  return path
+
+
+def lora_parameter_count(params: Any) -> int:
+  """The number of trainable LoRA values."""
+  return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
