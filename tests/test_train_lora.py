@@ -180,3 +180,32 @@ def test_lora_step_matches_peft(case):
     f"{case['name']}: loss err {abs(float(loss) - ref['loss']):.1e}, max grad err {worst:.1e} "
     f"(max grad {max(float(np.abs(ref[k]).max()) for k in ref if k.startswith('grad_a') or k.startswith('grad_b')):.2f})"
   )
+
+
+def test_export_is_the_file_diffusers_read(case, tmp_path):
+  """save_lora writes the file diffusers' load_lora_adapter was checked on (output 0.0 from peft's, see
+  tests/fixtures/train_lora_step/README.md), and md_lora reads it back into the same slots."""
+  name, lora, params = case["name"], case["lora"], case["factors"]["b"]
+  path = tmp_path / "pytorch_lora_weights.safetensors"
+  mdt.save_lora(
+    lora, params, path, convert_key=case["keymap"], reference_names=case["names"],
+    prefix=case["prefix"],
+  )  # fmt: skip
+  got = md_core.SafetensorsFile(path)
+  want = md_core.SafetensorsFile(fixture_path("train_lora_step") / "md_export" / EXPORTS[name])
+  assert sorted(got) == sorted(want)
+  assert all(k.startswith(case["prefix"] + ".") for k in got)
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+  # Read back: the slots md's run time fills equal the trained slots as the model sees them.
+  adapter = md_lora.load_lora(path, case["keymap"], case["model"])
+  slots = md_core.set_lora(nnx.state(case["model"]), md_lora.to_slots(adapter))
+  trained = {
+    p: v * np.float32(lora.scale) if p[-1] == "lora_b" else v for p, v in _flat(params).items()
+  }
+  loaded = {p: v for p, v in _flat(slots).items() if p[-1] in ("lora_a", "lora_b")}
+  assert sorted(loaded) == sorted(trained)
+  for p, v in trained.items():
+    np.testing.assert_array_equal(loaded[p], v, err_msg=str(p))
+  again = mdt.load_lora_factors(lora, params, adapter)
+  chex.assert_trees_all_close(_flat(again), _flat(params), atol=1e-7, rtol=0)

@@ -1,0 +1,67 @@
+"""Writes md's PEFT export of the train_lora_step fixtures' LoRAs, for the diffusers check.
+
+    uv run python tools/train_lora_export.py          # main workspace (JAX); then
+    bash tools/make_fixtures.sh train_lora_step       # diffusers loads these files and compares
+
+For the tiny SD 1.x UNet and Wan 2.1 transformer: md_train.add_lora with the fixture's settings (r 4,
+alpha 8, the default attention targets), the fixture's lora_A and non-zero lora_B in the slots
+(md_train.load_lora_factors), then md_train.save_lora into
+tests/fixtures/train_lora_step/md_export/{sd_unet_lora,wan_transformer_lora}.safetensors.
+tests/test_train_lora.py checks that md still writes exactly these files.
+"""
+
+import pathlib
+
+import numpy as np
+
+import md_core
+import md_lora
+import md_sd
+import md_train as mdt
+import md_wan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIX = ROOT / "tests" / "fixtures"
+RANK, ALPHA = 4, 8.0
+
+
+def export(name: str, out: pathlib.Path) -> pathlib.Path:
+  """md's export of fixture `name` (`sd` or `wan`) written to `out`."""
+  if name == "sd":
+    folder = FIX / "unet" / "sd1"
+    model = md_sd.load_unet(folder, subfolder=None, progress=False)
+    keymap, prefix = md_sd.unet_key_map(model.cfg), "unet"
+  else:
+    folder = FIX / "wan_transformer" / "t2v" / "transformer"
+    model = md_wan.load_transformer(folder, subfolder=None)
+    keymap, prefix = md_wan.convert_key, "transformer"
+  names = list(md_core.open_checkpoint(folder))
+  lora = mdt.add_lora(
+    model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA), convert_key=keymap, reference_names=names,
+    family=name,
+  )  # fmt: skip
+  _, params = mdt.split_lora(model)
+  with np.load(FIX / "train_lora_step" / f"{name}.npz") as ref:
+    tensors = {}
+    for k in ref.files:
+      if k.startswith("a/"):
+        tensors[f"{prefix}.{k[2:]}.lora_A.weight"] = ref[k]
+        tensors[f"{prefix}.{k[2:]}.lora_B.weight"] = ref["b/" + k[2:]]
+  adapter = md_lora.load_lora(tensors, keymap, model, config={"r": RANK, "lora_alpha": ALPHA})
+  params = mdt.load_lora_factors(lora, params, adapter)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  mdt.save_lora(lora, params, out, convert_key=keymap, reference_names=names, prefix=prefix)
+  return out
+
+
+def main() -> None:
+  for name, file in (
+    ("sd", "sd_unet_lora.safetensors"),
+    ("wan", "wan_transformer_lora.safetensors"),
+  ):
+    path = export(name, FIX / "train_lora_step" / "md_export" / file)
+    print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+  main()
