@@ -209,3 +209,110 @@ def test_export_is_the_file_diffusers_read(case, tmp_path):
     np.testing.assert_array_equal(loaded[p], v, err_msg=str(p))
   again = mdt.load_lora_factors(lora, params, adapter)
   chex.assert_trees_all_close(_flat(again), _flat(params), atol=1e-7, rtol=0)
+
+
+def _train_config(variant):
+  """The variant's recipe options of apps/configs/train.py (on one device)."""
+  import importlib.util
+
+  import ml_collections
+
+  path = md_core.testing.repo_root() / "apps" / "configs" / "train.py"
+  spec = importlib.util.spec_from_file_location("_train_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  _, options = module.VARIANTS[variant]
+  return ml_collections.ConfigDict(dict(seed=0, recipe_options=options))
+
+
+def test_sd15_lora_recipe_fits_and_exports_a_lora_the_pipeline_loads(tmp_path):
+  """`sd15-lora-tiny`: 3 steps train only the LoRA (the UNet's parameters stay the source file's), the
+  export is a PEFT file under `unet.`, and `Pipeline.load_lora` puts the trained delta in its slots."""
+  from md_train import recipes
+
+  config = _train_config("sd15-lora-tiny")
+  recipe = recipes.sd15_tiny(config)
+  start = _flat(recipe.state.params)
+  assert sorted({p[-1] for p in start}) == ["lora_a", "lora_b"]
+  assert all(float(np.abs(v).max()) == 0 for p, v in start.items() if p[-1] == "lora_b")
+  state = mdt.fit(recipe, steps=3)
+  trained = _flat(state.params)
+  assert max(float(np.abs(v).max()) for p, v in trained.items() if p[-1] == "lora_b") > 1e-3
+  file = recipe.export(state, tmp_path)
+  assert file == tmp_path / "unet" / "pytorch_lora_weights.safetensors"
+  keys = list(md_core.SafetensorsFile(file))
+  assert keys and all(k.startswith("unet.") and ".lora_" in k for k in keys)
+  assert any(".attn2.to_out.0.lora_B.weight" in k for k in keys)
+
+  model = pathlib.Path(md_core.testing.repo_root()) / "tests/fixtures/sd_pipeline/sd"
+  pipe = md_sd.load_pipeline(model)
+  pipe.load_lora(file, name="trained", max_rank=4, targets=("to_q", "to_k", "to_v", "to_out"))
+  slots = _flat(nnx.state(pipe.unet))
+  scale = np.float32(4.0 / 4)  # alpha / r of the variant
+  for p, v in trained.items():
+    want = v * scale if p[-1] == "lora_b" else v
+    np.testing.assert_allclose(slots[p], want, atol=1e-7, rtol=0, err_msg=str(p))
+  # The base stayed the source checkpoint's.
+  base = md_sd.load_unet(model / "unet", subfolder=None, progress=False)
+  for p, v in _flat(nnx.state(base, nnx.Param)).items():
+    np.testing.assert_array_equal(slots[p], v, err_msg=str(p))
+
+
+def test_lora_option_errors():
+  with pytest.raises(ValueError, match="lora option 'rnk' is unknown.*did you mean 'rank'"):
+    mdt.LoRAConfig.from_options({"rnk": 4})
+  with pytest.raises(ValueError, match="lora.rank=0 must be a positive int"):
+    mdt.LoRAConfig(rank=0)
+  with pytest.raises(ValueError, match="lora.init='xavier'"):
+    mdt.LoRAConfig(init="xavier")
+  unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
+  names = list(md_core.open_checkpoint(fixture_path("unet") / "sd1"))
+  keymap = md_sd.unet_key_map(unet.cfg)
+  with pytest.raises(ValueError, match="lora target 'to_qq' matches no module"):
+    mdt.add_lora(unet, mdt.LoRAConfig(targets="to_qq"), convert_key=keymap, reference_names=names)
+  with pytest.raises(ValueError, match="family=None has no default targets"):
+    mdt.add_lora(unet, mdt.LoRAConfig(), convert_key=keymap, reference_names=names)
+  with pytest.raises(ValueError, match="not the kernel of a Dense / Conv layer"):
+    mdt.add_lora(unet, mdt.LoRAConfig(targets="norm1"), convert_key=keymap, reference_names=names)
+  with pytest.raises(ValueError, match="has no LoRA slots; call add_lora first"):
+    mdt.split_lora(unet)
+  # md's layer paths work as targets too; a second add_lora is refused.
+  lora = mdt.add_lora(
+    unet, mdt.LoRAConfig(targets=("mid_block.attentions.0.proj_in",)), convert_key=keymap,
+    reference_names=names,
+  )  # fmt: skip
+  assert lora.modules == {
+    "mid_block.attentions.0.proj_in": ("mid_block.attentions.0.proj_in", None)
+  }
+  with pytest.raises(ValueError, match="has LoRA slots already"):
+    mdt.add_lora(unet, mdt.LoRAConfig(targets="to_q"), convert_key=keymap, reference_names=names)
+
+
+def test_wan_stack_subset_is_refused():
+  model, keymap, folder, _ = _model("wan")
+  names = list(md_core.open_checkpoint(folder))
+  with pytest.raises(
+    ValueError, match=r"select layers \[1\] of the scanned stack 'blocks.attn1.to_q'"
+  ):
+    mdt.add_lora(
+      model,
+      mdt.LoRAConfig(targets="blocks.1.attn1.to_q"),
+      convert_key=keymap,
+      reference_names=names,
+    )
+
+
+def test_kaiming_init_is_peft_s():
+  """lora_A ~ U(±1/√fan_in) (peft's kaiming_uniform_(a=√5)), per layer of a stack, from the seed."""
+  model, keymap, folder, _ = _model("wan")
+  names = list(md_core.open_checkpoint(folder))
+  mdt.add_lora(
+    model, mdt.LoRAConfig(rank=4, seed=3), convert_key=keymap, reference_names=names, family="wan"
+  )
+  _, params = mdt.split_lora(model)
+  flat = _flat(params)
+  a = flat[("blocks", "attn1", "to_q", "lora_a")]  # [layers, in, r]
+  bound = 1 / np.sqrt(a.shape[1])
+  assert np.abs(a).max() <= bound and np.abs(a).max() > 0.8 * bound
+  assert not np.array_equal(a[0], a[1])
+  np.testing.assert_allclose(a.var(), bound**2 / 3, rtol=0.3)

@@ -3,10 +3,13 @@
 uv run apps/train --config=apps/configs/train.py:wan21-tiny --workdir=/tmp/wan21-tiny
 uv run apps/train --config=apps/configs/train.py:sd15-tiny --workdir=/tmp/sd15 --config.steps=20
 uv run apps/train --config=apps/configs/train.py:flux1-tiny --workdir=/tmp/flux --config.recipe_options.batch_size=4
+uv run apps/train --config=apps/configs/train.py:sd15-lora-tiny --workdir=/tmp/sd15-lora --config.recipe_options.lora.rank=8
 uv run apps/train --help --config=apps/configs/train.py:wan21-tiny   # the variant's keys and values
 
 Variants: wan21-tiny, sd15-tiny, flux1-tiny: the tiny pipelines of tests/fixtures (Wan 2.1 T2V, SD 1.5,
-Flux.1 dev) trained on md_data's shapes clips / images (`md_train.recipes`). `recipe` is
+Flux.1 dev) trained on md_data's shapes clips / images (`md_train.recipes`); sd15-lora-tiny,
+wan21-lora-tiny, flux1-lora-tiny: the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
+targets, init, seed), exported as a PEFT file. `recipe` is
 "module.path:function"; the function takes this whole config and returns an `md_train.Recipe`, so any
 config file with `get_config(variant)` and these keys runs its own recipes through this app. Running the
 same command again resumes from `<workdir>/checkpoints` (the fingerprint of the recipe must match);
@@ -63,6 +66,18 @@ VARIANTS = {
     ),
   ),
 }
+# LoRA variants: only the adapter trains (diffusers' train_text_to_image_lora.py: r 4, alpha = r, the
+# attention projections; higher learning rate), exported as <workdir>/export/<component>/
+# pytorch_lora_weights.safetensors, which `pipe.load_lora` and diffusers' `load_lora_weights` read.
+_LORA = dict(rank=4, alpha=4.0, targets="to_k,to_q,to_v,to_out.0", init="kaiming", seed=0)
+_FLUX_TARGETS = (
+  "attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,"
+  "attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
+)  # train_dreambooth_lora_flux.py's defaults
+for _name, _targets in (("sd15", None), ("wan21", None), ("flux1", _FLUX_TARGETS)):
+  _recipe, _options = VARIANTS[f"{_name}-tiny"]
+  _lora = dict(_LORA, targets=_targets or _LORA["targets"])
+  VARIANTS[f"{_name}-lora-tiny"] = (_recipe, dict(_options, learning_rate=1e-2, lora=_lora))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

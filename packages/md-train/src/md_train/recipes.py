@@ -28,6 +28,7 @@ import md_data
 from md_train import families
 from md_train._eval import eval_loss
 from md_train._loop import Recipe, batch_sharding
+from md_train._lora import LoRA, LoRAConfig, add_lora, lora_loss, save_lora, split_lora
 from md_train._optim import make_optimizer
 from md_train._step import TrainState, init_state, make_train_step, split_trainable
 
@@ -290,6 +291,32 @@ def _evaluator(loss_fn, make_batches: Callable[[], list], *, key: str, scale: fl
   return evaluate
 
 
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name for a saved LoRA
+
+
+def _trainable(
+  config: Any, module: nnx.Module, *, family: str, source: pathlib.Path, key_map: Callable
+) -> tuple[Any, Any, LoRA | None]:
+  """(frozen part, trainable state, the LoRA or None): the whole module, or with a `lora` option
+  (`recipe_options.lora`: rank, alpha, targets, init, seed) only LoRA slots on the base."""
+  spec = _options(config).get("lora")
+  if not spec:
+    frozen, params = split_trainable(module)
+    return frozen, params, None
+  if not isinstance(spec, Mapping):
+    raise ValueError(
+      f"recipe_options.lora={spec!r} must be a mapping (rank, alpha, targets, init, seed)"
+    )
+  spec = {"seed": int(config.seed), **spec}
+  names = list(md_core.open_checkpoint(source))
+  lora = add_lora(
+    module, LoRAConfig.from_options(spec), convert_key=key_map, reference_names=names,
+    family=family,
+  )  # fmt: skip
+  frozen, params = split_lora(module)
+  return frozen, params, lora
+
+
 def _denoiser_recipe(
   name: str,
   config: Any,
@@ -307,22 +334,41 @@ def _denoiser_recipe(
   convert_key: Callable,
   eval_key: str,
   eval_scale: float,
+  lora: LoRA | None = None,
+  lora_key_map: Callable | None = None,
+  batches: Any = None,
 ) -> Recipe:
-  """The part every denoiser recipe shares: optimizer, state, shapes batches, held-out eval, export of
-  `component` in the diffusers layout, fingerprint."""
+  """The part every denoiser recipe shares: optimizer, state, shapes batches (unless `batches` are
+  given), held-out eval, export of `component` in the diffusers layout (with a `lora`: the adapter as
+  `<folder>/<component>/pytorch_lora_weights.safetensors`, PEFT names under `unet.` /
+  `transformer.`), fingerprint."""
   optimizer = _optimizer(opts)
+  if lora is not None:
+    loss_fn = lora_loss(loss_fn, lora)
   state = init_state(params, optimizer, rng=int(config.seed))
-  batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
+  if batches is None:
+    batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
   held_out = lambda: _eval_batches(opts, config, frames, pixels, captions)  # noqa: E731
   source = model / component
+
+  def export(s: TrainState, folder) -> pathlib.Path:
+    out = pathlib.Path(folder) / component
+    if lora is None:
+      return export_denoiser(frozen, s.params, source, out, convert_key)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(md_core.open_checkpoint(source))
+    prefix = "unet" if component == "unet" else "transformer"
+    return save_lora(
+      lora, s.params, out / LORA_FILE, convert_key=lora_key_map, reference_names=names,
+      prefix=prefix,
+    )  # fmt: skip
+
   return Recipe(
     state=state,
     step=make_train_step(loss_fn, optimizer),
     batches=batches,
     eval=_evaluator(loss_fn, held_out, key=eval_key, scale=eval_scale),
-    export=lambda s, folder: export_denoiser(
-      frozen, s.params, source, pathlib.Path(folder) / component, convert_key
-    ),
+    export=export,
     fingerprint=_fingerprint(name, model, opts, config),
   )
 
@@ -332,7 +378,7 @@ def wan21_tiny(config: Any) -> Recipe:
 
   `config.recipe_options`: `model` (the pipeline folder), `batch_size`, `size` (pixels), `frames`
   (4k + 1), `max_sequence_length`, `learning_rate`, `warmup_steps`, `max_grad_norm`, `weight_decay`,
-  `shift` (the sigma sampler's shift).
+  `shift` (the sigma sampler's shift), `lora` (train a LoRA only: see `_trainable`).
   """
   import md_wan
 
@@ -347,12 +393,15 @@ def wan21_tiny(config: Any) -> Recipe:
     lambda c: {"encoder_hidden_states": pipe.encode_prompt(c, max_sequence_length=length)}
   )
   pixels = _split_jit(pipe.vae, lambda vae, x: vae.normalize_latents(vae.encode(x * 2 - 1).mode()))
-  frozen, params = split_trainable(pipe.transformer)
+  key_map = pipe.lora_key_map("transformer")
+  frozen, params, lora = _trainable(
+    config, pipe.transformer, family="wan", source=model / "transformer", key_map=key_map
+  )
   loss_fn = families.wan_loss(frozen, shift=float(opts.get("shift", 5.0)))
   return _denoiser_recipe(
     "wan21-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
     captions=captions, sharding=sharding, frames=frames, component="transformer", convert_key=md_wan.convert_key,
-    eval_key="sigmas", eval_scale=1e-3,
+    eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map,
   )  # fmt: skip
 
 
@@ -366,7 +415,8 @@ def sd15_tiny(config: Any) -> Recipe:
   train_text_to_image.py loss (epsilon target; Min-SNR-γ when `snr_gamma` > 0).
 
   `config.recipe_options`: `model`, `batch_size`, `size`, `learning_rate`, `warmup_steps`,
-  `max_grad_norm`, `weight_decay`, `snr_gamma`.
+  `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora` (rank, alpha, targets, init, seed: only
+  the LoRA trains, as in train_text_to_image_lora.py; exported as a PEFT file).
   """
   import md_schedulers as mdsch
   import md_sd
@@ -382,7 +432,10 @@ def sd15_tiny(config: Any) -> Recipe:
   captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c)[0]})
   factor = float(pipe.vae.config.scaling_factor)
   pixels = _image_latents(pipe.vae, lambda m, z: z * factor)
-  frozen, params = split_trainable(pipe.unet)
+  key_map = pipe.lora_key_map("unet")
+  frozen, params, lora = _trainable(
+    config, pipe.unet, family="sd", source=model / "unet", key_map=key_map
+  )
   gamma = float(opts.get("snr_gamma", 0.0) or 0.0)
   prediction = sched.get("prediction_type", "epsilon")
   loss_fn = families.sd_loss(
@@ -391,7 +444,7 @@ def sd15_tiny(config: Any) -> Recipe:
   return _denoiser_recipe(
     "sd15-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
     captions=captions, sharding=sharding, frames=None, component="unet", convert_key=md_sd.convert_unet_key,
-    eval_key="timesteps", eval_scale=1.0,
+    eval_key="timesteps", eval_scale=1.0, lora=lora, lora_key_map=key_map,
   )  # fmt: skip
 
 
@@ -400,7 +453,8 @@ def flux1_tiny(config: Any) -> Recipe:
   train_dreambooth_flux.py loss (logit-normal sigmas, embedded guidance `guidance`).
 
   `config.recipe_options`: `model`, `batch_size`, `size`, `max_sequence_length`, `learning_rate`,
-  `warmup_steps`, `max_grad_norm`, `weight_decay`, `guidance`.
+  `warmup_steps`, `max_grad_norm`, `weight_decay`, `guidance`, `lora` (train_dreambooth_lora_flux.py's
+  default targets unless named).
   """
   import md_flux
 
@@ -419,7 +473,10 @@ def flux1_tiny(config: Any) -> Recipe:
   txt_ids = jnp.zeros((length, 3), jnp.float32)
   captions = lambda c: {**cache(c), "txt_ids": txt_ids}  # noqa: E731
   pixels = _image_latents(pipe.vae, lambda m, z: m.scale_latents(z))
-  frozen, params = split_trainable(pipe.transformer)
+  key_map = pipe.lora_key_map("transformer")
+  frozen, params, lora = _trainable(
+    config, pipe.transformer, family="flux", source=model / "transformer", key_map=key_map
+  )
   guided = bool(pipe.transformer.cfg.guidance_embeds)
   loss_fn = families.flux_loss(
     frozen, guidance=float(opts.get("guidance", 3.5)) if guided else None
@@ -427,5 +484,5 @@ def flux1_tiny(config: Any) -> Recipe:
   return _denoiser_recipe(
     "flux1-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
     captions=captions, sharding=sharding, frames=None, component="transformer", convert_key=md_flux.convert_key,
-    eval_key="sigmas", eval_scale=1e-3,
+    eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map,
   )  # fmt: skip
