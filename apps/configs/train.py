@@ -4,12 +4,14 @@ uv run apps/train --config=apps/configs/train.py:wan21-tiny --workdir=/tmp/wan21
 uv run apps/train --config=apps/configs/train.py:sd15-tiny --workdir=/tmp/sd15 --config.steps=20
 uv run apps/train --config=apps/configs/train.py:flux1-tiny --workdir=/tmp/flux --config.recipe_options.batch_size=4
 uv run apps/train --config=apps/configs/train.py:sd15-lora-tiny --workdir=/tmp/sd15-lora --config.recipe_options.lora.rank=8
+uv run apps/train --config=apps/configs/train.py:dreambooth-tiny --workdir=/tmp/db --config.recipe_options.class_dir=/tmp/db-class
 uv run apps/train --help --config=apps/configs/train.py:wan21-tiny   # the variant's keys and values
 
 Variants: wan21-tiny, sd15-tiny, flux1-tiny: the tiny pipelines of tests/fixtures (Wan 2.1 T2V, SD 1.5,
 Flux.1 dev) trained on md_data's shapes clips / images (`md_train.recipes`); sd15-lora-tiny,
 wan21-lora-tiny, flux1-lora-tiny: the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
-targets, init, seed), exported as a PEFT file. `recipe` is
+targets, init, seed), exported as a PEFT file; dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with
+prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`). `recipe` is
 "module.path:function"; the function takes this whole config and returns an `md_train.Recipe`, so any
 config file with `get_config(variant)` and these keys runs its own recipes through this app. Running the
 same command again resumes from `<workdir>/checkpoints` (the fingerprint of the recipe must match);
@@ -78,6 +80,35 @@ for _name, _targets in (("sd15", None), ("wan21", None), ("flux1", _FLUX_TARGETS
   _recipe, _options = VARIANTS[f"{_name}-tiny"]
   _lora = dict(_LORA, targets=_targets or _LORA["targets"])
   VARIANTS[f"{_name}-lora-tiny"] = (_recipe, dict(_options, learning_rate=1e-2, lora=_lora))
+
+# Dreambooth (train_dreambooth.py) on the tiny SD pipeline: three 32x32 instance images of a red disc,
+# prior preservation with 4 class images the pipeline generates into class_dir at the first run.
+VARIANTS["dreambooth-tiny"] = (
+  "md_train.recipes:dreambooth_sd",
+  dict(
+    model="tests/fixtures/sd_pipeline/sd",
+    instance_dir="tests/fixtures/train_dreambooth_step/instance",
+    instance_prompt="a photo of sks disc",
+    class_dir="runs/dreambooth-tiny/class_images",
+    class_prompt="a photo of a disc",
+    with_prior_preservation=True,
+    prior_loss_weight=1.0,
+    num_class_images=4,
+    class_steps=2,
+    class_guidance=7.5,
+    batch_size=1,
+    size=32,
+    learning_rate=5e-4,
+    warmup_steps=0,
+    max_grad_norm=1.0,
+    weight_decay=1e-2,
+    snr_gamma=0.0,
+  ),
+)
+VARIANTS["dreambooth-lora-tiny"] = (
+  "md_train.recipes:dreambooth_sd",
+  dict(VARIANTS["dreambooth-tiny"][1], learning_rate=1e-2, lora=dict(_LORA)),
+)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

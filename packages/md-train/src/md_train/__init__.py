@@ -5,6 +5,13 @@ The family losses (SD UNet, Flux.1, Wan 2.1) are in `md_train.families` and the 
 """
 
 from md_train._checkpoint import Checkpointer, CheckpointError, Restored
+from md_train._dreambooth import (
+  IMAGE_SUFFIXES,
+  DreamboothBatches,
+  class_images,
+  image_files,
+  load_images,
+)
 from md_train._eval import eval_loss
 from md_train._loop import CHECKPOINTS_DIR, Recipe, batch_sharding, fit
 from md_train._lora import (
@@ -68,6 +75,7 @@ __all__ = [
   "CHECKPOINTS_DIR",
   "DEFAULT_TARGETS",
   "FLOW_SAMPLERS",
+  "IMAGE_SUFFIXES",
   "LORA_INITS",
   "METRICS_FILE",
   "PREDICTION_TYPES",
@@ -75,6 +83,7 @@ __all__ = [
   "TENSORBOARD_DIR",
   "CheckpointError",
   "Checkpointer",
+  "DreamboothBatches",
   "EmaState",
   "FlowTable",
   "Frozen",
@@ -90,6 +99,7 @@ __all__ = [
   "TrainState",
   "add_lora",
   "batch_sharding",
+  "class_images",
   "compiled_flops",
   "diffusion_inputs",
   "diffusion_loss",
@@ -99,8 +109,10 @@ __all__ = [
   "fit",
   "flow_sigmas",
   "flow_training_table",
+  "image_files",
   "init_state",
   "learning_rate_schedule",
+  "load_images",
   "load_lora_factors",
   "lora_adapter",
   "lora_loss",

@@ -50,6 +50,7 @@ def sd_loss(
   prediction_type: str = "epsilon",
   snr_gamma: float | None = None,
   num_train_timesteps: int | None = None,
+  prior_loss_weight: float | None = None,
 ) -> LossFn:
   """The SD 1.x / 2.x / XL UNet loss of diffusers' train_text_to_image.py.
 
@@ -63,6 +64,10 @@ def sd_loss(
     prediction_type: `epsilon` or `v_prediction` (the target).
     snr_gamma: Min-SNR-γ weighting (None: the plain MSE).
     num_train_timesteps: the range timesteps are drawn from (default: the schedule's length).
+    prior_loss_weight: Dreambooth's prior preservation (train_dreambooth.py): the batch's first half
+      holds the instance examples, its second half the class examples; the loss is the instance
+      half's (Min-SNR-weighted when `snr_gamma`) plus `prior_loss_weight` times the class half's plain
+      MSE, reported in aux as `instance_loss` and `prior_loss`. None: one loss over the batch.
   """
   if prediction_type not in ("epsilon", "v_prediction"):
     raise ValueError(f"prediction_type={prediction_type!r}; expected 'epsilon' or 'v_prediction'")
@@ -82,7 +87,19 @@ def sd_loss(
     weights = None
     if snr_gamma is not None:
       weights = min_snr_weights(acp, t, snr_gamma, prediction_type)
-    return diffusion_loss(pred, target, weights), {}
+    if prior_loss_weight is None:
+      return diffusion_loss(pred, target, weights), {}
+    b = latents.shape[0]
+    if b % 2:
+      raise ValueError(
+        f"prior_loss_weight={prior_loss_weight}: the batch of {b} must be instance + class halves "
+        "(an even size)"
+      )
+    h = b // 2
+    instance = diffusion_loss(pred[:h], target[:h], None if weights is None else weights[:h])
+    prior = diffusion_loss(pred[h:], target[h:])
+    loss = instance + jnp.float32(prior_loss_weight) * prior
+    return loss, {"instance_loss": instance, "prior_loss": prior}
 
   return loss_fn
 

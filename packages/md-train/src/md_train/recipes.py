@@ -25,7 +25,7 @@ from flax import nnx
 
 import md_core
 import md_data
-from md_train import families
+from md_train import _dreambooth, families
 from md_train._eval import eval_loss
 from md_train._loop import Recipe, batch_sharding
 from md_train._lora import LoRA, LoRAConfig, add_lora, lora_loss, save_lora, split_lora
@@ -337,6 +337,7 @@ def _denoiser_recipe(
   lora: LoRA | None = None,
   lora_key_map: Callable | None = None,
   batches: Any = None,
+  evaluate: bool = True,
 ) -> Recipe:
   """The part every denoiser recipe shares: optimizer, state, shapes batches (unless `batches` are
   given), held-out eval, export of `component` in the diffusers layout (with a `lora`: the adapter as
@@ -367,7 +368,7 @@ def _denoiser_recipe(
     state=state,
     step=make_train_step(loss_fn, optimizer),
     batches=batches,
-    eval=_evaluator(loss_fn, held_out, key=eval_key, scale=eval_scale),
+    eval=_evaluator(loss_fn, held_out, key=eval_key, scale=eval_scale) if evaluate else None,
     export=export,
     fingerprint=_fingerprint(name, model, opts, config),
   )
@@ -486,3 +487,96 @@ def flux1_tiny(config: Any) -> Recipe:
     captions=captions, sharding=sharding, frames=None, component="transformer", convert_key=md_flux.convert_key,
     eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map,
   )  # fmt: skip
+
+
+def dreambooth_sd(config: Any) -> Recipe:
+  """Dreambooth for the SD 1.x UNet (default: the tiny tests/fixtures/sd_pipeline/sd), diffusers'
+  train_dreambooth.py: the instance images of `instance_dir` with `instance_prompt`; with
+  `with_prior_preservation`, `num_class_images` images of `class_prompt` in `class_dir` (the missing
+  ones generated first by md's SD pipeline, `class_steps` steps at guidance `class_guidance`) fill the
+  second half of every batch, and the loss adds `prior_loss_weight` times their MSE. Images are
+  center-cropped and resized to `size`, encoded once (posterior mean, scaled); the prompts are encoded
+  once. With a `lora` option only a LoRA trains (train_dreambooth_lora.py), exported as a PEFT file.
+
+  `config.recipe_options`: `model`, `instance_dir`, `instance_prompt`, `class_dir`, `class_prompt`,
+  `with_prior_preservation`, `prior_loss_weight`, `num_class_images`, `class_steps`,
+  `class_guidance`, `batch_size` (examples per half), `size`, `learning_rate`, `warmup_steps`,
+  `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora`.
+
+  Raises:
+    FileNotFoundError / ValueError: a missing, empty or unreadable instance folder (named), a
+      `class_dir` that is a file, missing prompts.
+  """
+  import md_schedulers as mdsch
+  import md_sd
+
+  opts = _options(config)
+  for key in ("instance_dir", "instance_prompt"):
+    if not opts.get(key):
+      raise ValueError(f"recipe_options.{key} is required for dreambooth_sd")
+  prior = bool(opts.get("with_prior_preservation", True))
+  if prior and not (opts.get("class_dir") and opts.get("class_prompt")):
+    raise ValueError(
+      "with_prior_preservation needs recipe_options.class_dir and recipe_options.class_prompt"
+    )
+  size = int(opts.get("size", 32))
+  instance_files = _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
+  instance_pixels = _dreambooth.load_images(instance_files, size, what="instance_dir")
+  model = _fixture(config, _SD)
+  mesh = _mesh(config)
+  batch = int(opts["batch_size"])
+  sharding = batch_sharding(mesh, 2 * batch if prior else batch)
+  pipe = md_sd.load_pipeline(model, mesh=mesh)
+  class_pixels = None
+  if prior:
+
+    def generate(prompts, seed):
+      return pipe(
+        prompts, height=size, width=size, num_inference_steps=int(opts.get("class_steps", 25)),
+        guidance_scale=float(opts.get("class_guidance", 7.5)), seed=seed, progress=False,
+      )  # fmt: skip
+
+    class_files = _dreambooth.class_images(
+      generate, _path(opts["class_dir"]), opts["class_prompt"],
+      int(opts.get("num_class_images", 100)), seed=int(config.seed),
+    )  # fmt: skip
+    class_pixels = _dreambooth.load_images(class_files, size, what="class_dir")
+  sched = pipe.scheduler_config
+  keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
+  acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
+  factor = float(pipe.vae.config.scaling_factor)
+  pixels = _image_latents(pipe.vae, lambda m, z: z * factor)
+  encode = lambda x: np.concatenate([np.asarray(pixels(x[i : i + 8])) for i in range(0, len(x), 8)])  # noqa: E731
+  states = lambda p: {"encoder_hidden_states": np.asarray(pipe.encode_prompt([p])[0][0])}  # noqa: E731
+  batches = _dreambooth.DreamboothBatches(
+    encode(instance_pixels), None if class_pixels is None else encode(class_pixels),
+    states(opts["instance_prompt"]), states(opts["class_prompt"]) if prior else None,
+    batch_size=batch, seed=int(config.seed), sharding=sharding,
+  )  # fmt: skip
+  key_map = pipe.lora_key_map("unet")
+  frozen, params, lora = _trainable(
+    config, pipe.unet, family="sd", source=model / "unet", key_map=key_map
+  )
+  gamma = float(opts.get("snr_gamma", 0.0) or 0.0)
+  loss_fn = families.sd_loss(
+    frozen, alphas_cumprod=acp, prediction_type=sched.get("prediction_type", "epsilon"),
+    snr_gamma=gamma or None,
+    prior_loss_weight=float(opts.get("prior_loss_weight", 1.0)) if prior else None,
+  )  # fmt: skip
+  return _denoiser_recipe(
+    "dreambooth-sd", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn,
+    pixels=pixels, captions=None, sharding=sharding, frames=None, component="unet",
+    convert_key=md_sd.convert_unet_key, eval_key="timesteps", eval_scale=1.0, lora=lora,
+    lora_key_map=key_map, batches=batches, evaluate=False,
+  )  # fmt: skip
+
+
+def _path(value: str) -> pathlib.Path:
+  """A folder option: as given (relative to the working directory), else under the repository root
+  when only that exists (the tiny variants' fixture folders)."""
+  path = pathlib.Path(value).expanduser()
+  if not path.is_absolute() and not path.exists():
+    root = pathlib.Path(__file__).resolve().parents[4] / value
+    if root.exists():
+      return root
+  return path

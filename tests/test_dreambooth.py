@@ -1,0 +1,184 @@
+"""Dreambooth (md_train.recipes.dreambooth_sd, md_train._dreambooth, `sd_loss(prior_loss_weight=)`):
+one prior-preservation step of the tiny SD 1.x UNet against diffusers' train_dreambooth.py loss by torch
+autograd (tools/fixtures/train_dreambooth_step.py: loss within 1e-5, gradients within 1e-4), the
+instance / class folders and their errors, class-image generation, the batches' halves and resume, and a
+2-step run of the `dreambooth-lora-tiny` recipe that generates its class images with md's pipeline."""
+
+import importlib.util
+
+import chex
+import jax
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import md_core
+import md_schedulers as mdsch
+import md_sd
+import md_train as mdt
+import md_train.families as mtf
+from md_core.testing import fixture_path, load_arrays, repo_root
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+SCHED = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+
+
+def _nhwc(x):
+  return np.asarray(x).transpose(0, 2, 3, 1)
+
+
+def test_prior_preservation_step_matches_torch():
+  ref = load_arrays(fixture_path("train_dreambooth_step") / "sd.npz")
+  unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
+  frozen, params = mdt.split_trainable(unet)
+  weight = float(ref["prior_loss_weight"])
+  loss_fn = mtf.sd_loss(
+    frozen, alphas_cumprod=mdsch.ddpm(**SCHED).alphas_cumprod, prior_loss_weight=weight
+  )
+  batch = {
+    "latents": _nhwc(ref["latents"]),
+    "noise": _nhwc(ref["noise"]),
+    "timesteps": ref["timesteps"],
+    "encoder_hidden_states": ref["encoder_hidden_states"],
+  }
+  (loss, aux), grads = mdt.loss_and_grads(loss_fn, params, batch)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(aux["instance_loss"]), ref["instance_loss"], atol=LOSS_TOL)
+  np.testing.assert_allclose(float(aux["prior_loss"]), ref["prior_loss"], atol=LOSS_TOL)
+  assert abs(float(ref["loss"]) - float(ref["instance_loss"] + ref["prior_loss"])) > 0.1  # weighted
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+  keymap = md_sd.unet_key_map(unet.cfg)
+  worst = 0.0
+  names = [k for k in ref if k.startswith("grad/")]
+  assert len(names) >= 8
+  for key in names:
+    target = keymap(key[len("grad/") :])
+    got = flat[target.path] if target.layer is None else flat[target.path][target.layer]
+    want = md_core.convert(ref[key], target)
+    assert np.abs(want).max() > 0, key
+    chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
+    worst = max(worst, float(np.abs(got - want).max()))
+  print(
+    f"dreambooth: loss err {abs(float(loss) - float(ref['loss'])):.1e}, max grad err {worst:.1e}"
+  )
+
+
+def test_odd_batch_with_prior_preservation_is_refused():
+  unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
+  frozen, params = mdt.split_trainable(unet)
+  loss_fn = mtf.sd_loss(
+    frozen, alphas_cumprod=mdsch.ddpm(**SCHED).alphas_cumprod, prior_loss_weight=1.0
+  )
+  batch = {
+    "latents": np.zeros((3, 8, 8, 4), np.float32),
+    "encoder_hidden_states": np.zeros((3, 6, 16), np.float32),
+  }
+  with pytest.raises(ValueError, match="the batch of 3 must be instance \\+ class halves"):
+    jax.eval_shape(lambda p: loss_fn(p, batch, jax.random.key(0)), params)
+
+
+def test_instance_folder_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="instance_dir='.*nowhere'.*is not a folder"):
+    mdt.image_files(tmp_path / "nowhere")
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "empty" / "notes.txt").write_text("no images here")
+  with pytest.raises(ValueError, match="instance_dir='.*empty'.*holds no image"):
+    mdt.image_files(tmp_path / "empty")
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "broken.png").write_bytes(b"not a png")
+  files = mdt.image_files(bad)
+  with pytest.raises(ValueError, match="instance_dir: cannot read image .*broken.png"):
+    mdt.load_images(files, 32)
+
+
+def test_load_images_crops_and_resizes():
+  files = mdt.image_files(fixture_path("train_dreambooth_step") / "instance")
+  assert len(files) == 3
+  pixels = mdt.load_images(files, 16)
+  chex.assert_shape(pixels, (3, 16, 16, 3))
+  assert 0 <= pixels.min() and pixels.max() <= 1
+  assert pixels[0, 8, 7, 0] > 0.8 and pixels[0, 8, 7, 1] < 0.2  # the red disc
+
+
+def test_class_images_fill_the_folder(tmp_path):
+  """Only the missing class images are generated (batches of `batch_size`, seed per batch)."""
+  from md_core import media
+
+  folder = tmp_path / "class"
+  media.save_image(folder / "mine.png", np.zeros((8, 8, 3), np.float32))
+  calls = []
+
+  def generate(prompts, seed):
+    calls.append((list(prompts), seed))
+    return np.full((len(prompts), 8, 8, 3), 0.5, np.float32)
+
+  files = mdt.class_images(generate, folder, "a disc", 4, batch_size=2, seed=7)
+  assert calls == [(["a disc"] * 2, 7), (["a disc"], 8)]
+  assert len(files) == 4 and files[-1].name == "mine.png"
+  again = mdt.class_images(generate, folder, "a disc", 3)
+  assert len(calls) == 2 and len(again) == 3
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(FileNotFoundError, match="class_dir=.* is a file"):
+    mdt.class_images(generate, tmp_path / "file", "a disc", 1)
+
+
+def test_batches_halves_and_resume():
+  inst = np.arange(3, dtype=np.float32)[:, None, None, None] * np.ones((3, 2, 2, 1), np.float32)
+  klass = 10 + np.arange(5, dtype=np.float32)[:, None, None, None] * np.ones((5, 2, 2, 1))
+  states = {"encoder_hidden_states": np.ones((4, 2), np.float32)}
+  cls_states = {"encoder_hidden_states": np.full((4, 2), 2.0, np.float32)}
+  it = mdt.DreamboothBatches(inst, klass, states, cls_states, batch_size=2, seed=1)
+  batches = [next(it) for _ in range(3)]
+  for b in batches:
+    chex.assert_shape(b["latents"], (4, 2, 2, 1))
+    ids = np.asarray(b["latents"][:, 0, 0, 0])
+    assert np.all(ids[:2] < 10) and np.all(ids[2:] >= 10)  # instance rows first
+    np.testing.assert_array_equal(b["encoder_hidden_states"][:, 0, 0], [1, 1, 2, 2])
+  seen = sorted(float(x) for b in batches[:2] for x in b["latents"][:2, 0, 0, 0])[:3]
+  assert seen == [0, 1, 2]  # every instance image once in the first pass
+  it2 = mdt.DreamboothBatches(inst, klass, states, cls_states, batch_size=2, seed=1)
+  it2.restore(mdt.DreamboothBatches(inst, klass, states, cls_states, batch_size=2, seed=1).state())
+  it2.restore({"step": 2})
+  np.testing.assert_array_equal(next(it2)["latents"], batches[2]["latents"])
+
+
+def _variant(name, **overrides):
+  path = repo_root() / "apps" / "configs" / "train.py"
+  spec = importlib.util.spec_from_file_location("_train_config_db", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  options = dict(module.VARIANTS[name][1], **overrides)
+  return ml_collections.ConfigDict(dict(seed=0, recipe_options=options))
+
+
+def test_dreambooth_lora_recipe_generates_class_images_and_trains(tmp_path):
+  from md_train import recipes
+
+  config = _variant(
+    "dreambooth-lora-tiny", class_dir=str(tmp_path / "class"), num_class_images=2, class_steps=1
+  )
+  recipe = recipes.dreambooth_sd(config)
+  assert len(mdt.image_files(tmp_path / "class", what="class_dir")) == 2
+  batch = next(iter(recipe.batches))
+  chex.assert_shape(batch["latents"], (2, 4, 4, 4))  # 1 instance + 1 class, 32 px
+  recipe.batches.restore({"step": 0})
+  state = mdt.fit(recipe, steps=2)
+  assert int(state.step) == 2
+  file = recipe.export(state, tmp_path / "export")
+  assert file.name == "pytorch_lora_weights.safetensors"
+  assert all(k.startswith("unet.") for k in md_core.SafetensorsFile(file))
+
+
+def test_dreambooth_recipe_option_errors(tmp_path):
+  from md_train import recipes
+
+  with pytest.raises(FileNotFoundError, match="instance_dir='.*missing'"):
+    recipes.dreambooth_sd(_variant("dreambooth-tiny", instance_dir=str(tmp_path / "missing")))
+  with pytest.raises(ValueError, match="with_prior_preservation needs recipe_options.class_dir"):
+    recipes.dreambooth_sd(_variant("dreambooth-tiny", class_dir=""))
+  with pytest.raises(ValueError, match="recipe_options.instance_prompt is required"):
+    recipes.dreambooth_sd(_variant("dreambooth-tiny", instance_prompt=""))
