@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import md_core
+import md_flux
 import md_lora
 import md_schedulers as mdsch
 import md_sd
@@ -27,7 +28,11 @@ from md_core.testing import fixture_path, load_arrays
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 RANK, ALPHA = 4, 8.0
 SCHED = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
-EXPORTS = {"sd": "sd_unet_lora.safetensors", "wan": "wan_transformer_lora.safetensors"}
+EXPORTS = {
+  "sd": "sd_unet_lora.safetensors",
+  "wan": "wan_transformer_lora.safetensors",
+  "flux": "flux_transformer_lora.safetensors",
+}
 
 
 def _ref(name):
@@ -59,6 +64,9 @@ def _model(name):
     folder = fixture_path("unet") / "sd1"
     model = md_sd.load_unet(folder, subfolder=None, progress=False)
     return model, md_sd.unet_key_map(model.cfg), folder, "unet"
+  if name == "flux":
+    folder = fixture_path("flux_transformer") / "dev"
+    return md_flux.load_flux(folder), md_flux.convert_key, folder, "transformer"
   folder = fixture_path("wan_transformer") / "t2v" / "transformer"
   model = md_wan.load_transformer(folder, subfolder=None)
   return model, md_wan.convert_key, folder, "transformer"
@@ -67,6 +75,8 @@ def _model(name):
 def _loss(name, frozen):
   if name == "sd":
     return mtf.sd_loss(frozen, alphas_cumprod=mdsch.ddpm(**SCHED).alphas_cumprod)
+  if name == "flux":
+    return mtf.flux_loss(frozen, guidance=3.5)
   return mtf.wan_loss(frozen)
 
 
@@ -78,6 +88,14 @@ def _batch(name, ref):
       "timesteps": jnp.asarray(ref["timesteps"]),
       "encoder_hidden_states": jnp.asarray(ref["encoder_hidden_states"]),
     }
+  if name == "flux":
+    assert np.all(ref["guidance"] == 3.5)
+    keys = ("sigmas", "encoder_hidden_states", "pooled_projections", "txt_ids")
+    return {
+      **{k: jnp.asarray(ref[k]) for k in keys},
+      "latents": _nhwc(ref["latents"]),
+      "noise": _nhwc(ref["noise"]),
+    }
   return {
     "latents": _bfhwc(ref["latents"]),
     "noise": _bfhwc(ref["noise"]),
@@ -86,7 +104,7 @@ def _batch(name, ref):
   }
 
 
-@pytest.fixture(scope="module", params=["sd", "wan"])
+@pytest.fixture(scope="module", params=["sd", "wan", "flux"])
 def case(request):
   """One family: the model with md's LoRA, the fixture's factors in its slots (lora_B zero and
   moved), both steps' (loss, grads) from one compiled program."""

@@ -3,10 +3,10 @@
     uv run python tools/train_lora_export.py          # main workspace (JAX); then
     bash tools/make_fixtures.sh train_lora_step       # diffusers loads these files and compares
 
-For the tiny SD 1.x UNet and Wan 2.1 transformer: md_train.add_lora with the fixture's settings (r 4,
+For the tiny SD 1.x UNet, Wan 2.1 and Flux.1 dev transformers: md_train.add_lora with the fixture's settings (r 4,
 alpha 8, the default attention targets), the fixture's lora_A and non-zero lora_B in the slots
 (md_train.load_lora_factors), then md_train.save_lora into
-tests/fixtures/train_lora_step/md_export/{sd_unet_lora,wan_transformer_lora}.safetensors.
+tests/fixtures/train_lora_step/md_export/{sd_unet,wan_transformer,flux_transformer}_lora.safetensors.
 tests/test_train_lora.py checks that md still writes exactly these files.
 """
 
@@ -15,6 +15,7 @@ import pathlib
 import numpy as np
 
 import md_core
+import md_flux
 import md_lora
 import md_sd
 import md_train as mdt
@@ -31,6 +32,10 @@ def export(name: str, out: pathlib.Path) -> pathlib.Path:
     folder = FIX / "unet" / "sd1"
     model = md_sd.load_unet(folder, subfolder=None, progress=False)
     keymap, prefix = md_sd.unet_key_map(model.cfg), "unet"
+  elif name == "flux":
+    folder = FIX / "flux_transformer" / "dev"
+    model = md_flux.load_flux(folder)
+    keymap, prefix = md_flux.convert_key, "transformer"
   else:
     folder = FIX / "wan_transformer" / "t2v" / "transformer"
     model = md_wan.load_transformer(folder, subfolder=None)
@@ -58,6 +63,7 @@ def main() -> None:
   for name, file in (
     ("sd", "sd_unet_lora.safetensors"),
     ("wan", "wan_transformer_lora.safetensors"),
+    ("flux", "flux_transformer_lora.safetensors"),
   ):
     path = export(name, FIX / "train_lora_step" / "md_export" / file)
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
