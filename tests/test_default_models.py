@@ -63,6 +63,20 @@ def test_crop_larger_than_clip_is_refused():
   assert video.min() >= -1.0 and video.max() <= 1.0
 
 
+def test_crops_hold_the_shape_and_masks_mark_it():
+  data = md_data.ShapesConfig(size=64, frames=5)
+  full_video, _, full_mask = next(sm.shapes_videos(data, seed=3, batch_size=16, masks=True))
+  video, _, mask = next(sm.shapes_videos(data, seed=3, batch_size=16, crop=32, masks=True))
+  assert mask.shape == (16, 5, 32, 32, 1) and full_mask.shape == (16, 5, 64, 64, 1)
+  # Every window shows part of its shape in the middle frame (a uniform crop misses it about half the time).
+  assert (mask[:, 2].reshape(16, -1).sum(1) > 0).all()
+  # The mask is exactly the pixels that differ from the background colour.
+  pixels = 0.5 * (full_video + 1.0)
+  corner = pixels[:, :, :1, :1, :]  # the shapes never touch the frame's corner
+  differs = np.abs(pixels - corner).sum(-1, keepdims=True) > 0.05
+  np.testing.assert_array_equal(full_mask, differs.astype(np.float32))
+
+
 def test_wan_default_variant_is_the_shipped_model():
   sys.path.insert(0, str(ROOT / "apps" / "configs"))
   try:
@@ -85,3 +99,30 @@ def test_quality_prompts_hold_out_the_unseen_pairs():
   for text in prompts["train"]:
     c = md_data.parse_caption(text)
     assert (c.colour, c.shape) not in md_data.HELD_OUT and c.direction is not None
+
+
+def test_vae_loss_weighs_the_foreground():
+  # A stand-in VAE (a fixed pixel map as the decoder) keeps this a test of the loss's arithmetic.
+  import types
+
+  class Toy:
+    def encode(self, video):
+      return types.SimpleNamespace(mean=video[..., :1], logvar=0 * video[..., :1])
+
+    def _decode_video(self, z, finish):
+      return 0.5 * np.tanh(np.broadcast_to(z, z.shape[:-1] + (3,)) + 0.3)
+
+  frozen = types.SimpleNamespace(merge=lambda params: Toy())
+  video, _, mask = next(
+    sm.shapes_videos(md_data.ShapesConfig(size=32, frames=5), seed=0, batch_size=2, masks=True)
+  )
+  batch = {"video": video, "mask": mask}
+  l1_plain = sm.wan_vae_loss(frozen)(None, batch, None)[1]["l1"]
+  weighted = sm.wan_vae_loss(frozen, foreground_weight=3.0)
+  l1_no_mask = weighted(None, dict(batch, mask=0 * mask), None)[1]["l1"]
+  l1_weighted = weighted(None, batch, None)[1]["l1"]
+  recon = Toy()._decode_video(video[..., :1], True)
+  np.testing.assert_allclose(l1_no_mask, l1_plain, rtol=1e-6)
+  w = 1.0 + 3.0 * mask
+  np.testing.assert_allclose(l1_weighted, np.mean(w / w.mean() * np.abs(recon - video)), rtol=1e-5)
+  assert abs(l1_weighted - l1_plain) > 1e-3

@@ -17,7 +17,7 @@ from md_core import apps as md_apps
 VARIANTS = {
   "wan-vae": (
     "md_train.shapes_models:wan_vae_recipe",
-    dict(steps=60, checkpoint_every=30),
+    dict(steps=1200, checkpoint_every=200, log_every=25),
     dict(
       template="runs/shapes-wan-template",
       size=64,
@@ -28,12 +28,13 @@ VARIANTS = {
       learning_rate=2e-3,
       warmup_steps=10,
       kl_weight=1e-4,
+      foreground_weight=4.0,
       stats_count=64,
     ),
   ),
   "wan": (
     "md_train.shapes_models:wan_recipe",
-    dict(steps=1000, checkpoint_every=250),
+    dict(steps=1000, checkpoint_every=250, log_every=10),
     dict(
       base="runs/shapes-wan-vae/export",
       size=64,
@@ -45,6 +46,35 @@ VARIANTS = {
       shift=3.0,
       drop_caption=0.1,
       max_sequence_length=16,
+    ),
+  ),
+  # md's default image model (models/shapes-sd): a tiny SD 1.5 pipeline, recipes in md_train.shapes_sd.
+  "sd-vae": (
+    "md_train.shapes_sd:sd_vae_recipe",
+    dict(steps=500, checkpoint_every=250, log_every=10),
+    dict(
+      template="runs/shapes-sd-template",
+      size=64,
+      crop=32,
+      batch_size=16,
+      learning_rate=2e-3,
+      warmup_steps=20,
+      kl_weight=1e-6,
+      stats_count=256,
+    ),
+  ),
+  "sd": (
+    "md_train.shapes_sd:sd_recipe",
+    dict(steps=1200, checkpoint_every=400, log_every=10),
+    dict(
+      base="runs/shapes-sd-vae/export",
+      size=64,
+      num_images=2048,
+      batch_size=16,
+      learning_rate=1.5e-3,
+      warmup_steps=30,
+      drop_caption=0.1,
+      snr_gamma=0.0,
     ),
   ),
 }
@@ -64,7 +94,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       checkpoint_every=run["checkpoint_every"],
       keep=2,
       eval_every=0,
-      log_every=10,
+      log_every=run.get("log_every", 10),
       export=True,
       peak_flops=ml_collections.config_dict.placeholder(float),
       recipe_options=ml_collections.ConfigDict(options),

@@ -48,32 +48,54 @@ def shapes_videos(
   batch_size: int,
   start: int = 0,
   crop: int | None = None,
-) -> Iterator[tuple[np.ndarray, list[str]]]:
+  masks: bool = False,
+) -> Iterator[tuple[np.ndarray, ...]]:
   """Batches `(video [B, F, H, W, 3] in [-1, 1], captions)` of the shapes dataset (endless).
 
-  `crop`: cut one random `crop x crop` window per clip (drawn from `seed` and the batch's position), so a
-  convolutional model trains on full-scale pieces at a fraction of the cost.
+  `crop`: cut one `crop x crop` window per clip, placed at random (drawn from `seed` and the batch's
+  position) among the windows that hold the shape's centre in the middle frame, so a convolutional model
+  trains on full-scale pieces, each with a shape in it, at a fraction of the cost. `masks`: also yield the
+  foreground masks `[B, F, H, W, 1]` (1 where a pixel differs from the clip's background colour).
   """
   it = md_data.ShapesIterator(config, seed=seed, batch_size=batch_size, start=start)
   for b, batch in enumerate(it):
     video = (2.0 * batch.pixels - 1.0).astype(np.float32)
+    backgrounds = np.asarray([md_data.BACKGROUNDS[x.background] for x in batch.labels], np.float32)
+    shape = (len(backgrounds),) + (1,) * (batch.pixels.ndim - 2) + (3,)
+    fg = np.abs(batch.pixels - backgrounds.reshape(shape)).sum(-1, keepdims=True) > 0.05
+    fg = fg.astype(np.float32)
     if crop is not None:
       if crop > config.size:
         raise ValueError(f"crop={crop} is larger than the clips' size {config.size}")
       rng = np.random.default_rng([seed, start, b])
-      corners = rng.integers(0, config.size - crop + 1, size=(batch_size, 2))
+      corners = []
+      for m in fg:
+        mid = m[m.shape[0] // 2, ..., 0] if m.ndim == 4 else m[..., 0]
+        ys, xs = np.nonzero(mid)
+        centre = (ys.mean(), xs.mean()) if len(ys) else (config.size / 2, config.size / 2)
+        corner = []
+        for c in centre:
+          lo = int(np.clip(np.ceil(c - crop + 1), 0, config.size - crop))
+          hi = int(np.clip(np.floor(c), lo, config.size - crop))
+          corner.append(int(rng.integers(lo, hi + 1)))
+        corners.append(corner)
       video = np.stack([v[..., y : y + crop, x : x + crop, :] for v, (y, x) in zip(video, corners)])
-    yield video, batch.captions
+      fg = np.stack([m[..., y : y + crop, x : x + crop, :] for m, (y, x) in zip(fg, corners)])
+    yield (video, batch.captions, fg) if masks else (video, batch.captions)
 
 
 # --- the VAE loss ------------------------------------------------------------------------------------------
 
 
-def wan_vae_loss(vae: Frozen, *, kl_weight: float = 1e-4, mse_weight: float = 1.0) -> LossFn:
+def wan_vae_loss(
+  vae: Frozen, *, kl_weight: float = 1e-4, mse_weight: float = 1.0, foreground_weight: float = 0.0
+) -> LossFn:
   """Reconstruction loss of the Wan VAE: `|x - x̂| + mse_weight (x - x̂)² + kl_weight KL(q(z|x) || N(0, 1))`.
 
-  Batch: `video [B, F, H, W, 3]` in [-1, 1] (F = 1 + 4k; a VAE without patchify). The decoder sees the
-  encoder's mean. Means are over pixels (the KL over latent elements).
+  Batch: `video [B, F, H, W, 3]` in [-1, 1] (F = 1 + 4k; a VAE without patchify) and, with
+  `foreground_weight > 0`, `mask [B, F, H, W, 1]` (the shapes' pixels): those pixels weigh
+  `1 + foreground_weight` in the reconstruction terms, so the small shapes are not drowned by their flat
+  backgrounds. The decoder sees the encoder's mean. Means are over pixels (the KL over latent elements).
   """
 
   def loss_fn(params, batch, key):
@@ -86,8 +108,12 @@ def wan_vae_loss(vae: Frozen, *, kl_weight: float = 1e-4, mse_weight: float = 1.
     # latents under unit noise and the decoder would learn nothing but the average colour; the KL term
     # still keeps the means near N(0, 1). (`key` is unused.)
     recon = model._decode_video(dist.mean, finish=False)
-    l1 = jnp.mean(jnp.abs(recon - video))
-    mse = jnp.mean(jnp.square(recon - video))
+    weight = 1.0
+    if foreground_weight:
+      weight = 1.0 + foreground_weight * batch["mask"]
+      weight = weight / jnp.mean(weight)
+    l1 = jnp.mean(weight * jnp.abs(recon - video))
+    mse = jnp.mean(weight * jnp.square(recon - video))
     kl = 0.5 * jnp.mean(jnp.square(dist.mean) + jnp.exp(dist.logvar) - 1.0 - dist.logvar)
     return l1 + mse_weight * mse + kl_weight * kl, {"l1": l1, "mse": mse, "kl": kl}
 
@@ -186,7 +212,8 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
 
   `recipe_options`: `template` (the starting pipeline folder), `size`, `frames` (of the exported latent
   statistics' clips), `train_frames` and `crop` (the training clips: frames and a random square window),
-  `batch_size`, `learning_rate`, `warmup_steps`, `kl_weight`, `stats_count` (clips for the latent
+  `batch_size`, `learning_rate`, `warmup_steps`, `kl_weight`, `foreground_weight` (extra weight of the
+  shapes' pixels), `stats_count` (clips for the latent
   statistics).
   """
   config = _options(app_config)
@@ -194,13 +221,15 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   frozen, params = split_trainable(vae)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
-  step = make_train_step(wan_vae_loss(frozen, kl_weight=config.kl_weight), optimizer)
+  foreground = float(config.get("foreground_weight", 0.0))
+  loss = wan_vae_loss(frozen, kl_weight=config.kl_weight, foreground_weight=foreground)
+  step = make_train_step(loss, optimizer)
   data = _shapes_config(config)
   train = md_data.ShapesConfig(size=config.size, frames=config.train_frames, split="train")
   batches = (
-    {"video": jnp.asarray(v)}
-    for v, _ in shapes_videos(
-      train, seed=config.seed, batch_size=config.batch_size, crop=config.crop
+    {"video": jnp.asarray(v), "mask": jnp.asarray(m)}
+    for v, _, m in shapes_videos(
+      train, seed=config.seed, batch_size=config.batch_size, crop=config.crop, masks=True
     )
   )
 
