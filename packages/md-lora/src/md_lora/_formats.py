@@ -266,9 +266,14 @@ def detect_format(keys: Sequence[str], where: str) -> str:
 
 
 def _choose_prefix(modules: Sequence[str], candidates: Sequence[str]) -> str:
-  """The known prefix most modules carry (the empty one only when none does)."""
+  """The known prefix most modules carry (the empty one only when none does); a denoiser's prefix
+  before a text encoder's (kohya's `lora_unet_` beside more `lora_te1_` modules)."""
   counts = {p: sum(m.startswith(p) for m in modules) for p in candidates if p}
-  best = max(counts, key=lambda p: (counts[p], len(p)), default="")
+  best = max(
+    counts,
+    key=lambda p: (counts[p] > 0 and not p.startswith("lora_te"), counts[p], len(p)),
+    default="",
+  )
   return best if counts.get(best) else ""
 
 

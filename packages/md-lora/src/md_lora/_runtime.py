@@ -88,17 +88,45 @@ def _registry(pipe: Any) -> _Registry:
   return reg
 
 
-def _components(pipe: Any, component: str | Sequence[str] | None) -> list[str]:
+def _components(pipe: Any, component: str | Sequence[str] | None, keys: Sequence[str]) -> list[str]:
+  """The components a file goes to: `component`, or the denoisers and every optional component
+  (`pipe.lora_prefixes`: the text encoders) whose prefix the file's keys carry; a file that holds
+  nothing but optional components' keys adapts only those."""
+  optional = _optional(pipe)
   known = [c for c in pipe.lora_components if getattr(pipe, c, None) is not None]
   if not known:
     raise ValueError(f"{type(pipe).__name__} has no component LoRAs apply to")
   if component is None:
-    return known
+    held = [c for c in known if c in optional and _prefix_of(keys, optional[c])]
+    main = [c for c in known if c not in optional]
+    everything = tuple(p for c in held for p in optional[c])
+    if held and all(k.startswith(everything) for k in keys):
+      main = []
+    return main + held
   wanted = [component] if isinstance(component, str) else list(component)
   bad = [c for c in wanted if c not in known]
   if bad:
-    raise ValueError(f"component {bad[0]!r}: LoRAs apply to {known} of {type(pipe).__name__}")
+    main = [c for c in known if c not in optional]
+    extra = [c for c in known if c in optional]
+    also = f" (and {extra} where a file holds their keys)" if extra else ""
+    raise ValueError(f"component {bad[0]!r}: LoRAs apply to {main}{also} of {type(pipe).__name__}")
   return wanted
+
+
+def _optional(pipe: Any) -> dict[str, tuple[str, ...]]:
+  """`{component: key prefixes}` of the components a file adapts only where it holds their keys."""
+  return {c: tuple(p) for c, p in dict(getattr(pipe, "lora_prefixes", None) or {}).items()}
+
+
+def _prefix_of(keys: Sequence[str], prefixes: Sequence[str]) -> str | None:
+  """The first of `prefixes` that some key starts with."""
+  return next((p for p in prefixes if any(k.startswith(p) for k in keys)), None)
+
+
+def _keys(file: Any) -> list[str]:
+  if isinstance(file, Mapping):
+    return list(file)
+  return list(md_core.SafetensorsFile(pathlib.Path(file)))  # names the file when it is missing
 
 
 def _scale(value: Any, what: str) -> float:
@@ -202,7 +230,8 @@ def load(
       f"a LoRA named {name!r} is loaded already ({_sources(reg.entries[name])}); unload_lora({name!r}) "
       "first or pass another name="
     )
-  components = _components(pipe, component)
+  keys = _keys(file)
+  components = _components(pipe, component, keys)
   scales = _scales(scale, components, f"load_lora({str(file)!r})")
   if max_rank is not None or targets is not None:
     if any(_has_slots(pipe, c) for c in components):
@@ -218,9 +247,13 @@ def load(
       reg.max_rank = int(max_rank)
     if targets is not None:
       reg.targets = targets
-  adapters = {
-    c: load_lora(file, pipe.lora_key_map(c), getattr(pipe, c), **read_options) for c in components
-  }
+  optional = _optional(pipe)
+  adapters = {}
+  for c in components:
+    options = dict(read_options)
+    if c in optional and options.get("prefix") is None:
+      options["prefix"] = _prefix_of(keys, optional[c])  # e.g. "text_encoder_2." / "lora_te2_"
+    adapters[c] = load_lora(file, pipe.lora_key_map(c), getattr(pipe, c), **options)
   entry = _Entry(adapters, scales)
   if fuse:
     _fuse(pipe, entry)

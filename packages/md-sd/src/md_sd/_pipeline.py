@@ -103,10 +103,17 @@ class StableDiffusionPipeline(mdp.Pipeline):
 
   last_calls: int = 0
 
-  lora_components = ("unet",)  # what pipe.load_lora adapts
+  lora_components = ("unet", "text_encoder", "text_encoder_2")  # what pipe.load_lora adapts
+  # The text encoders take a file's LoRA only where it holds their keys (prefixes in this order).
+  lora_prefixes = {
+    "text_encoder": ("text_encoder.", "lora_te1_", "lora_te_"),
+    "text_encoder_2": ("text_encoder_2.", "lora_te2_"),
+  }
 
   def lora_key_map(self, component: str):
-    return unet_key_map(self.unet.cfg)
+    if component == "unet":
+      return unet_key_map(self.unet.cfg)
+    return md_text.clip_text_convert_key
 
   def __init__(
     self,
