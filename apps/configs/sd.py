@@ -1,5 +1,6 @@
 """sd_generate: Stable Diffusion 1.x / 2.x / XL text-to-image (image-to-image, ControlNet) with md-sd.
 
+uv run apps/sd_generate --config.prompt="a red circle in the top left"   # md's shapes model (no --config)
 uv run apps/sd_generate --config=apps/configs/sd.py:sd1.5 --config.prompt="a photo of a cat"
 uv run apps/sd_generate --config=apps/configs/sd.py:sdxl --config.prompt="a cat surfing" --config.seed=3
 uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-lightning --config.prompt="a cat surfing"
@@ -12,13 +13,15 @@ uv run apps/sd_generate --config=apps/configs/sd.py:sdxl-refiner --config.image=
 uv run apps/sd_generate --config=apps/configs/sd.py:tiny --workdir=/tmp/sd   # the bundled tiny pipeline
 uv run apps/sd_generate --help --config=apps/configs/sd.py:tiny   # the variant's keys and values
 
-Variants: sd1.4, sd1.5, sd2-base, sd2.1, sdxl, sdxl-lightning, sdxl-refiner (image-to-image),
+Variants: default (md's own shapes model, models/shapes-sd), sd1.4, sd1.5, sd2-base, sd2.1, sdxl, sdxl-lightning, sdxl-refiner (image-to-image),
 sdxl-base-refiner (base then refiner, the ensemble of experts), controlnet-sd, controlnet-sdxl,
 controlnet-multi-sd, and tiny, tiny-sdxl, tiny-lightning, tiny-controlnet, tiny-controlnet-sdxl,
 tiny-img2img, tiny-controlnet-img2img, tiny-multi-controlnet, tiny-refiner, tiny-sdxl-refiner
 (tests/fixtures/sd_pipeline, tests/fixtures/sd_features). Hub ids need the hub cache (or network); offline
 they fail with a message that says how to get them.
 """
+
+import pathlib
 
 import ml_collections
 from ml_collections.config_dict import placeholder
@@ -28,9 +31,22 @@ from md_core import apps as md_apps
 _FIXTURES = "tests/fixtures/sd_pipeline"
 _FEATURES = "tests/fixtures/sd_features"
 _TINY = dict(height=32, width=32, num_inference_steps=3)
+# md's shapes model, found from this file so the default runs from any directory.
+_SHAPES_MODEL = str(pathlib.Path(__file__).resolve().parents[2] / "models" / "shapes-sd")
 
 # variant -> settings that differ from the defaults below
 VARIANTS = {
+  # md's own shapes model (models/shapes-sd, trained by apps/configs/default_models.py): what
+  # `uv run apps/sd_generate --config.prompt="a red circle in the top left"` runs without --config.
+  "default": dict(
+    model=_SHAPES_MODEL,
+    prompt="a red circle in the top left on a white background",
+    negative_prompt="",
+    height=64,
+    width=64,
+    num_inference_steps=20,
+    guidance_scale=3.0,
+  ),
   "sd1.4": dict(model="CompVis/stable-diffusion-v1-4"),
   "sd1.5": dict(model="stable-diffusion-v1-5/stable-diffusion-v1-5"),
   "sd2-base": dict(model="stabilityai/stable-diffusion-2-base"),

@@ -3,6 +3,7 @@
 Text-to-image, image-to-image (`--config.image=`), one or several ControlNets (also with an image), and the
 SDXL base + refiner ensemble (`--config.refiner=`, md_sd.generate_with_refiner).
 
+uv run apps/sd_generate --config.prompt="a red circle in the top left"   # md's shapes model (no --config)
 uv run apps/sd_generate --config=apps/configs/sd.py:sd1.5 --config.prompt="a photo of a cat" --workdir=out
 uv run apps/sd_generate --help --config=apps/configs/sd.py:tiny   # the variants, keys and values
 """
@@ -19,8 +20,13 @@ from ml_collections import config_flags  # noqa: E402
 
 from md_core import apps  # noqa: E402
 
+# Without --config: the `default` variant, md's own shapes model (models/shapes-sd).
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "sd.py") + ":default"
 _CONFIG = config_flags.DEFINE_config_file(
-  "config", None, "ml-collections config file (apps/configs/sd.py:<variant>)."
+  "config",
+  None,
+  "ml-collections config file (apps/configs/sd.py:<variant>; without it: the `default` variant, md's "
+  "shapes model).",
 )
 _WORKDIR, _OVERWRITE = apps.define_output_flags("outputs/sd", "images")
 _FIXED = ("variant",)
@@ -171,4 +177,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  if not any(a == "--config" or a.startswith("--config=") for a in sys.argv[1:]):
+    sys.argv.insert(1, f"--config={_DEFAULT_CONFIG}")  # no --config: md's shapes model
   apps.run(main, doc=__doc__, fixed=_FIXED)

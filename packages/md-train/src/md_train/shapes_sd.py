@@ -1,0 +1,309 @@
+"""Recipes for md's default image model: a tiny Stable Diffusion 1.5 model trained on md_data's shapes images.
+
+Two stages, each a recipe `apps/train` runs (`apps/configs/default_models.py`):
+
+  sd-vae   the `AutoencoderKL`, trained from its random init on shapes images: L1 + MSE of the decoded
+           posterior mean plus a small KL term; exports vae/ with a measured `scaling_factor` (1 / the std of
+           the latents, as SD's 0.18215 was measured)
+  sd       the UNet, trained with SD's epsilon loss (`families.sd_loss`) on cached, scaled latents of the
+           trained VAE and the frozen CLIP's states of the captions (10% of them the empty prompt, so
+           classifier-free guidance works); exports the whole pipeline folder
+
+The starting folder (`tools/default_models/sd_template.py`, made by the PyTorch reference at random init)
+fixes the architecture; each stage replaces its component's safetensors with the trained weights under the
+template's own keys (`shapes_models.export_weights`), so `md_sd.load_pipeline` (and diffusers) read the
+result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+import md_data
+import md_sd
+import md_vae
+from md_train import families
+from md_train._loop import Recipe
+from md_train._step import Frozen, LossFn, init_state, make_train_step, split_trainable
+from md_train.shapes_models import _copy_folder, _optimizer, _options, save_component
+
+# --- data --------------------------------------------------------------------------------------------------
+
+
+def shapes_images(
+  size: int,
+  *,
+  seed: int,
+  batch_size: int,
+  split: str = "train",
+  start: int = 0,
+  crop: int | None = None,
+) -> Iterator[tuple[np.ndarray, list[str]]]:
+  """Batches `(images [B, H, W, 3] in [-1, 1], captions)` of md_data's still shapes (endless).
+
+  `crop`: cut one random `crop x crop` window per image (drawn from `seed` and the batch's position), so
+  the convolutional VAE trains on full-scale pieces at a fraction of the cost.
+
+  Raises:
+    ValueError: `crop` is larger than `size`.
+  """
+  if crop is not None and crop > size:
+    raise ValueError(f"crop={crop} is larger than the images' size {size}")
+  config = md_data.ShapesConfig(size=size, frames=None, split=split)
+  it = md_data.ShapesIterator(config, seed=seed, batch_size=batch_size, start=start)
+  for b, batch in enumerate(it):
+    images = (2.0 * batch.pixels - 1.0).astype(np.float32)
+    if crop is not None:
+      rng = np.random.default_rng([seed, start, b])
+      corners = rng.integers(0, size - crop + 1, size=(batch_size, 2))
+      images = np.stack([x[y : y + crop, z : z + crop] for x, (y, z) in zip(images, corners)])
+    yield images, batch.captions
+
+
+def train_captions() -> tuple[str, ...]:
+  """Every caption the train split's images can carry (colour × shape × position × background)."""
+  return tuple(
+    md_data.caption(md_data.ShapeLabel(c, s, b, position=p))
+    for c, s in md_data.split("train")
+    for b in md_data.BACKGROUNDS
+    for p in md_data.POSITIONS
+  )
+
+
+# --- the VAE -----------------------------------------------------------------------------------------------
+
+
+def sd_vae_loss(
+  vae: Frozen, *, kl_weight: float = 1e-6, mse_weight: float = 1.0, fg_weight: float = 0.0
+) -> LossFn:
+  """Reconstruction loss of an `AutoencoderKL`: `|x - x̂| + mse_weight (x - x̂)² + kl_weight KL(q(z|x) ||
+  N(0, 1))`, x̂ the decoding of the posterior mean (what the UNet is trained on).
+
+  Batch: `images [B, H, W, 3]` in [-1, 1]. The pixel terms are means weighted `1 + fg_weight` on the
+  shape (pixels off the image's median colour, its background) and 1 elsewhere: a shape covers a few
+  percent of the pixels, and an unweighted loss is met by a blurred blob. The KL is a mean over latent
+  elements. `key` is unused.
+  """
+
+  def loss_fn(params, batch, key):
+    model = vae.merge(params)
+    images = batch["images"]
+    posterior = model.encode(images)
+    recon = model.decode(posterior.mean)
+    background = jnp.median(images, axis=(1, 2), keepdims=True)
+    shape = jnp.max(jnp.abs(images - background), axis=-1, keepdims=True) > 0.1
+    weight = 1.0 + fg_weight * shape.astype(images.dtype)
+    weight = weight / jnp.mean(weight)
+    l1 = jnp.mean(weight * jnp.abs(recon - images))
+    mse = jnp.mean(weight * jnp.square(recon - images))
+    mean, logvar = posterior.mean, posterior.logvar
+    kl = 0.5 * jnp.mean(jnp.square(mean) + jnp.exp(logvar) - 1.0 - logvar)
+    return l1 + mse_weight * mse + kl_weight * kl, {"l1": l1, "mse": mse, "kl": kl}
+
+  return loss_fn
+
+
+def latent_std(vae: md_vae.AutoencoderKL, *, size: int, seed: int, count: int) -> float:
+  """The std of the posterior means over `count` shapes images: `1 / scaling_factor`.
+
+  Raises:
+    ValueError: `count` is under 8 (too few images to measure).
+  """
+  if count < 8:
+    raise ValueError(f"latent_std: count={count} is too few images; use at least 8")
+  encode = jax.jit(lambda x: vae.encode(x).mean)
+  batches = shapes_images(size, seed=seed, batch_size=8)
+  lat = np.concatenate(
+    [np.asarray(encode(jnp.asarray(next(batches)[0]))) for _ in range(count // 8)]
+  )
+  return float(lat.std())
+
+
+def sd_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
+  """Trains the template folder's `AutoencoderKL` on shapes images.
+
+  `recipe_options`: `template` (the starting pipeline folder), `size`, `crop` (the training windows'
+  side), `batch_size`, `learning_rate`, `warmup_steps`, `kl_weight`, `fg_weight` (the shape pixels' extra
+  weight), `stats_count` (images the scaling factor is measured on, full size).
+  """
+  config = _options(app_config)
+  vae = md_vae.load_vae_kl(config.template, progress=False)
+  frozen, params = split_trainable(vae)
+  optimizer = _optimizer(config)
+  state = init_state(params, optimizer, rng=config.seed)
+  step = make_train_step(
+    sd_vae_loss(frozen, kl_weight=config.kl_weight, fg_weight=config.fg_weight), optimizer
+  )
+  batches = (
+    {"images": jnp.asarray(x)}
+    for x, _ in shapes_images(
+      config.size, seed=config.seed, batch_size=config.batch_size, crop=config.crop
+    )
+  )
+
+  def export(state, out: str | os.PathLike) -> pathlib.Path:
+    out = pathlib.Path(out)
+    _copy_folder(config.template, out)
+    model = frozen.merge(state.params)
+    std = latent_std(model, size=config.size, seed=config.seed + 1, count=config.stats_count)
+    save_component(out / "vae", model, md_vae.vae_kl_convert_key)
+    cfg_path = out / "vae" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["scaling_factor"] = round(1.0 / std, 5)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+  return Recipe(
+    state=state, step=step, batches=batches, export=export, fingerprint=config.to_dict()
+  )
+
+
+# --- the UNet ----------------------------------------------------------------------------------------------
+
+
+def encode_images(
+  pipe: md_sd.StableDiffusionPipeline, *, size: int, seed: int, count: int, batch_size: int = 64
+) -> tuple[np.ndarray, list[str]]:
+  """The scaled VAE latents (posterior means × `scaling_factor`) `[count, h, w, c]` of `count` shapes images
+  of the train split, and their captions."""
+  vae = pipe.vae
+  factor = float(vae.config.scaling_factor)
+  encode = jax.jit(lambda x: vae.encode(x).mean * factor)
+  lats, caps = [], []
+  batches = shapes_images(size, seed=seed, batch_size=batch_size)
+  for _ in range(-(-count // batch_size)):
+    x, c = next(batches)
+    lats.append(np.asarray(encode(jnp.asarray(x))))
+    caps += c
+  return np.concatenate(lats)[:count], caps[:count]
+
+
+def caption_states(pipe: md_sd.StableDiffusionPipeline, table: tuple[str, ...]) -> np.ndarray:
+  """The frozen CLIP's last states `[len(table), S, D]` of every caption of `table`."""
+  return np.concatenate(
+    [np.asarray(pipe.encode_prompt(list(table[i : i + 64]))[0]) for i in range(0, len(table), 64)]
+  )
+
+
+def sd_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
+  """Trains the UNet of the folder `base` (the sd-vae stage's export) on cached latents of `num_images`
+  shapes images, with a fraction `drop_caption` of the captions replaced by the empty prompt.
+
+  `recipe_options`: `base`, `size`, `num_images`, `batch_size`, `learning_rate`, `warmup_steps`,
+  `drop_caption`, `snr_gamma` (Min-SNR-γ weighting; 0 for the plain MSE).
+  """
+  import md_schedulers as mdsch
+
+  config = _options(app_config)
+  pipe = md_sd.load_pipeline(config.base)
+  latents, captions = encode_images(
+    pipe, size=config.size, seed=config.seed, count=config.num_images
+  )
+  table = ("",) + train_captions()
+  index = {c: i for i, c in enumerate(table)}
+  states = caption_states(pipe, table)
+  ids = np.asarray([index[c] for c in captions])
+  sched = pipe.scheduler_config
+  keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
+  acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
+  frozen, params = split_trainable(pipe.unet)
+  optimizer = _optimizer(config)
+  state = init_state(params, optimizer, rng=config.seed)
+  gamma = float(config.snr_gamma or 0.0)
+  loss = families.sd_loss(
+    frozen,
+    alphas_cumprod=acp,
+    prediction_type=sched.get("prediction_type", "epsilon"),
+    snr_gamma=gamma or None,
+  )
+  step = make_train_step(loss, optimizer)
+
+  def batches():
+    rng = np.random.default_rng([config.seed, 1])
+    while True:
+      pick = rng.integers(0, len(latents), config.batch_size)
+      text = np.where(rng.random(config.batch_size) < config.drop_caption, 0, ids[pick])
+      yield {
+        "latents": jnp.asarray(latents[pick]),
+        "encoder_hidden_states": jnp.asarray(states[text]),
+      }
+
+  def export(state, out: str | os.PathLike) -> pathlib.Path:
+    out = pathlib.Path(out)
+    _copy_folder(config.base, out)
+    save_component(out / "unet", frozen.merge(state.params), md_sd.convert_unet_key)
+    return out
+
+  return Recipe(
+    state=state, step=step, batches=batches(), export=export, fingerprint=config.to_dict()
+  )
+
+
+# --- quality -----------------------------------------------------------------------------------------------
+
+
+def quality_prompts() -> dict[str, tuple[str, ...]]:
+  """The evaluation prompts of the image model, each with a position and a background: `held_out` (the 5
+  colour × shape pairs never trained on, × 4 positions: 20 prompts) and `train` (20 prompts of trained
+  pairs, every pair once, positions and backgrounds in turn)."""
+  backgrounds = tuple(md_data.BACKGROUNDS)
+  positions = md_data.POSITIONS
+  held = [
+    md_data.caption(
+      md_data.ShapeLabel(c, s, backgrounds[(i + j) % 3], position=positions[(2 * i + 3 * j) % 9])
+    )
+    for i, (c, s) in enumerate(md_data.split("held_out"))
+    for j in range(4)
+  ]
+  train = [
+    md_data.caption(md_data.ShapeLabel(c, s, backgrounds[i % 3], position=positions[(4 * i) % 9]))
+    for i, (c, s) in enumerate(md_data.split("train"))
+  ]
+  return {"held_out": tuple(held), "train": tuple(train)}
+
+
+def image_scores(
+  pipe: md_sd.StableDiffusionPipeline,
+  *,
+  prompts: dict[str, tuple[str, ...]] | None = None,
+  seeds: tuple[int, ...] = (0, 1),
+  num_inference_steps: int = 20,
+  guidance_scale: float = 3.0,
+  size: int = 64,
+) -> dict[str, md_data.Scores]:
+  """md_data's analyser on images of `prompts` (default `quality_prompts()`; each prompt once per seed):
+  `Scores` per group and over `all`."""
+  groups = quality_prompts() if prompts is None else prompts
+  texts = [p for group in groups.values() for p in group]
+  images = np.stack(
+    [
+      np.asarray(
+        pipe(
+          texts,
+          "",
+          height=size,
+          width=size,
+          num_inference_steps=num_inference_steps,
+          guidance_scale=guidance_scale,
+          seed=seed,
+          progress=False,
+        )
+      )
+      for seed in seeds
+    ]
+  )  # [seeds, prompts, H, W, 3]
+  out, start = {}, 0
+  for group, part in groups.items():
+    chosen = images[:, start : start + len(part)].reshape(-1, *images.shape[2:])
+    out[group] = md_data.score(chosen, list(part) * len(seeds))
+    start += len(part)
+  out["all"] = md_data.score(images.reshape(-1, *images.shape[2:]), texts * len(seeds))
+  return out
