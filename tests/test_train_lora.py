@@ -334,3 +334,33 @@ def test_kaiming_init_is_peft_s():
   assert np.abs(a).max() <= bound and np.abs(a).max() > 0.8 * bound
   assert not np.array_equal(a[0], a[1])
   np.testing.assert_allclose(a.var(), bound**2 / 3, rtol=0.3)
+
+
+def test_conv_and_linear_lora_export_round_trips(tmp_path):
+  """A LoRA on conv layers (the SD UNet's 3x3 `conv1` and 1x1 `proj_in`) and linear ones exports in
+  PEFT's conv layout (lora_A `[r, in, kh, kw]`, lora_B `[out, r, 1, 1]`) and reads back into the same
+  slots (no compilation: host arrays only)."""
+  folder = fixture_path("unet") / "sd1"
+  unet = md_sd.load_unet(folder, subfolder=None, progress=False)
+  names = list(md_core.open_checkpoint(folder))
+  keymap = md_sd.unet_key_map(unet.cfg)
+  lora = mdt.add_lora(
+    unet, mdt.LoRAConfig(rank=2, alpha=3.0, targets=("conv1", "proj_in", "ff.net.2")),
+    convert_key=keymap, reference_names=names,
+  )  # fmt: skip
+  _, params = mdt.split_lora(unet)
+  rng = np.random.default_rng(0)
+  leaves, treedef = jax.tree.flatten(params)
+  params = jax.tree.unflatten(
+    treedef, [rng.normal(0, 0.1, np.shape(x)).astype(np.float32) for x in leaves]
+  )
+  path = tmp_path / "lora.safetensors"
+  mdt.save_lora(lora, params, path, convert_key=keymap, reference_names=names, prefix="unet")
+  tensors = md_core.SafetensorsFile(path)
+  a = tensors["unet.down_blocks.0.resnets.0.conv1.lora_A.weight"]
+  b = tensors["unet.down_blocks.0.resnets.0.conv1.lora_B.weight"]
+  assert a.shape[0] == 2 and a.shape[2:] == (3, 3) and b.shape[1:] == (2, 1, 1)
+  adapter = md_lora.load_lora(path, keymap, unet)
+  assert len(adapter.weights) == len(lora.modules)
+  again = mdt.load_lora_factors(lora, mdt.split_lora(unet)[1], adapter)
+  chex.assert_trees_all_close(_flat(again), _flat(params), atol=1e-6, rtol=0)
