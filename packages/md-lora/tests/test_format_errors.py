@@ -79,24 +79,24 @@ def test_truncated_and_unknown_files(tmp_path, model):
   with pytest.raises(md_core.SafetensorsError, match="cut.safetensors.*truncated"):
     md_lora.load_lora(tmp_path / "cut.safetensors", md_wan.convert_key, model)
 
-  lokr = {f"lora_unet_blocks_0_self_attn_q.lokr_w{i}": np.ones((4, 4), np.float32) for i in (1, 2)}
-  md_core.save_safetensors(tmp_path / "lokr.safetensors", lokr)
+  oft = {"lora_unet_blocks_0_self_attn_q.oft_blocks": np.ones((4, 4), np.float32)}  # LyCORIS OFT
+  md_core.save_safetensors(tmp_path / "oft.safetensors", oft)
   with pytest.raises(
     md_lora.LoRAFileError,
-    match=r"lokr.safetensors: unknown LoRA format.*LyCORIS LoHa \(LoKr not yet\)",
+    match=r"oft.safetensors: unknown LoRA format.*LyCORIS LoHa / LoKr",
   ):
-    md_lora.load_lora(tmp_path / "lokr.safetensors", md_wan.convert_key, model)
+    md_lora.load_lora(tmp_path / "oft.safetensors", md_wan.convert_key, model)
 
   mixed = tmp_path / "mixed.safetensors"
   tensors = dict(md_core.SafetensorsFile(_musubi(tmp_path / "plain.safetensors")))
-  md_core.save_safetensors(mixed, tensors | {"lora_unet_head_head.lokr_w1": np.ones(2)})
+  md_core.save_safetensors(mixed, tensors | {"lora_unet_head_head.dora_scale": np.ones(2)})
   with pytest.raises(
     md_lora.LoRAFileError,
-    match=r"mixed.safetensors: 'lora_unet_head_head.lokr_w1' is a LyCORIS / DoRA tensor",
+    match=r"mixed.safetensors: 'lora_unet_head_head.dora_scale' is a LyCORIS / DoRA tensor",
   ):
     md_lora.load_lora(mixed, md_wan.convert_key, model)
-  adapter = md_lora.load_lora(mixed, md_wan.convert_key, model, allow_unmatched=[r".*\.lokr_.*"])
-  assert adapter.skipped == ("lora_unet_head_head.lokr_w1",) and len(adapter.weights) == 2
+  adapter = md_lora.load_lora(mixed, md_wan.convert_key, model, allow_unmatched=[r".*\.dora_scale"])
+  assert adapter.skipped == ("lora_unet_head_head.dora_scale",) and len(adapter.weights) == 2
 
   with pytest.raises(md_lora.LoRAFileError, match=r"good.safetensors: format='lycoris'; md reads"):
     md_lora.load_lora(good, md_wan.convert_key, model, format="lycoris")

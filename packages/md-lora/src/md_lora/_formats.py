@@ -19,7 +19,8 @@ Four formats, told apart by their key names (`format=` forces one):
   xlabs:   XLabs' Flux files: `double_blocks.N.processor.qkv_lora1|qkv_lora2|proj_lora1|proj_lora2.down|up.
            weight`, `single_blocks.N.processor.qkv_lora|proj_lora.…`; no alpha (scale 1, as XLabs applies
            them).
-LyCORIS LoHa modules (`.hada_w1_a` … in kohya or ComfyUI names) are read as exact rank r1·r2 LoRAs.
+LyCORIS LoHa (`.hada_w1_a` …) and LoKr (`.lokr_w1`, `.lokr_w2_a` …) modules, in kohya or ComfyUI names, are
+read as exact LoRAs of rank r1·r2 (linear layers).
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
@@ -79,6 +80,10 @@ _DIFF = re.compile(r"(?P<module>.+)\.(?P<kind>diff|diff_b)")
 # LyCORIS LoHa: delta = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r (Hadamard product of two low-rank factors).
 _LOHA = re.compile(r"(?P<module>.+)\.(?P<slot>hada_w[12]_[ab])")
 _LOHA_SLOTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+# LyCORIS LoKr: delta = kron(w1, w2) * scale, each of w1 / w2 stored whole or as `_a @ _b`; scale =
+# alpha / (the rank of a factored part, w2's first), or 1 when both are whole or the file has no alpha.
+_LOKR = re.compile(r"(?P<module>.+)\.(?P<slot>lokr_w[12](?:_[ab])?)")
+_LOKR_SLOTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 _XLABS = re.compile(
   r"(?:diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.\w+\.(down|up)\.weight"
 )
@@ -248,20 +253,23 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   """
   if any(_XLABS.fullmatch(k) for k in keys):
     return "xlabs"
-  factors = [k for k in keys if _FACTORS["comfyui"].fullmatch(k) or _DIFF.fullmatch(k)]
+  comfy = (_FACTORS["comfyui"], _DIFF, _LOHA, _LOKR)
+  factors = [k for k in keys if any(p.fullmatch(k) for p in comfy)]
   if factors and sum(k.startswith(COMFY_PREFIXES[:2]) for k in factors) * 2 > len(factors):
     return "comfyui"
   if any(_PEFT_FACTOR.fullmatch(k) for k in keys):
     return "peft"
   if any(
-    (_KOHYA_FACTOR.fullmatch(k) or _LOHA.fullmatch(k)) and k.startswith("lora_") for k in keys
+    (_KOHYA_FACTOR.fullmatch(k) or _LOHA.fullmatch(k) or _LOKR.fullmatch(k))
+    and k.startswith("lora_")
+    for k in keys
   ):
     return "kohya"
   shown = ", ".join(repr(k) for k in list(keys)[:5])
   raise LoRAFileError(
     f"{where}: unknown LoRA format: no `lora_A`/`lora_B` (diffusers / PEFT), `lora_down`/`lora_up` "
     f"(kohya), `diffusion_model.` (ComfyUI) or `processor.*_lora` (XLabs) keys among {len(keys)} "
-    f"tensors (first: {shown}); md reads {FORMATS} and LyCORIS LoHa (LoKr not yet)"
+    f"tensors (first: {shown}); md reads {FORMATS} and LyCORIS LoHa / LoKr"
   )
 
 
@@ -335,9 +343,10 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
   m = _ALPHA.fullmatch(key)
   if m:
     return m["module"], "alpha"
-  m = _LOHA.fullmatch(key)
-  if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
-    return m["module"], m["slot"]
+  for lycoris in (_LOHA, _LOKR):
+    m = lycoris.fullmatch(key)
+    if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
+      return m["module"], m["slot"]
   if fmt in ("comfyui", "peft"):
     m = _DIFF.fullmatch(key)
     if m:
@@ -387,7 +396,7 @@ def read_modules(
   for key in tensors:
     found = _split_key(key, fmt)
     if found is None:
-      lycoris = re.search(r"\.(hada_t[12]|lokr_w[12](_[ab])?|lokr_t2|dora_scale|lora_mid)", key)
+      lycoris = re.search(r"\.(hada_t[12]|lokr_w[12](_[ab])?|lokr_t[12]|dora_scale|lora_mid)", key)
       why = (
         f"is a LyCORIS / DoRA tensor ({lycoris[1]}), which md does not read yet"
         if lycoris
@@ -432,6 +441,9 @@ def read_modules(
         deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
     if set(_LOHA_SLOTS) & set(found):
       modules.append(_loha(path, module, name, found, tensors, default_alpha, some_alpha))
+      continue
+    if set(_LOKR_SLOTS) & set(found):
+      modules.append(_lokr(path, module, name, found, tensors))
       continue
     if not ({"a", "b", "alpha", "bias"} & set(found)):
       continue
@@ -522,3 +534,60 @@ def _loha(
   b = (w1a[:, :, None] * w2a[:, None, :]).reshape(w1a.shape[0], r1 * r2)
   keys = tuple(found.values())
   return RawLoRA(name, a, b, alpha / rank * (r1 * r2), keys)
+
+
+def _lokr_part(
+  path: pathlib.Path,
+  module: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+  i: int,
+) -> tuple[np.ndarray, np.ndarray, int | None]:
+  """`(u, v, rank)` with `w_i = u @ v`: a factored part as stored (its rank), a whole one split by an
+  identity on its shorter side (rank None)."""
+  whole, a, b = f"lokr_w{i}", f"lokr_w{i}_a", f"lokr_w{i}_b"
+  if whole in found and (a in found or b in found):
+    raise LoRAFileError(f"{path}: LoKr module {module!r} has both {whole} and {a} / {b}")
+  if whole in found:
+    w = np.asarray(tensors[found[whole]])
+    if w.ndim != 2:
+      raise LoRAFileError(
+        f"{path}: LoKr module {module!r}: {found[whole]!r} has shape {w.shape}; only linear LoKr "
+        "is read so far"
+      )
+    if w.shape[1] <= w.shape[0]:
+      return w, np.eye(w.shape[1], dtype=w.dtype), None
+    return np.eye(w.shape[0], dtype=w.dtype), w, None
+  if a not in found or b not in found:
+    lacking = [s for s in (a, b) if s not in found]
+    raise LoRAFileError(
+      f"{path}: LoKr module {module!r} has neither {whole} nor {' / '.join(lacking)}"
+    )
+  u, v = np.asarray(tensors[found[a]]), np.asarray(tensors[found[b]])
+  if u.ndim != 2 or v.ndim != 2 or u.shape[1] != v.shape[0]:
+    raise LoRAFileError(
+      f"{path}: rank or shape mismatch for LoKr module {module!r}: {found[a]!r} {u.shape}, "
+      f"{found[b]!r} {v.shape} (only linear LoKr is read so far)"
+    )
+  return u, v, v.shape[0]
+
+
+def _lokr(
+  path: pathlib.Path,
+  module: str,
+  name: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+) -> RawLoRA:
+  """A LoKr module as an exact LoRA of rank r1·r2: with `w1 = u1 @ v1`, `w2 = u2 @ v2`,
+  `kron(w1, w2) = kron(u1, u2) @ kron(v1, v2)`; its alpha is rescaled so that the scale stays LyCORIS'
+  (alpha / the rank of w2's factors, else of w1's; 1 when both are whole or there is no alpha)."""
+  u1, v1, rank1 = _lokr_part(path, module, found, tensors, 1)
+  u2, v2, rank2 = _lokr_part(path, module, found, tensors, 2)
+  rank = rank2 if rank2 is not None else rank1
+  scale = 1.0
+  if "alpha" in found and rank is not None:
+    scale = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}") / rank
+  b = np.kron(u1, u2)  # [o1·o2, r1·r2]
+  a = np.kron(v1, v2)  # [r1·r2, i1·i2]
+  return RawLoRA(name, a, b, scale * a.shape[0], tuple(found.values()))
