@@ -51,7 +51,7 @@ VARIANTS = {
   # md's default image model (models/shapes-sd): a tiny SD 1.5 pipeline, recipes in md_train.shapes_sd.
   "sd-vae": (
     "md_train.shapes_sd:sd_vae_recipe",
-    dict(steps=500, checkpoint_every=250, log_every=10),
+    dict(steps=700, checkpoint_every=350, log_every=10),
     dict(
       template="runs/shapes-sd-template",
       size=64,
@@ -60,12 +60,13 @@ VARIANTS = {
       learning_rate=2e-3,
       warmup_steps=20,
       kl_weight=1e-6,
+      fg_weight=10.0,
       stats_count=256,
     ),
   ),
   "sd": (
     "md_train.shapes_sd:sd_recipe",
-    dict(steps=1200, checkpoint_every=400, log_every=10),
+    dict(steps=1000, checkpoint_every=500, log_every=10),
     dict(
       base="runs/shapes-sd-vae/export",
       size=64,
