@@ -22,7 +22,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_threefry_partitionable", True)
 
 
-
 # Long files with few tests, longest first. With `--dist loadfile` a file runs on one worker, and a long
 # file that starts last keeps that worker busy after the other has run out of work. These start first;
 # the other files follow by test count, most first (xdist's own order, which pyproject's
