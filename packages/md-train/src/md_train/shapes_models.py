@@ -189,11 +189,13 @@ def _copy_folder(src: str | os.PathLike, dst: pathlib.Path) -> None:
 
 
 def _optimizer(config: ml_collections.ConfigDict):
+  """AdamW with warm-up and a cosine decay over `schedule_steps` (when the options set it; else over the
+  run's `steps`), so a run stopped early by `steps` is the start of the longer schedule, step for step."""
   return make_optimizer(
     learning_rate=config.learning_rate,
     schedule="cosine",
     warmup_steps=config.warmup_steps,
-    total_steps=config.steps,
+    total_steps=int(config.get("schedule_steps") or config.steps),
     end_learning_rate=config.learning_rate * 0.05,
     weight_decay=0.0,
     max_grad_norm=1.0,
