@@ -66,7 +66,9 @@ def test_crop_larger_than_clip_is_refused():
 def test_crops_hold_the_shape_and_masks_mark_it():
   data = md_data.ShapesConfig(size=64, frames=5)
   full_video, _, full_mask = next(sm.shapes_videos(data, seed=3, batch_size=16, masks=True))
-  video, _, mask = next(sm.shapes_videos(data, seed=3, batch_size=16, crop=32, masks=True))
+  video, _, mask = next(
+    sm.shapes_videos(data, seed=3, batch_size=16, crop=32, crop_on_shape=True, masks=True)
+  )
   assert mask.shape == (16, 5, 32, 32, 1) and full_mask.shape == (16, 5, 64, 64, 1)
   # Every window shows part of its shape in the middle frame (a uniform crop misses it about half the time).
   assert (mask[:, 2].reshape(16, -1).sum(1) > 0).all()

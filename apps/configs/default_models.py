@@ -17,7 +17,7 @@ from md_core import apps as md_apps
 VARIANTS = {
   "wan-vae": (
     "md_train.shapes_models:wan_vae_recipe",
-    dict(steps=1200, checkpoint_every=200, log_every=25),
+    dict(steps=60, checkpoint_every=30),
     dict(
       template="runs/shapes-wan-template",
       size=64,
@@ -28,7 +28,6 @@ VARIANTS = {
       learning_rate=2e-3,
       warmup_steps=10,
       kl_weight=1e-4,
-      foreground_weight=4.0,
       stats_count=64,
     ),
   ),

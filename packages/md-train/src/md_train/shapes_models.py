@@ -48,13 +48,15 @@ def shapes_videos(
   batch_size: int,
   start: int = 0,
   crop: int | None = None,
+  crop_on_shape: bool = False,
   masks: bool = False,
 ) -> Iterator[tuple[np.ndarray, ...]]:
   """Batches `(video [B, F, H, W, 3] in [-1, 1], captions)` of the shapes dataset (endless).
 
   `crop`: cut one `crop x crop` window per clip, placed at random (drawn from `seed` and the batch's
-  position) among the windows that hold the shape's centre in the middle frame, so a convolutional model
-  trains on full-scale pieces, each with a shape in it, at a fraction of the cost. `masks`: also yield the
+  position), so a convolutional model trains on full-scale pieces at a fraction of the cost;
+  `crop_on_shape`: only among the windows that hold the shape's centre in the middle frame (a uniform
+  window misses the small shape about half the time). `masks`: also yield the
   foreground masks `[B, F, H, W, 1]` (1 where a pixel differs from the clip's background colour).
   """
   it = md_data.ShapesIterator(config, seed=seed, batch_size=batch_size, start=start)
@@ -68,8 +70,8 @@ def shapes_videos(
       if crop > config.size:
         raise ValueError(f"crop={crop} is larger than the clips' size {config.size}")
       rng = np.random.default_rng([seed, start, b])
-      corners = []
-      for m in fg:
+      corners = [] if crop_on_shape else rng.integers(0, config.size - crop + 1, size=(len(fg), 2))
+      for m in fg if crop_on_shape else ():
         mid = m[m.shape[0] // 2, ..., 0] if m.ndim == 4 else m[..., 0]
         ys, xs = np.nonzero(mid)
         centre = (ys.mean(), xs.mean()) if len(ys) else (config.size / 2, config.size / 2)
@@ -215,7 +217,7 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   `recipe_options`: `template` (the starting pipeline folder), `size`, `frames` (of the exported latent
   statistics' clips), `train_frames` and `crop` (the training clips: frames and a random square window),
   `batch_size`, `learning_rate`, `warmup_steps`, `kl_weight`, `foreground_weight` (extra weight of the
-  shapes' pixels), `stats_count` (clips for the latent
+  shapes' pixels), `crop_on_shape`, `stats_count` (clips for the latent
   statistics).
   """
   config = _options(app_config)
@@ -231,7 +233,12 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   batches = (
     {"video": jnp.asarray(v), "mask": jnp.asarray(m)}
     for v, _, m in shapes_videos(
-      train, seed=config.seed, batch_size=config.batch_size, crop=config.crop, masks=True
+      train,
+      seed=config.seed,
+      batch_size=config.batch_size,
+      crop=config.crop,
+      crop_on_shape=bool(config.get("crop_on_shape", False)),
+      masks=True,
     )
   )
 
