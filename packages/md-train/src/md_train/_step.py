@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -64,7 +65,11 @@ def init_state(params: Any, optimizer: Optimizer, rng: jax.Array | int = 0) -> T
   if mesh is None:
     return TrainState(step, params, jax.jit(optimizer.tx.init)(params), rng)
   replicated = NamedSharding(mesh, PartitionSpec())
-  step, rng = jax.device_put((step, rng), replicated)
+  # Placed from host copies: device_put refuses a device array for a mesh that spans processes.
+  step = jax.device_put(np.zeros((), np.int32), replicated)
+  rng = jax.random.wrap_key_data(
+    jax.device_put(np.asarray(jax.random.key_data(rng)), replicated), impl=jax.random.key_impl(rng)
+  )
   # Moments (and the EMA) shard like their parameters; counters are replicated.
   shardings = optax.tree_map_params(
     optimizer.tx,
