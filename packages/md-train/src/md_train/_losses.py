@@ -177,3 +177,26 @@ def table_lookup(table: FlowTable, timesteps: jax.Array) -> tuple[jax.Array, jax
     jnp.abs(table.timesteps[None, :] - jnp.asarray(timesteps, jnp.float32)[:, None]), 1
   )
   return table.sigmas[idx], table.weights[idx]
+
+
+def batch_bell_weights(timesteps: jax.Array, num_train_timesteps: int = 1000) -> jax.Array:
+  """`[B]` float32 loss weights relative to the batch, as MaxDiffusion's Wan trainer weights its loss.
+
+  MaxDiffusion (AI-Hypercomputer/maxdiffusion, src/maxdiffusion/schedulers/scheduling_flow_match_flax.py
+  at commit 3cb44556538edab9f667e74bf037eebcd58dc121, `_calculate_training_weights` as
+  `apply_flow_match` calls it on the drawn timesteps): the bell y = exp(-2 ((t - N/2) / N)²) of each
+  example's timestep t = 1000 σ, less the batch's minimum, scaled so the batch's weights sum to N
+  (`num_train_timesteps`; the example nearest an end of the schedule gets weight 0).
+
+  Where that is undefined, a batch of 1 or every timestep equal (no spread: 0 / 0 in MaxDiffusion), every
+  weight is 1 (the plain MSE).
+  """
+  n = float(num_train_timesteps)
+  t = jnp.asarray(timesteps, jnp.float32)
+  if t.ndim != 1:
+    raise ValueError(f"timesteps have shape {t.shape}, expected [B]")
+  bell = jnp.exp(-2 * ((t - n / 2) / n) ** 2)
+  shifted = bell - bell.min()
+  total = shifted.sum()
+  spread = total > 0
+  return jnp.where(spread, shifted * (n / jnp.where(spread, total, 1.0)), jnp.ones_like(t))

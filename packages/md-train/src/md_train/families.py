@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import md_flux
 from md_train._losses import (
   FlowTable,
+  batch_bell_weights,
   diffusion_inputs,
   diffusion_loss,
   flow_sigmas,
@@ -32,6 +33,8 @@ from md_train._losses import (
   uniform_timesteps,
 )
 from md_train._step import Frozen, LossFn
+
+WAN_WEIGHTINGS = (None, "batch_bell")
 
 
 def _noise(batch: Mapping[str, Any], key: jax.Array) -> jax.Array:
@@ -155,6 +158,8 @@ def wan_loss(
   sampler: str = "shifted",
   shift: float = 5.0,
   table: FlowTable | None = None,
+  weighting: str | None = None,
+  num_train_timesteps: int = 1000,
   **sampler_options: Any,
 ) -> LossFn:
   """The Wan 2.1 text-to-video flow-matching loss.
@@ -169,7 +174,20 @@ def wan_loss(
     table: train as DiffSynth / MaxDiffusion train Wan (`flow_training_table`): σ is a uniformly drawn
       entry of the table, and each example's squared error is weighted by its entry's bell weight
       (given sigmas take the weight of the nearest entry).
+    weighting: `"batch_bell"`: newer MaxDiffusion's Wan loss weights, relative to the batch
+      (`batch_bell_weights` of the timesteps 1000 σ over `num_train_timesteps`: the bell less the
+      batch's minimum, summing to `num_train_timesteps` over the batch; all 1 for a batch of 1 or
+      equal timesteps). Not with `table`, whose weights are absolute. None: the table's weights, else
+      the plain MSE.
+    num_train_timesteps: the N of `weighting="batch_bell"`.
   """
+  if weighting not in WAN_WEIGHTINGS:
+    raise ValueError(f"wan_loss: weighting={weighting!r}; expected one of {WAN_WEIGHTINGS}")
+  if weighting is not None and table is not None:
+    raise ValueError(
+      f"wan_loss: weighting={weighting!r} and a table: the table's bell weights and the batch-relative"
+      " ones exclude each other; pass one"
+    )
 
   def loss_fn(params, batch, key):
     k_noise, k_t = jax.random.split(key)
@@ -186,6 +204,8 @@ def wan_loss(
       sigmas, weights = table.sigmas[idx], table.weights[idx]
     else:
       sigmas = flow_sigmas(k_t, b, sampler=sampler, shift=shift, **sampler_options)
+    if weighting == "batch_bell":
+      weights = batch_bell_weights(sigmas * 1000, num_train_timesteps)
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
     model = transformer.merge(params)
     pred = model(noisy, sigmas * 1000, batch["encoder_hidden_states"], None, layout="BFHWC")
