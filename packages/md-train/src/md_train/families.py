@@ -212,3 +212,49 @@ def wan_loss(
     return diffusion_loss(pred, target, weights), {}
 
   return loss_fn
+
+
+def klein_loss(
+  transformer: Frozen,
+  *,
+  guidance: float | None = None,
+  sampler: str = "logit_normal",
+  **sampler_options: Any,
+) -> LossFn:
+  """The Flux.2 Klein flow-matching loss of diffusers' train_dreambooth_lora_flux2_klein.py (weighting
+  `none`).
+
+  Batch: `latents [B, h, w, C]` (channels-last: the pipeline's patchified, normalised token grid, C the
+  transformer's `in_channels`), `encoder_hidden_states [B, S, D]` (stacked Qwen3 layers), optional
+  `noise [B, h, w, C]` and `sigmas [B]` in (0, 1]. The noisy grid is packed row-major into `[B, h w, C]`
+  tokens with Flux.2's position ids (`md_flux.image_ids(h, w, axes=4)`, `md_flux.text_ids(S)`); the model
+  sees timestep σ (×1000 inside) and `guidance` only when it has a guidance embedder.
+
+  Args:
+    transformer: the `Flux2Transformer`'s frozen part.
+    guidance: the embedded guidance scale for guidance-distilled models (None for Klein).
+    sampler, sampler_options: how σ is drawn when absent (`flow_sigmas`).
+  """
+
+  def loss_fn(params, batch, key):
+    k_noise, k_t = jax.random.split(key)
+    latents = batch["latents"]
+    if latents.ndim != 4:
+      raise ValueError(f"Klein latents must be [B, h, w, C], got shape {latents.shape}")
+    b, h, w, c = latents.shape
+    noise = _noise(batch, k_noise)
+    sigmas = (
+      batch["sigmas"]
+      if "sigmas" in batch
+      else flow_sigmas(k_t, b, sampler=sampler, **sampler_options)
+    )
+    noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
+    ctx = batch["encoder_hidden_states"]
+    img_ids = jnp.asarray(md_flux.image_ids(h, w, axes=4))
+    txt_ids = jnp.asarray(md_flux.text_ids(ctx.shape[1]))
+    g = None if guidance is None else jnp.full((b,), guidance, jnp.float32)
+    model = transformer.merge(params)
+    pred = model(noisy.reshape(b, h * w, c), ctx, sigmas, img_ids, txt_ids, g)
+    return diffusion_loss(pred.reshape(b, h, w, -1), target), {}
+
+  return loss_fn
