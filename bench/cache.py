@@ -2,12 +2,16 @@
 
 uv run python bench/cache.py                     # SD (medium UNet) and Wan T2V (tiny fixture), 20 steps
 uv run python bench/cache.py --steps=30 --families=sd
+uv run python bench/cache.py --families=sd-default,wan-default   # md's default models, with quality
 
 Models: `sd` is bench/sd.py's "small" pipeline (random SD 1.x-layout UNet, 64-128-256 channels, built
 once with the reference's interpreter `tools/.venv/bin/python` into --workdir) at 128 px; `wan` is the
 tiny Wan 2.1 T2V fixture pipeline (tests/fixtures/wan_pipeline/t2v) at 64x64, 9 frames, whose
 transformer is small enough that per-step overheads weigh more than on a real model. Random weights:
 PSNR / SSIM say how far a cached run moves from the uncached one on the same seed, not image quality.
+`sd-default` / `wan-default` are md's trained default models (models/shapes-sd at 64 px, models/shapes-wan at
+64x64, 9 frames), whose outputs md_data's analyser can score: their rows add the quality score (the mean
+of the right-colour and right-shape rates over the model's evaluation prompts x 2 seeds, in points).
 
 Each cell: the policy's run and the uncached run (output_type="latent": text encoding and the denoising
 loop, no decoding) timed alternately in the same process (best of
@@ -42,7 +46,7 @@ def policies(steps: int, family: str) -> dict:
     "sencache": md_cache.sencache(0.1),
     "faster_cache": md_cache.faster_cache(5, timestep_range=(-1, 900)),
   }
-  if family == "sd":
+  if family.startswith("sd"):
     out["deepcache"] = md_cache.deepcache(3)
   else:  # block-level policies need transformer block stacks
     out["first_block_cache"] = md_cache.first_block_cache(0.1)
@@ -75,7 +79,44 @@ def _wan(workdir: pathlib.Path, steps: int):
   return pipe, dict(num_inference_steps=steps, seed=0, progress=False, **kw)
 
 
-FAMILIES = {"sd": _sd, "wan": _wan}
+def _sd_default(workdir: pathlib.Path, steps: int):
+  import md_sd
+
+  del workdir
+  pipe = md_sd.load_pipeline(ROOT / "models" / "shapes-sd")
+  kw = dict(prompt=["a red circle in the center on a black background"], height=64, width=64)
+  return pipe, dict(num_inference_steps=steps, seed=0, progress=False, guidance_scale=3.0, **kw)
+
+
+def _wan_default(workdir: pathlib.Path, steps: int):
+  import md_wan
+
+  del workdir
+  pipe = md_wan.load_pipeline(ROOT / "models" / "shapes-wan")
+  kw = dict(prompt="a red circle moving right on a black background", height=64, width=64)
+  kw |= dict(num_frames=9, guidance_scale=3.0, max_sequence_length=16, negative_prompt="")
+  return pipe, dict(num_inference_steps=steps, seed=0, progress=False, **kw)
+
+
+FAMILIES = {"sd": _sd, "wan": _wan, "sd-default": _sd_default, "wan-default": _wan_default}
+
+
+def quality(family: str, pipe, kw, cache) -> float | None:
+  """The default models' quality score (points): mean of the analyser's colour and shape rates over the
+  model's evaluation prompts x seeds 0, 1, with `cache`; None for the random-weight models."""
+  import md_data
+
+  if family == "sd-default":
+    from md_train import shapes_sd as shapes
+  elif family == "wan-default":
+    from md_train import shapes_models as shapes
+  else:
+    return None
+  texts = [t for group in shapes.quality_prompts().values() for t in group]
+  fixed = {k: v for k, v in kw.items() if k not in ("prompt", "seed")}
+  outs = [np.asarray(pipe(**fixed, prompt=texts, seed=seed, cache=cache)) for seed in (0, 1)]
+  s = md_data.score(np.concatenate(outs), texts * 2)
+  return 50.0 * (s.colour + s.shape)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -134,21 +175,24 @@ def main() -> None:
   workdir.mkdir(parents=True, exist_ok=True)
   print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, jax {jax.__version__}, "
         f"{args.steps} steps")  # fmt: skip
-  print("| family | policy | denoiser calls | steps computed | time vs uncached | PSNR | SSIM |")
-  print("|---|---|---|---|---|---|---|")
+  print("| family | policy | denoiser calls | steps computed | time vs uncached | PSNR | SSIM | quality |")
+  print("|---|---|---|---|---|---|---|---|")
   for family in args.families.split(","):
     pipe, kw = FAMILIES[family](workdir, args.steps)
     plain = np.asarray(pipe(**kw))
-    print(
-      f"| {family} | none | {int(pipe.last_calls)} | {args.steps} | 1.00x | – | – |", flush=True
-    )
+    calls = int(pipe.last_calls)
+    base_q = quality(family, pipe, kw, None)
+    q = "–" if base_q is None else f"{base_q:.1f}"
+    print(f"| {family} | none | {calls} | {args.steps} | 1.00x | – | – | {q} |", flush=True)
     for name, cache in policies(args.steps, family).items():
       out, t, base, state, calls = _timed(pipe, kw, cache, args.repeats)
       done = int(md_cache.computed_steps(state).sum())
       what = " (uncond.)" if name == "faster_cache" else ""
+      score = quality(family, pipe, kw, cache)
+      q = "–" if score is None else f"{score:.1f} ({score - base_q:+.1f})"
       print(
         f"| {family} | {name} | {calls} | {done}{what} | {base / t:.2f}x ({t:.2f} / {base:.2f} s) | "
-        f"{psnr(out, plain):.1f} | {ssim(out, plain):.3f} |",
+        f"{psnr(out, plain):.1f} | {ssim(out, plain):.3f} | {q} |",
         flush=True,
       )
 
