@@ -115,7 +115,8 @@ def test_quality_prompts_hold_out_the_unseen_pairs():
 
 
 def test_quality_regression_floor(pipe):
-  # Not the quality gate (colour >= 90%, shape >= 80%): the model misses it (models/shapes-sd/README.md).
+  # Not the quality gate (colour >= 90%, shape >= 80%): the model misses it (see
+  # models/shapes-sd/README.md).
   scores = ss.image_scores(
     pipe, prompts={"gate": GATE_PROMPTS}, seeds=(0,), num_inference_steps=10
   )["gate"]
