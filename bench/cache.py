@@ -175,7 +175,9 @@ def main() -> None:
   workdir.mkdir(parents=True, exist_ok=True)
   print(f"# {datetime.date.today()} {platform.machine()} {os.cpu_count()} cores, jax {jax.__version__}, "
         f"{args.steps} steps")  # fmt: skip
-  print("| family | policy | denoiser calls | steps computed | time vs uncached | PSNR | SSIM | quality |")
+  print(
+    "| family | policy | denoiser calls | steps computed | time vs uncached | PSNR | SSIM | quality |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   for family in args.families.split(","):
     pipe, kw = FAMILIES[family](workdir, args.steps)
