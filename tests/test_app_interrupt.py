@@ -13,6 +13,10 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _default_sigint():
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_during_denoising_stops_within_two_seconds(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", MD_PROGRESS="1", XLA_FLAGS="")
   log = tmp_path / "stderr.txt"
@@ -25,6 +29,9 @@ def test_sigint_during_denoising_stops_within_two_seconds(tmp_path):
         "--config.num_inference_steps=1000", "--config.height=96", "--config.width=96",
       ],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+      # A test run started in the background (`cmd &` in a script) inherits SIGINT ignored, and Python then
+      # installs no KeyboardInterrupt handler: give the app the default disposition, as a terminal does.
+      preexec_fn=_default_sigint,
     )  # fmt: skip
     deadline = time.monotonic() + 300
     # Steps take a few ms each here, so wait for the bar to count steps (past compilation), then a little.
