@@ -1,7 +1,8 @@
 """Shared test settings: 8 virtual CPU devices and strict numerics.
 
-This file is identical at the workspace root and in every package, so a package's tests behave the same when run
-alone (`uv run --package md-core python -m pytest packages/md-core`) and inside the whole suite.
+Every package's conftest.py holds the same settings (this file down to the `jax.config` lines), so a package's
+tests behave the same when run alone (`uv run --package md-core python -m pytest packages/md-core`) and inside
+the whole suite. The file order below matters only for the whole suite, so it lives here alone.
 """
 
 import os
