@@ -128,3 +128,23 @@ def test_vae_loss_weighs_the_foreground():
   w = 1.0 + 3.0 * mask
   np.testing.assert_allclose(l1_weighted, np.mean(w / w.mean() * np.abs(recon - video)), rtol=1e-5)
   assert abs(l1_weighted - l1_plain) > 1e-3
+
+
+def test_cached_latents_batches_drop_captions_from_the_seed():
+  import ml_collections
+
+  config = ml_collections.ConfigDict(dict(seed=4, batch_size=64, drop_caption=0.25, base="unused"))
+  latents = np.arange(10, dtype=np.float32).reshape(10, 1)
+  ids = np.arange(1, 11)  # clip i has caption row i + 1; row 0 is the empty prompt
+  states = np.arange(11, dtype=np.float32).reshape(11, 1, 1)
+  recipe = sm.cached_latents_recipe(config, None, None, None, latents, ids, states, "unet", None)
+  first = [next(recipe.batches) for _ in range(3)]
+  again = sm.cached_latents_recipe(config, None, None, None, latents, ids, states, "unet", None)
+  for a, b in zip(first, [next(again.batches) for _ in range(3)]):
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+  batch = first[0]
+  pick = np.asarray(batch["latents"])[:, 0].astype(int)
+  text = np.asarray(batch["encoder_hidden_states"])[:, 0, 0].astype(int)
+  assert set(np.unique(text)) <= {0} | set(pick + 1)
+  assert ((text == 0) | (text == pick + 1)).all()
+  assert 0 < (text == 0).mean() < 0.5  # about a quarter dropped

@@ -374,6 +374,26 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
   step = make_train_step(families.wan_loss(frozen, shift=config.shift), optimizer)
+  return cached_latents_recipe(
+    config, state, step, frozen, latents, ids, embeds, "transformer", md_wan.convert_key
+  )
+
+
+def cached_latents_recipe(
+  config: ml_collections.ConfigDict,
+  state: Any,
+  step: Callable,
+  frozen: Frozen,
+  latents: np.ndarray,
+  ids: np.ndarray,
+  states: np.ndarray,
+  component: str,
+  convert_key: Callable,
+) -> Recipe:
+  """The denoiser stage of a default model: batches of `config.batch_size` cached `latents` drawn from
+  `config.seed`, each with the text states `states[ids]` (row 0, the empty prompt, for a fraction
+  `config.drop_caption`), and an export that copies the folder `config.base` and replaces `component`'s
+  weights with the trained ones."""
 
   def batches():
     rng = np.random.default_rng([config.seed, 1])
@@ -382,13 +402,13 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
       text = np.where(rng.random(config.batch_size) < config.drop_caption, 0, ids[pick])
       yield {
         "latents": jnp.asarray(latents[pick]),
-        "encoder_hidden_states": jnp.asarray(embeds[text]),
+        "encoder_hidden_states": jnp.asarray(states[text]),
       }
 
   def export(state, out: str | os.PathLike) -> pathlib.Path:
     out = pathlib.Path(out)
     _copy_folder(config.base, out)
-    save_component(out / "transformer", frozen.merge(state.params), md_wan.convert_key)
+    save_component(out / component, frozen.merge(state.params), convert_key)
     return out
 
   return Recipe(

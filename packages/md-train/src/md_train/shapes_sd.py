@@ -33,7 +33,13 @@ import md_vae
 from md_train import families
 from md_train._loop import Recipe
 from md_train._step import Frozen, LossFn, init_state, make_train_step, split_trainable
-from md_train.shapes_models import _copy_folder, _optimizer, _options, save_component
+from md_train.shapes_models import (
+  _copy_folder,
+  _optimizer,
+  _options,
+  cached_latents_recipe,
+  save_component,
+)
 
 # --- data --------------------------------------------------------------------------------------------------
 
@@ -225,25 +231,8 @@ def sd_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     snr_gamma=gamma or None,
   )
   step = make_train_step(loss, optimizer)
-
-  def batches():
-    rng = np.random.default_rng([config.seed, 1])
-    while True:
-      pick = rng.integers(0, len(latents), config.batch_size)
-      text = np.where(rng.random(config.batch_size) < config.drop_caption, 0, ids[pick])
-      yield {
-        "latents": jnp.asarray(latents[pick]),
-        "encoder_hidden_states": jnp.asarray(states[text]),
-      }
-
-  def export(state, out: str | os.PathLike) -> pathlib.Path:
-    out = pathlib.Path(out)
-    _copy_folder(config.base, out)
-    save_component(out / "unet", frozen.merge(state.params), md_sd.convert_unet_key)
-    return out
-
-  return Recipe(
-    state=state, step=step, batches=batches(), export=export, fingerprint=config.to_dict()
+  return cached_latents_recipe(
+    config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
   )
 
 
