@@ -27,20 +27,24 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _table(pipe, score_fn, keys: tuple[str, ...], unit: str) -> dict:
+  """`score_fn(pipe)`'s `Scores` per group as plain rates (`keys`) and counts (`unit`), and the seconds."""
+  start = time.perf_counter()
+  result = score_fn(pipe)
+  out = {
+    group: {k: getattr(s, k) for k in keys} | {unit: s.counts["colour"]}
+    for group, s in result.items()
+  }
+  out["seconds"] = round(time.perf_counter() - start, 1)
+  return out
+
+
 def scores() -> dict:
   import md_wan
   from md_train import shapes_models as sm
 
   pipe = md_wan.load_pipeline(ROOT / "models" / "shapes-wan")
-  start = time.perf_counter()
-  result = sm.video_scores(pipe)
-  out = {
-    group: {k: getattr(s, k) for k in ("colour", "shape", "direction", "background")}
-    | {"videos": s.counts["colour"]}
-    for group, s in result.items()
-  }
-  out["seconds"] = round(time.perf_counter() - start, 1)
-  return out
+  return _table(pipe, sm.video_scores, ("colour", "shape", "direction", "background"), "videos")
 
 
 def speed() -> dict:
@@ -100,15 +104,7 @@ def image_scores() -> dict:
   from md_train import shapes_sd as ss
 
   pipe = md_sd.load_pipeline(ROOT / "models" / "shapes-sd")
-  start = time.perf_counter()
-  result = ss.image_scores(pipe)
-  out = {
-    group: {k: getattr(s, k) for k in ("colour", "shape", "position", "background")}
-    | {"images": s.counts["colour"]}
-    for group, s in result.items()
-  }
-  out["seconds"] = round(time.perf_counter() - start, 1)
-  return out
+  return _table(pipe, ss.image_scores, ("colour", "shape", "position", "background"), "images")
 
 
 def image_speed() -> dict:
