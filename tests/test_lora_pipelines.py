@@ -24,11 +24,7 @@ def root():
 
 @pytest.fixture(scope="module")
 def outputs(root):
-  cases = {}
-  for key, value in testing.load_arrays(root / "outputs.npz").items():
-    case, name = key.split("/")
-    cases.setdefault(case, {})[name] = value
-  return cases
+  return testing.load_cases(root / "outputs.npz")
 
 
 @pytest.fixture(scope="module")

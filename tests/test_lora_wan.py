@@ -53,10 +53,7 @@ def test_wan22_experts_match_diffusers():
   with a scale each, at run time and fused; both experts run (the steps cross the boundary)."""
   pipe = md_wan.load_pipeline(testing.fixture_path("wan_pipeline") / "t2v_a14b")
   root = testing.fixture_path("lora_wan")
-  want = {}
-  for key, value in testing.load_arrays(testing.fixture_path("lora_wan22") / "outputs.npz").items():
-    case, name = key.split("/")
-    want.setdefault(case, {})[name] = value
+  want = testing.load_cases(testing.fixture_path("lora_wan22") / "outputs.npz")
 
   def err(case):
     got = np.asarray(pipe(PROMPT, NEGATIVE, latents=want[case]["latents"], **COMMON))

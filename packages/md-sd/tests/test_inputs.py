@@ -23,11 +23,7 @@ ROOT = testing.fixture_path("sd_controlnet_folder")
 
 @pytest.fixture(scope="module")
 def outputs():
-  cases = {}
-  for key, value in testing.load_arrays(ROOT / "outputs.npz").items():
-    case, name = key.split("/")
-    cases.setdefault(case, {})[name] = value
-  return cases
+  return testing.load_cases(ROOT / "outputs.npz")
 
 
 @pytest.fixture(scope="module")

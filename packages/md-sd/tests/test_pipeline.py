@@ -31,23 +31,13 @@ def root():
 
 @pytest.fixture(scope="module")
 def outputs(root):
-  cases = {}
-  for key, value in testing.load_arrays(root / "outputs.npz").items():
-    case, name = key.split("/")
-    cases.setdefault(case, {})[name] = value
-  return cases
+  return testing.load_cases(root / "outputs.npz")
 
 
 @pytest.fixture(scope="module")
 def features():
   """Cases of tests/fixtures/sd_features (tools/fixtures/sd_features.py) that reuse this module's loops."""
-  cases = {}
-  for key, value in testing.load_arrays(
-    testing.fixture_path("sd_features") / "outputs.npz"
-  ).items():
-    case, name = key.split("/")
-    cases.setdefault(case, {})[name] = value
-  return cases
+  return testing.load_cases(testing.fixture_path("sd_features") / "outputs.npz")
 
 
 @pytest.fixture(scope="module")

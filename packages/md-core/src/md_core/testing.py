@@ -30,3 +30,12 @@ def load_arrays(path: pathlib.Path) -> dict[str, np.ndarray]:
   """Reads an .npz written by the fixture tools into a dict of numpy arrays."""
   with np.load(path) as data:
     return {k: data[k] for k in data.files}
+
+
+def load_cases(path: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
+  """Reads an .npz whose keys are `case/name` into `{case: {name: array}}`."""
+  cases = {}
+  for key, value in load_arrays(path).items():
+    case, name = key.split("/")
+    cases.setdefault(case, {})[name] = value
+  return cases
