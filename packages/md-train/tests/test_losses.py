@@ -106,3 +106,21 @@ def test_flow_training_table():
   sigmas, weights = mdt.table_lookup(table, jnp.asarray([1000.0, table.timesteps[400] + 0.01]))
   np.testing.assert_allclose(sigmas, [table.sigmas[0], table.sigmas[400]])
   np.testing.assert_allclose(weights, [table.weights[0], table.weights[400]])
+
+
+def test_offset_noise_adds_one_draw_per_example_and_channel():
+  import md_train.families as mtf
+
+  noise = jax.random.normal(jax.random.key(1), (64, 4, 5, 3))
+  out = np.asarray(mtf.offset_noise(jax.random.key(2), noise, 0.5))
+  shift = out - np.asarray(noise)
+  np.testing.assert_allclose(shift, shift[:, :1, :1, :] * np.ones_like(shift), atol=1e-6)
+  assert 0.35 < shift[:, 0, 0, :].std() < 0.65  # 0.5 times a standard normal (192 draws)
+  assert abs(np.corrcoef(shift[:, 0, 0, 0], shift[:, 0, 0, 1])[0, 1]) < 0.35  # channels apart
+  np.testing.assert_array_equal(mtf.offset_noise(jax.random.key(2), noise, 0.0), noise)
+  video = jnp.zeros((2, 3, 4, 4, 8), jnp.bfloat16)  # [B, F, H, W, C]: constant over F, H and W
+  moved = mtf.offset_noise(jax.random.key(3), video, 1.0)
+  assert moved.dtype == jnp.bfloat16
+  moved = np.asarray(moved, np.float32)
+  assert np.ptp(moved, axis=(1, 2, 3)).max() == 0.0
+  assert np.abs(moved).max() > 0

@@ -46,6 +46,14 @@ def _noise(batch: Mapping[str, Any], key: jax.Array) -> jax.Array:
   return jax.random.normal(key, latents.shape, jnp.float32).astype(latents.dtype)
 
 
+def offset_noise(key: jax.Array, noise: jax.Array, scale: float) -> jax.Array:
+  """`noise` (channels last, `[B, ..., C]`) plus `scale` times one normal draw per example and channel,
+  the same at every position: diffusers' `--noise_offset`."""
+  shape = (noise.shape[0],) + (1,) * (noise.ndim - 2) + (noise.shape[-1],)
+  offset = jax.random.normal(key, shape, jnp.float32)
+  return noise + jnp.asarray(scale * offset, noise.dtype)
+
+
 def sd_loss(
   unet: Frozen,
   *,
@@ -54,6 +62,7 @@ def sd_loss(
   snr_gamma: float | None = None,
   num_train_timesteps: int | None = None,
   prior_loss_weight: float | None = None,
+  noise_offset: float = 0.0,
 ) -> LossFn:
   """The SD 1.x / 2.x / XL UNet loss of diffusers' train_text_to_image.py.
 
@@ -71,6 +80,9 @@ def sd_loss(
       holds the instance examples, its second half the class examples; the loss is the instance
       half's (Min-SNR-weighted when `snr_gamma`) plus `prior_loss_weight` times the class half's plain
       MSE, reported in aux as `instance_loss` and `prior_loss`. None: one loss over the batch.
+    noise_offset: the scripts' `--noise_offset`: the noise gains `noise_offset` times one normal draw per
+      example and channel (constant over the image), so the model learns to change an image's mean
+      (flat black or white backgrounds), which plain noise keeps near the data's average. 0: off.
   """
   if prediction_type not in ("epsilon", "v_prediction"):
     raise ValueError(f"prediction_type={prediction_type!r}; expected 'epsilon' or 'v_prediction'")
@@ -81,6 +93,8 @@ def sd_loss(
     k_noise, k_t = jax.random.split(key)
     latents = batch["latents"]
     noise = _noise(batch, k_noise)
+    if noise_offset:
+      noise = offset_noise(jax.random.fold_in(k_noise, 1), noise, noise_offset)
     t = batch["timesteps"] if "timesteps" in batch else uniform_timesteps(k_t, latents.shape[0], n)
     noisy, target = diffusion_inputs(prediction_type, latents, noise, t, alphas_cumprod=acp)
     model = unet.merge(params)

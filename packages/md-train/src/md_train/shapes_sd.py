@@ -52,11 +52,14 @@ def shapes_images(
   split: str = "train",
   start: int = 0,
   crop: int | None = None,
+  crop_on_shape: bool = False,
 ) -> Iterator[tuple[np.ndarray, list[str]]]:
   """Batches `(images [B, H, W, 3] in [-1, 1], captions)` of md_data's still shapes (endless).
 
   `crop`: cut one random `crop x crop` window per image (drawn from `seed` and the batch's position), so
-  the convolutional VAE trains on full-scale pieces at a fraction of the cost.
+  the convolutional VAE trains on full-scale pieces at a fraction of the cost. `crop_on_shape`: the window
+  is drawn around the shape's centre (within a quarter window of it), so every window holds the shape
+  rather than a flat background most of the time.
 
   Raises:
     ValueError: `crop` is larger than `size`.
@@ -70,6 +73,14 @@ def shapes_images(
     if crop is not None:
       rng = np.random.default_rng([seed, start, b])
       corners = rng.integers(0, size - crop + 1, size=(batch_size, 2))
+      if crop_on_shape:
+        off = np.abs(images - np.median(images, axis=(1, 2), keepdims=True)).max(-1) > 0.2
+        for i, mask in enumerate(off):
+          ys, xs = np.nonzero(mask)
+          if len(ys):
+            centre = np.array([ys.mean(), xs.mean()]) - crop / 2
+            jitter = rng.integers(-(crop // 4), crop // 4 + 1, size=2)
+            corners[i] = np.clip(np.round(centre).astype(int) + jitter, 0, size - crop)
       images = np.stack([x[y : y + crop, z : z + crop] for x, (y, z) in zip(images, corners)])
     yield images, batch.captions
 
@@ -137,8 +148,8 @@ def sd_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   """Trains the template folder's `AutoencoderKL` on shapes images.
 
   `recipe_options`: `template` (the starting pipeline folder), `size`, `crop` (the training windows'
-  side), `batch_size`, `learning_rate`, `warmup_steps`, `kl_weight`, `fg_weight` (the shape pixels' extra
-  weight), `stats_count` (images the scaling factor is measured on, full size).
+  side), `crop_on_shape` (windows around the shape), `batch_size`, `learning_rate`, `warmup_steps`,
+  `kl_weight`, `fg_weight` (the shape pixels' extra weight), `schedule_steps` (the cosine's length), `stats_count` (images the scaling factor is measured on, full size).
   """
   config = _options(app_config)
   vae = md_vae.load_vae_kl(config.template, progress=False)
@@ -151,7 +162,11 @@ def sd_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   batches = (
     {"images": jnp.asarray(x)}
     for x, _ in shapes_images(
-      config.size, seed=config.seed, batch_size=config.batch_size, crop=config.crop
+      config.size,
+      seed=config.seed,
+      batch_size=config.batch_size,
+      crop=config.crop,
+      crop_on_shape=bool(config.get("crop_on_shape", False)),
     )
   )
 
@@ -204,7 +219,7 @@ def sd_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   shapes images, with a fraction `drop_caption` of the captions replaced by the empty prompt.
 
   `recipe_options`: `base`, `size`, `num_images`, `batch_size`, `learning_rate`, `warmup_steps`,
-  `drop_caption`, `snr_gamma` (Min-SNR-γ weighting; 0 for the plain MSE).
+  `drop_caption`, `snr_gamma` (Min-SNR-γ weighting; 0 for the plain MSE), `noise_offset` (`sd_loss`'s).
   """
   import md_schedulers as mdsch
 
@@ -229,6 +244,7 @@ def sd_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     alphas_cumprod=acp,
     prediction_type=sched.get("prediction_type", "epsilon"),
     snr_gamma=gamma or None,
+    noise_offset=float(config.get("noise_offset", 0.0)),
   )
   step = make_train_step(loss, optimizer)
   return cached_latents_recipe(
