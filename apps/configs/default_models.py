@@ -53,12 +53,12 @@ VARIANTS = {
   # md's default image model (models/shapes-sd): a tiny SD 1.5 pipeline, recipes in md_train.shapes_sd.
   "sd-vae": (
     "md_train.shapes_sd:sd_vae_recipe",
-    dict(steps=700, checkpoint_every=350, log_every=10),
+    dict(steps=2400, checkpoint_every=600, log_every=10),
     dict(
       template="runs/shapes-sd-template",
       size=64,
       crop=32,
-      crop_on_shape=False,
+      crop_on_shape=True,
       schedule_steps=0,
       batch_size=16,
       learning_rate=2e-3,
@@ -70,17 +70,18 @@ VARIANTS = {
   ),
   "sd": (
     "md_train.shapes_sd:sd_recipe",
-    dict(steps=1000, checkpoint_every=500, log_every=10),
+    dict(steps=4000, checkpoint_every=1000, log_every=10),
     dict(
       base="runs/shapes-sd-vae/export",
       size=64,
-      num_images=2048,
+      num_images=4096,
       batch_size=16,
       learning_rate=1.5e-3,
       warmup_steps=30,
       drop_caption=0.1,
-      snr_gamma=0.0,
-      noise_offset=0.0,
+      snr_gamma=5.0,
+      noise_offset=0.1,
+      schedule_steps=0,
     ),
   ),
 }
