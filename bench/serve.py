@@ -2,12 +2,17 @@
 
 uv run --no-sync python bench/serve.py load     # 50 requests from 10 concurrent clients: p50/p95, throughput
 uv run --no-sync python bench/serve.py search   # best score vs denoiser calls -> packages/md-serve/search.png
+uv run --no-sync python bench/serve.py search-shapes   # the same on models/shapes-sd -> search_shapes.png
 
 `load` starts the server on 127.0.0.1 (a free port) in this process, warms every batch bucket, then sends
 the requests with httpx and checks that none is lost (every one answered 200 with its own job, the
 queue's accepted count equals its succeeded count). `search` runs md_serve.search with a brightness
 verifier (mean pixel value: meaningful on random weights) for budgets 1..16 on three prompts, random and
-zero-order, and draws the mean best score against the denoiser calls spent.
+zero-order, and draws the mean best score against the denoiser calls spent. `search-shapes` does the same
+on md's default image model (models/shapes-sd) with md_serve.ShapesVerifier (the share of the caption's
+colour, shape, position and background the analyser sees) on the 20 held-out-pair prompts of
+`md_train.shapes_sd.quality_prompts()`, 10 steps, and also reports the analyser's colour and shape rates of
+the chosen samples.
 """
 
 import concurrent.futures
@@ -98,7 +103,7 @@ class Brightness:
     return np.asarray(images, np.float32).mean(axis=tuple(range(1, np.ndim(images))))
 
 
-def _plot(curves: dict, path: pathlib.Path) -> None:
+def _plot(curves: dict, path: pathlib.Path, title: str) -> None:
   """A small line plot with PIL (no plotting library): best score vs denoiser calls."""
   from PIL import Image, ImageDraw
 
@@ -120,7 +125,7 @@ def _plot(curves: dict, path: pathlib.Path) -> None:
     xv = x0 + (x1 - x0) * i / 4
     d.text((px(xv) - 10, h - m + 6), f"{xv:.0f}", fill="black")
   d.text((w // 2 - 60, h - 22), "denoiser calls per prompt", fill="black")
-  d.text((m, 20), "best verifier score (mean brightness), tiny SD, 3 prompts", fill="black")
+  d.text((m, 20), title, fill="black")
   colours = ["#1f77b4", "#d62728", "#2ca02c"]
   for k, (name, pts) in enumerate(curves.items()):
     c = colours[k % 3]
@@ -145,11 +150,51 @@ def search_curve(budgets=(1, 2, 4, 8, 16)) -> dict:
     table[method] = [
       {"budget": b, "calls": c, "score": round(s, 4)} for b, (c, s) in zip(budgets, pts)
     ]
-  _plot(curves, ROOT / "packages/md-serve/search.png")
+  title = "best verifier score (mean brightness), tiny SD, 3 prompts"
+  _plot(curves, ROOT / "packages/md-serve/search.png", title)
+  return table
+
+
+def search_shapes_curve(budgets=(1, 2, 4, 8, 16)) -> dict:
+  import md_data
+  from md_train import shapes_sd
+
+  pipe = md_sd.load_pipeline(ROOT / "models" / "shapes-sd")
+  prompts = shapes_sd.quality_prompts()["held_out"]
+  kw = dict(num_inference_steps=10, guidance_scale=3.0, progress=False)
+  verifier = md_serve.ShapesVerifier()
+  curves, table = {}, {}
+  for method in ("random", "zero_order"):
+    pts, rows = [], []
+    for b in budgets:
+      t = time.perf_counter()
+      rs = [md_serve.search(pipe, p, verifier, b, method=method, **kw) for p in prompts]
+      found = md_data.score(np.stack([r.images[0] for r in rs]), list(prompts))
+      calls = float(np.mean([r.calls for r in rs]))
+      score = float(np.mean([r.scores[0] for r in rs]))
+      pts.append((calls, score))
+      rows.append(
+        {
+          "budget": b,
+          "calls": calls,
+          "score": round(score, 4),
+          "colour": round(found.colour, 3),
+          "shape": round(found.shape, 3),
+          "position": round(found.position, 3),
+          "background": round(found.background, 3),
+          "seconds": round(time.perf_counter() - t, 1),
+        }
+      )
+    curves[method], table[method] = pts, rows
+  title = "best shapes-verifier score, models/shapes-sd, 20 held-out-pair prompts"
+  _plot(curves, ROOT / "packages/md-serve/search_shapes.png", title)
   return table
 
 
 if __name__ == "__main__":
   what = sys.argv[1] if len(sys.argv) > 1 else "load"
-  result = load() if what == "load" else search_curve()
+  runs = {"load": load, "search": search_curve, "search-shapes": search_shapes_curve}
+  if what not in runs:
+    raise SystemExit(f"unknown benchmark {what!r}; choose one of {', '.join(runs)}")
+  result = runs[what]()
   print(json.dumps(result, indent=1))
