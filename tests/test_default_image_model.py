@@ -158,6 +158,8 @@ def test_both_stages_train_a_step_and_export(tmp_path):
 
 
 def test_vae_windows_hold_the_shape():
+  with pytest.raises(ValueError, match="crop_on_shape=True needs a crop"):
+    next(ss.shapes_images(64, seed=0, batch_size=1, crop_on_shape=True))
   images, _ = next(ss.shapes_images(64, seed=3, batch_size=16, crop=32, crop_on_shape=True))
   for x in images:
     off = np.abs(x - np.median(x, axis=(0, 1))).max(-1) > 0.2

@@ -124,3 +124,42 @@ def test_offset_noise_adds_one_draw_per_example_and_channel():
   moved = np.asarray(moved, np.float32)
   assert np.ptp(moved, axis=(1, 2, 3)).max() == 0.0
   assert np.abs(moved).max() > 0
+
+
+def test_sd_loss_noise_offset_is_the_plain_loss_on_offset_noise():
+  # With `noise_offset`, sd_loss is the plain loss (parity-tested against diffusers in test_parity.py)
+  # on the batch's noise plus `offset_noise`'s per-channel shift, which is how diffusers' scripts apply
+  # `--noise_offset`; noise_offset=0 is the plain loss.
+  import md_sd
+  import md_train.families as mtf
+  from md_core.testing import fixture_path, load_arrays
+
+  unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
+  frozen, params = mdt.split_trainable(unet)
+  ref = load_arrays(fixture_path("train_step") / "sd.npz")
+  nhwc = lambda x: jnp.asarray(x).transpose(0, 2, 3, 1)  # noqa: E731
+  batch = {
+    "latents": nhwc(ref["latents"]),
+    "noise": nhwc(ref["noise"]),
+    "timesteps": jnp.asarray(ref["timesteps"]),
+    "encoder_hidden_states": jnp.asarray(ref["encoder_hidden_states"]),
+  }
+  key = jax.random.key(0)
+  plain = mtf.sd_loss(frozen, alphas_cumprod=ACP)
+  offset = mtf.sd_loss(frozen, alphas_cumprod=ACP, noise_offset=0.1)
+  zero = mtf.sd_loss(frozen, alphas_cumprod=ACP, noise_offset=0.0)
+
+  @jax.jit
+  def run(params):
+    shifted = mtf.offset_noise(jax.random.fold_in(jax.random.split(key)[0], 1), batch["noise"], 0.1)
+    return (
+      offset(params, batch, key)[0],
+      plain(params, dict(batch, noise=shifted), key)[0],
+      plain(params, batch, key)[0],
+      zero(params, batch, key)[0],
+    )
+
+  got, want, base, off = (float(x) for x in run(params))
+  assert got == pytest.approx(want, abs=1e-6)
+  assert abs(got - base) > 1e-4  # the offset changes the loss
+  assert off == base

@@ -62,10 +62,12 @@ def shapes_images(
   rather than a flat background most of the time.
 
   Raises:
-    ValueError: `crop` is larger than `size`.
+    ValueError: `crop` is larger than `size`, or `crop_on_shape` without a `crop`.
   """
   if crop is not None and crop > size:
     raise ValueError(f"crop={crop} is larger than the images' size {size}")
+  if crop_on_shape and crop is None:
+    raise ValueError("crop_on_shape=True needs a crop (the window's side); got crop=None")
   config = md_data.ShapesConfig(size=size, frames=None, split=split)
   it = md_data.ShapesIterator(config, seed=seed, batch_size=batch_size, start=start)
   for b, batch in enumerate(it):
