@@ -5,8 +5,9 @@
 Writes a `StableDiffusionPipeline` folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/,
 scheduler/; no safety checker) with the sizes of models/shapes-sd (see its README). md's train app then trains
 the VAE and the UNet and replaces their safetensors (`md_train.shapes_sd`); the CLIP text encoder stays as
-made here (frozen). The tokenizer is a CLIP BPE vocabulary (vocab.json + merges.txt) whose merges spell every
-word of the shapes grammar, so each word is one token. No downloads.
+made here (frozen; its residual branches start small, see BRANCH_SCALE). The tokenizer is a CLIP BPE
+vocabulary (vocab.json + merges.txt) whose merges spell every word of the shapes grammar, so each word is one
+token. No downloads.
 """
 
 import json
@@ -134,6 +135,21 @@ def tokenizer_files(folder: pathlib.Path) -> None:
   )
 
 
+# The frozen random text encoder's residual branches (attention and MLP outputs) start this small, so each
+# output state is mostly its own word (and position): with CLIP's default init the branches are ~10x the 0.02
+# word embeddings and every state is a blend of the words before it, which ties "circle" to the colour
+# before it and leaves the held-out colour x shape pairs unseen states.
+BRANCH_SCALE = 0.02
+
+
+def small_branches(text_encoder: tf.CLIPTextModel, scale: float = BRANCH_SCALE) -> None:
+  """Scales the output projections of every layer's attention and MLP (their biases start at zero)."""
+  with torch.no_grad():
+    for layer in text_encoder.encoder.layers:
+      layer.self_attn.out_proj.weight.mul_(scale)
+      layer.mlp.fc2.weight.mul_(scale)
+
+
 def main(out: pathlib.Path) -> None:
   torch.manual_seed(0)
   tmp = out / "_tok"
@@ -149,9 +165,11 @@ def main(out: pathlib.Path) -> None:
   text = tf.CLIPTextConfig(
     vocab_size=vocab, bos_token_id=vocab - 2, eos_token_id=eos, pad_token_id=eos, **CLIP
   )
+  vae = AutoencoderKL(**VAE).eval()
+  text_encoder = tf.CLIPTextModel(text).eval()
   pipe = StableDiffusionPipeline(
-    vae=AutoencoderKL(**VAE).eval(),
-    text_encoder=tf.CLIPTextModel(text).eval(),
+    vae=vae,
+    text_encoder=text_encoder,
     tokenizer=tok,
     unet=UNet2DConditionModel(**UNET).eval(),
     scheduler=DDIMScheduler(**SCHEDULER),
@@ -159,6 +177,7 @@ def main(out: pathlib.Path) -> None:
     feature_extractor=None,
     requires_safety_checker=False,
   )
+  small_branches(text_encoder)  # after every module is made, so the others' draws are unchanged
   pipe.save_pretrained(out)
   # Keep the slow-tokenizer files beside tokenizer.json, as the hub's SD tokenizer folders do.
   for f in tmp.iterdir():

@@ -104,6 +104,50 @@ def _pairs(value, n: int, name: str) -> tuple:
   return value
 
 
+def _fold_time(padding: Any, dilation: Sequence[int]) -> bool:
+  """Whether a 3-d convolution runs as one 2-d convolution (`_conv3d_folded`): on the CPU backend, where
+  XLA's 3-d convolution is several times slower than its 2-d one (fwd + bwd of a 16-channel 3x3x3 conv on
+  8x7x32x32: 182 ms against 36 ms on one core), for explicit padding and no dilation."""
+  return (
+    not isinstance(padding, str)
+    and tuple(dilation) == (1, 1, 1)
+    and jax.default_backend() == "cpu"
+  )
+
+
+def _conv3d_folded(
+  x: jax.Array,
+  kernel: jax.Array,
+  stride: Sequence[int],
+  padding: Sequence[tuple[int, int]],
+) -> jax.Array:
+  """The 3-d convolution `[B, T, H, W, C] * [kt, kh, kw, C, O]` as a 2-d one: the `kt` time taps of each
+  output frame are stacked along channels (`[B * T', H, W, kt * C]`) and meet the kernel reshaped to
+  `[kh, kw, kt * C, O]`. The same products, summed in another order (float32: ~1e-6 apart)."""
+  kt, kh, kw, c, o = kernel.shape
+  st = stride[0]
+  lo, hi = padding[0]
+  if lo or hi:
+    x = jnp.pad(x, ((0, 0), (lo, hi), (0, 0), (0, 0), (0, 0)))
+  b, t = x.shape[:2]
+  frames = (t - kt) // st + 1
+  if frames < 1:
+    raise ValueError(f"Conv3d: {t} frames (padded) are fewer than the kernel's {kt}")
+  last = st * (frames - 1) + 1
+  taps = [x[:, d : d + last : st] for d in range(kt)]
+  h = taps[0] if kt == 1 else jnp.concatenate(taps, axis=-1)
+  h = h.reshape(b * frames, *h.shape[2:])
+  k2 = jnp.transpose(kernel, (1, 2, 0, 3, 4)).reshape(kh, kw, kt * c, o)
+  y = jax.lax.conv_general_dilated(
+    h,
+    k2,
+    window_strides=tuple(stride[1:]),
+    padding=tuple(padding[1:]),
+    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  )
+  return y.reshape(b, frames, *y.shape[1:])
+
+
 class Conv(nnx.Module):
   """An N-d convolution over channels-last inputs `[B, *spatial, C]` (torch `nn.Conv1d/2d/3d`).
 
@@ -177,6 +221,8 @@ class Conv(nnx.Module):
 
   def _conv(self, x: jax.Array, kernel: jax.Array, groups: int) -> jax.Array:
     ndim = len(self.kernel_size)
+    if ndim == 3 and groups == 1 and _fold_time(self.padding, self.dilation):
+      return _conv3d_folded(x, kernel, self.stride, self.padding)
     spatial = "DHW"[-ndim:] if ndim <= 3 else None
     dn = (f"N{spatial}C", f"{spatial}IO", f"N{spatial}C")
     return jax.lax.conv_general_dilated(
