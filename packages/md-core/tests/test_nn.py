@@ -156,3 +156,38 @@ def test_params_carry_logical_axes():
   assert md_core.logical_axes(dense.bias) == ("mlp",)
   conv = nn.Conv(4, 8, (3, 3), rngs=nnx.Rngs(0))
   assert md_core.logical_axes(conv.kernel) == (None, None, "conv_in", "conv_out")
+
+
+@pytest.mark.parametrize(
+  "kernel, stride, padding",
+  [
+    ((3, 3, 3), (1, 1, 1), ((0, 0), (1, 1), (1, 1))),  # Wan's causal conv (time padded outside)
+    ((3, 3, 3), (1, 2, 2), ((2, 0), (1, 1), (1, 1))),  # time padding inside, spatial stride
+    ((3, 1, 1), (2, 1, 1), ((0, 0), (0, 0), (0, 0))),  # Wan's temporal downsampling
+    ((1, 3, 3), (1, 1, 1), ((0, 0), (1, 1), (1, 1))),  # one time tap
+    ((2, 3, 3), (1, 1, 1), ((1, 1), (0, 1), (1, 0))),  # uneven padding
+  ],
+)
+def test_conv3d_as_2d_matches_the_3d_convolution(kernel, stride, padding):
+  # The CPU path folds time into channels; XLA's own 3-d convolution is the oracle.
+  kx, kk = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (2, 7, 10, 9, 5))
+  k = jax.random.normal(kk, (*kernel, 5, 4)) * 0.3
+  want = jax.lax.conv_general_dilated(
+    x, k, stride, padding, dimension_numbers=("NDHWC", "DHWIO", "NDHWC")
+  )
+  got = nn._conv3d_folded(x, k, stride, padding)
+  assert got.shape == want.shape
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+  conv = nn.Conv(5, 4, kernel, stride=stride, padding=padding, rngs=nnx.Rngs(0))
+  conv.kernel[...] = k
+  assert nn._fold_time(conv.padding, conv.dilation)  # the tests run on the CPU backend
+  np.testing.assert_allclose(
+    np.asarray(conv(x)), np.asarray(want) + np.asarray(conv.bias[...]), atol=2e-5, rtol=2e-5
+  )
+
+
+def test_conv3d_names_too_few_frames():
+  conv = nn.Conv(3, 2, (3, 3, 3), padding=((0, 0), (1, 1), (1, 1)), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="2 frames \\(padded\\) are fewer than the kernel's 3"):
+    conv(jnp.zeros((1, 2, 4, 4, 3)))
