@@ -109,9 +109,7 @@ def _fold_time(padding: Any, dilation: Sequence[int]) -> bool:
   XLA's 3-d convolution is several times slower than its 2-d one (fwd + bwd of a 16-channel 3x3x3 conv on
   8x7x32x32: 182 ms against 36 ms on one core), for explicit padding and no dilation."""
   return (
-    not isinstance(padding, str)
-    and tuple(dilation) == (1, 1, 1)
-    and jax.default_backend() == "cpu"
+    not isinstance(padding, str) and tuple(dilation) == (1, 1, 1) and jax.default_backend() == "cpu"
   )
 
 
