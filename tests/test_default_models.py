@@ -173,6 +173,18 @@ def test_reconstruction_scores_of_an_exact_round_trip_match_ground_truth():
   assert scores.colour == scores.shape == scores.direction == scores.background == 1.0
 
 
+def test_reconstruction_scores_take_stills_as_one_frame_clips():
+  class OneFrame(_Identity):
+    def encode(self, video):
+      assert video.ndim == 5 and video.shape[1] == 1, video.shape
+      return _Mean(video)
+
+  data = md_data.ShapesConfig(size=64, frames=None, split="all")
+  error, scores = sm.reconstruction_scores(OneFrame(), data, seed=1, count=6, batch_size=3)
+  assert error == 0.0 and len(scores.analyses) == 6
+  assert scores.colour == scores.shape == scores.position == 1.0
+
+
 def test_reconstruction_scores_see_a_blurred_round_trip():
   class Blank(_Identity):
     def decode(self, latents):

@@ -285,10 +285,13 @@ def reconstruction_scores(
   """How well `vae` keeps the shapes: the mean absolute error (in [-1, 1] pixels) of its reconstructions
   (encoder mean, decoded) of `count` clips of `data`, and md_data's analyser scores of those
   reconstructions against the clips' captions. Run it before training a denoiser on a VAE's latents: the
-  denoiser cannot score better than this."""
+  denoiser cannot score better than this. Still images (`data.frames` None) go through as one-frame clips."""
   if count < 1:
     raise ValueError(f"reconstruction_scores: count must be >= 1, got {count}")
-  roundtrip = jax.jit(lambda v: vae.decode(vae.encode(v).mean))
+  if data.frames is None:
+    roundtrip = jax.jit(lambda v: vae.decode(vae.encode(v[:, None]).mean)[:, 0])
+  else:
+    roundtrip = jax.jit(lambda v: vae.decode(vae.encode(v).mean))
   videos, captions, errors = [], [], []
   for v, caps in _take(shapes_videos(data, seed=seed, batch_size=batch_size), -(-count // batch_size)):
     out = np.clip(np.asarray(roundtrip(jnp.asarray(v))), -1.0, 1.0)
