@@ -70,7 +70,7 @@ VARIANTS = {
   ),
   "sd": (
     "md_train.shapes_sd:sd_recipe",
-    dict(steps=6000, checkpoint_every=1500, log_every=10),
+    dict(steps=4000, checkpoint_every=1000, log_every=10),
     dict(
       base="runs/shapes-sd-vae/export",
       size=64,
