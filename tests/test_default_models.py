@@ -211,7 +211,11 @@ def test_wan_vae_recipe_trains_on_stills_as_one_frame_clips():
   config = default_models.get_config("wan-vae")
   config.steps = 2
   config.recipe_options.update(
-    template=str(MODEL), train_frames=1, batch_size=2, foreground_weight=10.0, crop_on_shape=True,
+    template=str(MODEL),
+    train_frames=1,
+    batch_size=2,
+    foreground_weight=10.0,
+    crop_on_shape=True,
     schedule_steps=60,
   )
   recipe = sm.wan_vae_recipe(config)

@@ -293,7 +293,9 @@ def reconstruction_scores(
   else:
     roundtrip = jax.jit(lambda v: vae.decode(vae.encode(v).mean))
   videos, captions, errors = [], [], []
-  for v, caps in _take(shapes_videos(data, seed=seed, batch_size=batch_size), -(-count // batch_size)):
+  for v, caps in _take(
+    shapes_videos(data, seed=seed, batch_size=batch_size), -(-count // batch_size)
+  ):
     out = np.clip(np.asarray(roundtrip(jnp.asarray(v))), -1.0, 1.0)
     errors.append(np.abs(out - v).mean(axis=tuple(range(1, v.ndim))))
     videos.extend((out + 1.0) / 2.0)
