@@ -4,7 +4,6 @@ and a quick quality gate (md_data's analyser on a few prompts) holds. The full q
 `bench/default_models.py --image` (models/shapes-sd/README.md)."""
 
 import pathlib
-import sys
 
 import numpy as np
 import pytest
@@ -14,11 +13,13 @@ import md_data
 import md_sd
 import md_text
 import md_vae
+from md_core import testing
 from md_train import shapes_sd as ss
 from md_train.shapes_models import export_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = ROOT / "models" / "shapes-sd"
+
 
 # The regression floor: 8 prompts of trained colour x shape pairs and 8 of held-out pairs (every other one
 # of `quality_prompts()`), 1 seed, 10 steps, guidance 3. Measured on the shipped model (2026-12-02, 2-core
@@ -90,12 +91,7 @@ def test_latent_std_refuses_too_few_images(pipe):
 
 
 def test_sd_default_variant_is_the_shipped_model():
-  sys.path.insert(0, str(ROOT / "apps" / "configs"))
-  try:
-    import sd
-  finally:
-    sys.path.pop(0)
-  config = sd.get_config("default")
+  config = testing.app_config("sd.py:default")
   assert pathlib.Path(config.model) == MODEL
   assert (config.height, config.width) == (64, 64)
   assert config.negative_prompt == "" and config.guidance_scale == 3.0
@@ -129,12 +125,7 @@ def test_quality_regression_floor(pipe):
 
 
 def _variant(name, **options):
-  sys.path.insert(0, str(ROOT / "apps" / "configs"))
-  try:
-    import default_models
-  finally:
-    sys.path.pop(0)
-  config = default_models.get_config(name)
+  config = testing.app_config(f"default_models.py:{name}")
   config.steps = 2
   config.recipe_options.update(options)
   return config

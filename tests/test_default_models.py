@@ -4,7 +4,6 @@ md's export, the app's default variant points at it, and the evaluation prompts 
 models/shapes-wan/README.md)."""
 
 import pathlib
-import sys
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 import md_core
 import md_data
 import md_wan
+from md_core import testing
 from md_train import shapes_models as sm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,12 +80,7 @@ def test_crops_hold_the_shape_and_masks_mark_it():
 
 
 def test_wan_default_variant_is_the_shipped_model():
-  sys.path.insert(0, str(ROOT / "apps" / "configs"))
-  try:
-    import wan
-  finally:
-    sys.path.pop(0)
-  config = wan.get_config("default")
+  config = testing.app_config("wan.py:default")
   assert pathlib.Path(config.model) == MODEL
   assert (config.height, config.width, config.num_frames) == (64, 64, 9)
   assert config.max_sequence_length == 16 and config.negative_prompt == ""
@@ -203,12 +198,7 @@ def test_reconstruction_scores_refuse_no_clips():
 
 def test_wan_vae_recipe_trains_on_stills_as_one_frame_clips():
   # train_frames=1: still images as one-frame clips through the causal VAE's first-frame path.
-  sys.path.insert(0, str(ROOT / "apps" / "configs"))
-  try:
-    import default_models
-  finally:
-    sys.path.pop(0)
-  config = default_models.get_config("wan-vae")
+  config = testing.app_config("default_models.py:wan-vae")
   config.steps = 2
   config.recipe_options.update(
     template=str(MODEL),

@@ -26,6 +26,13 @@ def fixture_path(name: str) -> pathlib.Path:
   return path
 
 
+def app_config(spec: str):
+  """The config `--config=apps/configs/SPEC` gives an app (`"wan.py:default"`), by the apps' own loader."""
+  from md_core import apps
+
+  return apps._load_config_file(str(repo_root() / "apps" / "configs" / spec))[1]
+
+
 def load_arrays(path: pathlib.Path) -> dict[str, np.ndarray]:
   """Reads an .npz written by the fixture tools into a dict of numpy arrays."""
   with np.load(path) as data:
