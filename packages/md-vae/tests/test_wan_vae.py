@@ -159,6 +159,34 @@ def test_short_clip_and_single_frame_match_reference(name):
   chex.assert_trees_all_close(_to_torch(image), ref["mean5"][:, :, :1], atol=1e-4, rtol=0)
 
 
+def test_inflated_vae_is_the_still_vae_frame_by_frame():
+  # After inflation a clip's latent frame k is the still (one-frame) latent of frame 4k, and a static clip
+  # decodes to its frame, as the one-frame path does.
+  vae = md_vae.load_vae_wan(fixture_path("vae_wan") / "wan21", subfolder=None)
+  md_vae.inflate_wan_vae(vae)
+  frames = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (1, 9, 16, 16, 3)), jnp.float32)
+  graphdef, state = nnx.split(vae)
+  encode = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x).mean)
+  decode = jax.jit(lambda s, z: nnx.merge(graphdef, s).decode(z))
+  clip = encode(state, frames)
+  for k in range(3):
+    still = encode(state, frames[:, 4 * k : 4 * k + 1])
+    chex.assert_trees_all_close(clip[:, k : k + 1], still, atol=1e-5, rtol=0)
+  static = jnp.repeat(frames[:, :1], 9, axis=1)
+  out = decode(state, encode(state, static))
+  one = decode(state, encode(state, frames[:, :1]))
+  chex.assert_trees_all_close(out, jnp.repeat(one, 9, axis=1), atol=1e-5, rtol=0)
+  # Not the identity: before inflation the same clip encodes differently.
+  plain = md_vae.load_vae_wan(fixture_path("vae_wan") / "wan21", subfolder=None)
+  assert float(jnp.abs(plain.encode(frames).mean[:, 1:] - clip[:, 1:]).max()) > 1e-3
+
+
+def test_inflating_a_wan22_vae_is_refused():
+  vae = nnx.eval_shape(lambda: md_vae.WanVAE(md_vae.WAN_VARIANTS["tiny-2.2"], rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="is_residual"):
+    md_vae.inflate_wan_vae(vae)
+
+
 def test_chunked_decode_memory_does_not_grow_with_frames():
   vae = nnx.eval_shape(lambda: md_vae.WanVAE(md_vae.WAN_VARIANTS["tiny"], rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(vae)  # shapes only: compiled, never run

@@ -64,7 +64,7 @@ from md_vae._ltx_vae_weights import (
 )
 
 # Wan 2.1 / 2.2 causal video VAE.
-from md_vae._wan import WanLatentDist, WanVAE, video_to_uint8
+from md_vae._wan import WanLatentDist, WanVAE, inflate_wan_vae, video_to_uint8
 from md_vae._wan_config import WAN_VARIANTS, WanVAEConfig
 from md_vae._wan_weights import (
   load_vae_wan,
@@ -105,6 +105,7 @@ __all__ = [
   "WanLatentDist",
   "WanVAE",
   "WanVAEConfig",
+  "inflate_wan_vae",
   "load_vae_wan",
   "load_vae_wan_original",
   "vae_wan_convert_key",

@@ -22,6 +22,7 @@ from md_vae._wan_blocks import (
   WanCausalConv3d,
   WanDecoder3d,
   WanEncoder3d,
+  WanResample,
   _Caches,
   _patchify,
   _unpatchify,
@@ -330,3 +331,41 @@ def video_to_uint8(video: jax.Array) -> jax.Array:
     raise ValueError(f"expected decoded frames [B, F, H, W, 3]; got shape {video.shape}")
   x = jnp.clip(video.astype(_F32) * 0.5 + 0.5, 0.0, 1.0)
   return jnp.round(x * 255.0).astype(jnp.uint8)
+
+
+def inflate_wan_vae(vae: WanVAE) -> None:
+  """Makes a Wan VAE trained on still images (one-frame clips) a clip VAE that starts as that still VAE,
+  frame by frame, in place.
+
+  A one-frame clip runs only the last temporal tap of each causal `(3, k, k)` convolution (the taps before
+  it see the zero padding) and none of the temporal resamplers, so those weights are still at their random
+  init. Here every causal convolution keeps only its last tap (the others are zeroed: each frame then goes
+  through the still VAE's spatial filters), each temporal upsampler copies its frame into both of its output
+  frames, and each temporal downsampler keeps the later frame of each pair. A clip's latent frame then holds
+  the last frame of its chunk, and the decoder repeats it; training on clips
+  (md_train's `wan_vae_recipe` with `train_frames > 1`) learns the motion from there.
+
+  Raises:
+    ValueError: a Wan 2.2 VAE (`is_residual`), whose level shortcuts average frames, so no setting of the
+      weights makes it the still VAE frame by frame.
+  """
+  if vae.config.is_residual:
+    raise ValueError(
+      "inflate_wan_vae: a Wan 2.2 VAE (is_residual=True) averages frames in its level shortcuts; only the "
+      "Wan 2.1 layout can be inflated"
+    )
+  resamplers = [n for _, n in nnx.iter_graph(vae) if isinstance(n, WanResample)]
+  time_convs = {id(r.time_conv) for r in resamplers if r.time_conv is not None}
+  for _, node in nnx.iter_graph(vae):
+    if isinstance(node, WanCausalConv3d) and id(node) not in time_convs:
+      if node.kernel_size[0] > 1:
+        node.kernel[...] = node.kernel[...].at[:-1].set(0.0)
+  for r in resamplers:
+    if r.time_conv is None:
+      continue
+    k = r.time_conv.kernel[...]  # [3, 1, 1, C, C or 2C]
+    c = k.shape[3]
+    eye = jnp.eye(c, dtype=k.dtype)
+    tap = jnp.concatenate([eye, eye], axis=1) if k.shape[4] == 2 * c else eye
+    r.time_conv.kernel[...] = jnp.zeros_like(k).at[-1, 0, 0].set(tap)
+    r.time_conv.bias[...] = jnp.zeros_like(r.time_conv.bias[...])
