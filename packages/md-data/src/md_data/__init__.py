@@ -1,6 +1,7 @@
 """md-data: datasets and input pipelines for md. This part: the procedural shapes dataset and its analyser."""
 
 from md_data._analyse import Analysis, Scores, analyse, score
+from md_data._example import decode_example, encode_example, parse_tensor, serialize_tensor
 from md_data._grammar import (
   BACKGROUNDS,
   COLOURS,
@@ -18,8 +19,34 @@ from md_data._grammar import (
   vocabulary,
 )
 from md_data._shapes import ShapesBatch, ShapesConfig, ShapesIterator, ShapesSample, shapes_sample
+from md_data._tfrecord import (
+  CAPTION_FEATURES,
+  IMAGE_FEATURE,
+  LATENT_FEATURES,
+  TIMESTEPS_FEATURE,
+  TFRecordIterator,
+  image_example,
+  latent_example,
+  read_image_records,
+  read_latent_records,
+  write_tfrecord,
+)
 
 __all__ = [
+  "CAPTION_FEATURES",
+  "IMAGE_FEATURE",
+  "LATENT_FEATURES",
+  "TIMESTEPS_FEATURE",
+  "TFRecordIterator",
+  "decode_example",
+  "encode_example",
+  "image_example",
+  "latent_example",
+  "parse_tensor",
+  "read_image_records",
+  "read_latent_records",
+  "serialize_tensor",
+  "write_tfrecord",
   "BACKGROUNDS",
   "COLOURS",
   "DIRECTIONS",
