@@ -2,6 +2,7 @@
 
 from md_data._analyse import Analysis, Scores, analyse, score
 from md_data._example import decode_example, encode_example, parse_tensor, serialize_tensor
+from md_data._grain import GrainIterator, stack_batch
 from md_data._grammar import (
   BACKGROUNDS,
   COLOURS,
@@ -19,6 +20,7 @@ from md_data._grammar import (
   vocabulary,
 )
 from md_data._shapes import ShapesBatch, ShapesConfig, ShapesIterator, ShapesSample, shapes_sample
+from md_data._sources import ArrayRecordSource, FolderSource, write_array_record
 from md_data._tfrecord import (
   CAPTION_FEATURES,
   IMAGE_FEATURE,
@@ -33,6 +35,11 @@ from md_data._tfrecord import (
 )
 
 __all__ = [
+  "ArrayRecordSource",
+  "FolderSource",
+  "GrainIterator",
+  "stack_batch",
+  "write_array_record",
   "CAPTION_FEATURES",
   "IMAGE_FEATURE",
   "LATENT_FEATURES",
