@@ -2,6 +2,7 @@
 
 from md_data._analyse import Analysis, Scores, analyse, score
 from md_data._example import decode_example, encode_example, parse_tensor, serialize_tensor
+from md_data._global import DATA_AXES, BatchSizes, GlobalBatches, batch_sizes
 from md_data._grain import GrainIterator, stack_batch
 from md_data._grammar import (
   BACKGROUNDS,
@@ -21,6 +22,7 @@ from md_data._grammar import (
 )
 from md_data._shapes import ShapesBatch, ShapesConfig, ShapesIterator, ShapesSample, shapes_sample
 from md_data._sources import ArrayRecordSource, FolderSource, write_array_record
+from md_data._synthetic import FAMILY_SHAPES, SyntheticConfig, SyntheticIterator
 from md_data._tfrecord import (
   CAPTION_FEATURES,
   IMAGE_FEATURE,
@@ -35,6 +37,13 @@ from md_data._tfrecord import (
 )
 
 __all__ = [
+  "DATA_AXES",
+  "FAMILY_SHAPES",
+  "BatchSizes",
+  "GlobalBatches",
+  "SyntheticConfig",
+  "SyntheticIterator",
+  "batch_sizes",
   "ArrayRecordSource",
   "FolderSource",
   "GrainIterator",
