@@ -288,4 +288,7 @@ def _blockwise_bwd(causal, scale, block_q, block_kv, window, residuals, d_out):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
-_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+# optimize_remat: under `jax.checkpoint` a policy such as `dots_saveable` would otherwise look inside the
+# forward rule and save every query x key tile's logits (the S^2 memory this kernel exists to avoid); with
+# it the forward rule is one opaque step whose only residuals are the ones it returns.
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd, optimize_remat=True)

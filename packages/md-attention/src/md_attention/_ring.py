@@ -136,4 +136,4 @@ def _ring_bwd(
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
+ring_attention.defvjp(_ring_fwd, _ring_bwd, optimize_remat=True)  # as _blockwise's
