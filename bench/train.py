@@ -204,11 +204,11 @@ def _torch_worker(job: dict) -> dict:
 def _md_side(family: str, preset: dict, folder: str, inputs: dict, warmup: int, steps: int) -> dict:
   import jax
   import jax.numpy as jnp
+  from _flops import count_flops
 
   import md_schedulers as mdsch
   import md_train as mdt
   import md_train.families as mtf
-  from _flops import count_flops
 
   anon_before = _status("RssAnon")
   if family == "sd":
@@ -303,7 +303,7 @@ def _report(results: list[dict], peak: float) -> None:
 
   print(
     f"# md training step vs diffusers + torch.optim.AdamW, f32, "
-    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+    f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
     f"{platform.machine()}, {len(os.sched_getaffinity(0))} core(s) in this process's affinity"
   )
   ref0 = results[0]["ref"]
@@ -347,6 +347,7 @@ def _plan_worker(policy: str, tiny: bool, compile_: bool) -> dict:
   import jax
   import jax.numpy as jnp
   import optax
+  from _flops import count_flops
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec
 
@@ -355,7 +356,6 @@ def _plan_worker(policy: str, tiny: bool, compile_: bool) -> dict:
   import md_train as mdt
   import md_train.families as mtf
   import md_wan
-  from _flops import count_flops
 
   devices = jax.device_count()
   cfg = dataclasses.replace(md_wan.VARIANTS["tiny" if tiny else "2.1-t2v-14b"], remat=policy)
@@ -378,7 +378,9 @@ def _plan_worker(policy: str, tiny: bool, compile_: bool) -> dict:
     sharding = mds.logical_to_sharding(
       md_core.logical_axes(variables[path]) or (None,) * leaf.ndim, mesh, shape=leaf.shape
     )
-    flat.append((path, jax.ShapeDtypeStruct(leaf.shape, model_dtype(path, leaf), sharding=sharding)))
+    flat.append(
+      (path, jax.ShapeDtypeStruct(leaf.shape, model_dtype(path, leaf), sharding=sharding))
+    )
   params = nnx.from_flat_state(flat)
 
   loss_fn = mtf.wan_loss(frozen)
@@ -412,7 +414,9 @@ def _plan_worker(policy: str, tiny: bool, compile_: bool) -> dict:
   b = devices  # one clip per device
   batch_sharding = mdt.batch_sharding(mesh, b)
   batch = dict(
-    latents=jax.ShapeDtypeStruct((b, f, h, w, cfg.in_channels), jnp.bfloat16, sharding=batch_sharding),
+    latents=jax.ShapeDtypeStruct(
+      (b, f, h, w, cfg.in_channels), jnp.bfloat16, sharding=batch_sharding
+    ),
     encoder_hidden_states=jax.ShapeDtypeStruct(
       (b, text, cfg.text_dim), jnp.bfloat16, sharding=batch_sharding
     ),
@@ -463,7 +467,7 @@ def plan(policies: list[str], tiny: bool, compile_: bool, timeout: float) -> Non
     f"# Wan 2.1 14B training step plan{' (tiny variant)' if tiny else ''}: fsdp 8 (virtual CPU "
     "devices), batch 1 per device; bf16 model (f32 tables), f32 master weights + f32 AdamW moments; "
     f"{'compiled (CPU backend) memory_analysis' if compile_ else 'lowered only'}, "
-    f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+    f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
     flush=True,
   )
   print(
