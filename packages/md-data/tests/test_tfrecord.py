@@ -57,6 +57,27 @@ def test_example_round_trips_through_tensorflow():
   assert back["text"] == ["é".encode()]
 
 
+def test_framing_is_tensorflows(tmp_path):
+  path = tmp_path / "tf.tfrecord"
+  with tf.io.TFRecordWriter(str(path)) as writer:
+    for record in (b"", b"x", bytes(range(256)) * 9):
+      writer.write(record)
+  assert list(mdd.iter_tfrecord(path)) == [b"", b"x", bytes(range(256)) * 9]
+  mdd.write_tfrecord(tmp_path / "md.tfrecord", [b"", b"x", bytes(range(256)) * 9])
+  assert (tmp_path / "md.tfrecord").read_bytes() == path.read_bytes()
+
+
+def test_image_record_source(tmp_path):
+  pixels = mdd.shapes_sample(mdd.ShapesConfig(size=32), 0, 0).pixels
+  mdd.write_tfrecord(tmp_path / "a.tfrecord", [mdd.image_example(pixels, "a red star")])
+  source = mdd.TFRecordImageSource(tmp_path, image_size=32)
+  assert len(source) == 1 and source[0]["captions"] == "a red star"
+  np.testing.assert_allclose(source[0]["pixels"], np.round(pixels * 255) / 255, atol=1e-6)
+  mdd.write_tfrecord(tmp_path / "b.tfrecord", [mdd.encode_example({"image": b"x"})])
+  with pytest.raises(ValueError, match=r"b\.tfrecord: record 0 has no feature 'text'"):
+    mdd.TFRecordImageSource(tmp_path)
+
+
 def test_latent_records_read_back_in_maxdiffusion_layout(latent_folder):
   # MaxDiffusion's own parser: FixedLenFeature strings, then tf.io.parse_tensor(float32).
   spec = {k: tf.io.FixedLenFeature([], tf.string) for k in mdd.LATENT_FEATURES}

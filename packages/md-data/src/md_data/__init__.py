@@ -20,8 +20,15 @@ from md_data._grammar import (
   split,
   vocabulary,
 )
+from md_data._prepare import ShardReport, shard_name, write_latent_shards
 from md_data._shapes import ShapesBatch, ShapesConfig, ShapesIterator, ShapesSample, shapes_sample
-from md_data._sources import ArrayRecordSource, FolderSource, write_array_record
+from md_data._sources import (
+  ArrayRecordSource,
+  FolderSource,
+  ShapesSource,
+  TFRecordImageSource,
+  write_array_record,
+)
 from md_data._synthetic import FAMILY_SHAPES, SyntheticConfig, SyntheticIterator
 from md_data._tfrecord import (
   CAPTION_FEATURES,
@@ -30,6 +37,7 @@ from md_data._tfrecord import (
   TIMESTEPS_FEATURE,
   TFRecordIterator,
   image_example,
+  iter_tfrecord,
   latent_example,
   read_image_records,
   read_latent_records,
@@ -37,6 +45,12 @@ from md_data._tfrecord import (
 )
 
 __all__ = [
+  "iter_tfrecord",
+  "TFRecordImageSource",
+  "ShapesSource",
+  "ShardReport",
+  "shard_name",
+  "write_latent_shards",
   "DATA_AXES",
   "FAMILY_SHAPES",
   "BatchSizes",

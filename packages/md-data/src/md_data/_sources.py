@@ -21,11 +21,13 @@ import numpy as np
 from PIL import Image
 
 from md_data._example import decode_example, parse_tensor
+from md_data._shapes import ShapesConfig, shapes_sample
 from md_data._tfrecord import (
   CAPTION_FEATURES,
   IMAGE_FEATURE,
   LATENT_FEATURES,
   TIMESTEPS_FEATURE,
+  iter_tfrecord,
   record_files,
 )
 
@@ -196,6 +198,27 @@ class FolderSource:
     return f"FolderSource({str(self.root)!r}, {len(self)} items)"
 
 
+class ShapesSource:
+  """`count` samples of the procedural shapes dataset as a random-access source (`{"pixels", "captions"}`)."""
+
+  def __init__(self, config: ShapesConfig | None = None, *, seed: int = 0, count: int = 64):
+    if count < 1:
+      raise ValueError(f"ShapesSource: count must be positive, got {count}")
+    self.config, self.seed, self.count = config or ShapesConfig(), int(seed), int(count)
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    if not 0 <= index < self.count:
+      raise IndexError(f"ShapesSource: index {index} out of range [0, {self.count})")
+    sample = shapes_sample(self.config, self.seed, int(index))
+    return {"pixels": sample.pixels, "captions": sample.caption}
+
+  def __repr__(self) -> str:
+    return f"ShapesSource({self.config}, seed={self.seed}, count={self.count})"
+
+
 class ArrayRecordSource:
   """Records of ArrayRecord files, each a serialized `tf.train.Example` in the TFRecord layouts.
 
@@ -261,6 +284,45 @@ class ArrayRecordSource:
 
   def __repr__(self) -> str:
     return f"ArrayRecordSource({len(self._files)} files, {len(self)} records)"
+
+
+class TFRecordImageSource:
+  """Raw-image TFRecords (`image` + `text` / `caption`) as a random-access source (no TensorFlow needed).
+
+  The encoded images and captions are read into memory once (decoded on access), which suits preparing a
+  dataset of compressed images; stream large ones with `read_image_records` instead.
+  """
+
+  def __init__(
+    self,
+    source: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    image_size: int | tuple[int, int] | None = None,
+  ):
+    self._size = (image_size, image_size) if isinstance(image_size, int) else image_size
+    self._items: list[tuple[bytes, str, str]] = []
+    for f in record_files(source, "TFRecordImageSource"):
+      for n, record in enumerate(iter_tfrecord(f)):
+        features = decode_example(record)
+        caption = next((c for c in CAPTION_FEATURES if c in features), None)
+        for name in (IMAGE_FEATURE, caption or CAPTION_FEATURES[0]):
+          if name not in features:
+            raise ValueError(
+              f"{f}: record {n} has no feature {name!r} (it has "
+              f"{', '.join(sorted(features)) or 'none'}); image records need image and text"
+            )
+        self._items.append(
+          (features[IMAGE_FEATURE][0], features[caption][0].decode(), f"{f}: record {n}")
+        )
+    if not self._items:
+      raise ValueError(f"TFRecordImageSource: {source} holds no records")
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def __getitem__(self, index: int) -> dict[str, Any]:
+    data, text, where = self._items[index]
+    return {"pixels": _decode_image(data, self._size, where), "captions": text}
 
 
 def write_array_record(path: str | os.PathLike, examples) -> int:

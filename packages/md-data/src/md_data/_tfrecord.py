@@ -1,11 +1,12 @@
-"""TFRecord files in MaxDiffusion's layouts, written and read with tf.data (extra: `md-data[tfrecord]`).
+"""TFRecord files in MaxDiffusion's layouts: written here, read with tf.data (extra: `md-data[tfrecord]`).
 
 Cached latents (what MaxDiffusion's training reads when `cache_latents_text_encoder_outputs` is set): each
 record is a `tf.train.Example` whose `latents` and `encoder_hidden_states` features hold one
 `tf.io.serialize_tensor` float tensor each (bytes features), plus an int64 `timesteps` on held-out eval
 records. Raw images: an `image` bytes feature (an encoded PNG or JPEG) and a `text` caption (`caption` is
 read too). md writes latents in its own channels-last layout (`[h, w, c]`, video `[f, h, w, c]`); MaxDiffusion
-writes channels first.
+writes channels first. Writing and the checks before reading need no TensorFlow (framing, examples and
+tensors are encoded in md-data); the batched reader is a tf.data pipeline.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import glob
 import io
 import os
 import pathlib
+import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -89,26 +91,71 @@ def image_example(image: Any, caption: str, *, format: str = "png") -> bytes:
   return encode_example({IMAGE_FEATURE: image, CAPTION_FEATURES[0]: caption})
 
 
+def _masked_crc(data: bytes) -> int:
+  """TFRecord's checksum: CRC-32C, rotated right by 15 bits plus a constant (tensorflow/core/lib/hash/crc32c.h)."""
+  import google_crc32c
+
+  crc = google_crc32c.value(data)
+  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _frame(record: bytes) -> bytes:
+  header = struct.pack("<Q", len(record))
+  return (
+    header
+    + struct.pack("<I", _masked_crc(header))
+    + record
+    + struct.pack("<I", _masked_crc(record))
+  )
+
+
 def write_tfrecord(path: str | os.PathLike, examples: Iterable[bytes]) -> int:
   """Writes serialized examples to one TFRecord file, atomically: a temporary name, renamed when complete.
 
   A file at `path` therefore always holds every record it was meant to (an interrupted writer leaves only
-  `<path>.tmp`, which readers skip).
+  `<path>.tmp`, which readers skip). The framing (length, masked CRC-32C of it, data, masked CRC-32C of
+  the data) is written here, without TensorFlow; the tests read the files back with tf.data.
 
   Returns:
     The number of records written.
   """
-  tf = import_tensorflow()
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(path.name + _TMP_SUFFIX)
   count = 0
-  with tf.io.TFRecordWriter(str(tmp)) as writer:
+  with tmp.open("wb") as f:
     for example in examples:
-      writer.write(example)
+      f.write(_frame(bytes(example)))
       count += 1
   os.replace(tmp, path)
   return count
+
+
+def iter_tfrecord(path: str | os.PathLike) -> Iterator[bytes]:
+  """The records of one TFRecord file, checksums verified, without TensorFlow.
+
+  Raises:
+    ValueError: a truncated file or a checksum that does not match (the file and offset named).
+  """
+  path = pathlib.Path(path)
+  with path.open("rb") as f:
+    offset = 0
+    while True:
+      header = f.read(12)
+      if not header:
+        return
+      if len(header) < 12:
+        raise ValueError(f"{path}: truncated record header at byte {offset}")
+      (length,), (crc,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+      if crc != _masked_crc(header[:8]):
+        raise ValueError(f"{path}: not a TFRecord file (bad length checksum at byte {offset})")
+      data, footer = f.read(length), f.read(4)
+      if len(data) < length or len(footer) < 4:
+        raise ValueError(f"{path}: truncated record at byte {offset}")
+      if struct.unpack("<I", footer)[0] != _masked_crc(data):
+        raise ValueError(f"{path}: corrupt record at byte {offset} (data checksum)")
+      offset += 16 + length
+      yield data
 
 
 def record_files(source: str | os.PathLike | Sequence[str | os.PathLike], what: str) -> list[str]:
@@ -216,13 +263,12 @@ class TFRecordIterator:
 
   def _check_features(self, timesteps: bool | None) -> tuple[str, ...]:
     """The features to read, checked on each file's first record (the file and feature named)."""
-    tf = import_tensorflow()
     wanted: list[str] | None = None
     for f in self._files:
-      first = next(iter(tf.data.TFRecordDataset(f).take(1)), None)
+      first = next(iter_tfrecord(f), None)
       if first is None:
         raise ValueError(f"{f}: the file holds no records")
-      have = decode_example(first.numpy())
+      have = decode_example(first)
       if self._kind == "latents":
         need = list(LATENT_FEATURES)
         if timesteps or (timesteps is None and wanted is None and TIMESTEPS_FEATURE in have):
