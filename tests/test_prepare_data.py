@@ -120,3 +120,39 @@ def test_bad_settings_fail_in_one_line(tmp_path, prepared):
   done = _run(args, prepared[1])
   assert done.returncode == 2
   assert f"{empty} holds no images or videos" in done.stderr
+
+
+def test_prepared_records_through_grain_resume_in_fit(prepared, tmp_path):
+  """md_train.fit checkpoints a GrainIterator's position with its state; a run stopped at step 3 and
+  resumed in a fresh iterator ends with the parameters of a straight run, bit for bit."""
+  import grain
+
+  import md_train as mdt
+
+  shards = sorted((prepared[0] / "train").iterdir())
+  records = [r for shard in shards for r in _records(shard)]  # a list is a random-access source
+
+  def loss_fn(params, batch, key):
+    del key
+    return jnp.mean((batch["latents"] - params["w"]) ** 2), {}
+
+  optimizer = mdt.make_optimizer(learning_rate=0.1)
+
+  def recipe():
+    params = {"w": jnp.zeros((1, *records[0]["latents"].shape), jnp.float32)}  # [1, h, w, c]
+    batches = mdd.GrainIterator(records, batch_size=1, seed=3, shard=grain.sharding.NoSharding())
+    return mdt.Recipe(
+      state=mdt.init_state(params, optimizer),
+      step=mdt.make_train_step(loss_fn, optimizer),
+      batches=batches,
+      fingerprint={"test": "prepare_data"},
+    )
+
+  # Seed 3 draws records 2, 1, 0 | 1, 0, 2: steps 4-5 of the straight run see other records than a
+  # resumed run that restarted its data would, so the equality below needs the saved position.
+  straight = mdt.fit(recipe(), steps=5, progress=False)
+  work = tmp_path / "run"
+  mdt.fit(recipe(), steps=3, workdir=work, checkpoint_every=3, progress=False)
+  resumed = mdt.fit(recipe(), steps=5, workdir=work, checkpoint_every=3, progress=False)
+  assert int(resumed.step) == 5
+  np.testing.assert_array_equal(np.asarray(resumed.params["w"]), np.asarray(straight.params["w"]))
