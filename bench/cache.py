@@ -44,10 +44,10 @@ def policies(steps: int, family: str) -> dict:
   out = {
     "taylorseer": md_cache.taylorseer(3, warmup_steps=3),
     "sencache": md_cache.sencache(0.1),
-    "faster_cache": md_cache.faster_cache(5, timestep_range=(-1, 900)),
+    "faster_cache": md_cache.faster_cache(),
   }
   if family.startswith("sd"):
-    out["deepcache"] = md_cache.deepcache(3)
+    out["deepcache"] = md_cache.deepcache()
   else:  # block-level policies need transformer block stacks
     out["first_block_cache"] = md_cache.first_block_cache(0.1)
     out["teacache"] = md_cache.teacache(0.2)

@@ -76,7 +76,11 @@ POLICIES = {
   ),
   "teacache": (lambda: md_cache.teacache(0.0), lambda: md_cache.teacache(1e9), [1, 0, 0, 1]),
   "sencache": (lambda: md_cache.sencache(-1.0), lambda: md_cache.sencache(1e9), [1, 0, 0, 1]),
-  "deepcache": (lambda: md_cache.deepcache(1), lambda: md_cache.deepcache(2), [1, 0, 1, 0]),
+  "deepcache": (
+    lambda: md_cache.deepcache(1),
+    lambda: md_cache.deepcache(2, start=0),
+    [1, 0, 1, 0],
+  ),
   "faster_cache": (
     lambda: md_cache.faster_cache(1),
     lambda: md_cache.faster_cache(2, timestep_range=(-1, 2000)),
