@@ -1,15 +1,18 @@
 """md's default video model (models/shapes-wan): it loads with md's loaders, its weights round-trip through
-md's export, the app's default variant points at it, and the evaluation prompts hold out the unseen pairs
-(the quality gate of the issue is measured by bench/default_models.py; the model does not pass it yet, see
-models/shapes-wan/README.md)."""
+md's export, the app's default variant points at it, the evaluation prompts hold out the unseen pairs, and
+a quick quality floor holds (the issue's quality gate is measured by bench/default_models.py; the model
+follows colour and background but not yet shape or direction, see models/shapes-wan/README.md)."""
 
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import md_core
 import md_data
+import md_vae
 import md_wan
 from md_core import testing
 from md_train import shapes_models as sm
@@ -21,6 +24,23 @@ MODEL = ROOT / "models" / "shapes-wan"
 @pytest.fixture(scope="module")
 def pipe():
   return md_wan.load_pipeline(MODEL)
+
+
+# The regression floor: every other prompt of `quality_prompts()` (8 held-out and 8 trained colour x shape
+# pairs), seed 0, 10 steps, guidance 3. Measured on the shipped model (2026-12-03, 2-core CPU): held-out
+# colour 4/8, background 8/8; trained colour 6/8, background 8/8; shape 0/8 and 2/8, direction 0/8 and 1/8
+# (chance: the transformer has not learned them). Each floor is one miss under the measurement.
+FLOOR = {"held_out": dict(colour=3, background=7), "train": dict(colour=5, background=7)}
+
+
+def test_quality_regression_floor(pipe):
+  prompts = {group: texts[::2][:8] for group, texts in sm.quality_prompts().items()}
+  scores = sm.video_scores(pipe, prompts=prompts, seeds=(0,), num_inference_steps=10)
+  for group, floor in FLOOR.items():
+    got = scores[group]
+    for field, least in floor.items():
+      hits = round(getattr(got, field) * got.counts[field])
+      assert hits >= least, (group, field, hits, got.analyses)
 
 
 def test_model_folder_is_small_diffusers_layout():
@@ -214,3 +234,44 @@ def test_wan_vae_recipe_trains_on_stills_as_one_frame_clips():
   assert float(batch["mask"].sum()) > 0  # the windows hold the shape
   state, metrics = recipe.step(recipe.state, batch)
   assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
+
+
+def test_wan_vae_clip_stage_trains_only_the_decoder_side(tmp_path):
+  # train_encoder=False: the encoder (and so the latents a transformer trains on) stays as it started.
+  config = testing.app_config("default_models.py:wan-vae")
+  config.steps = 1
+  config.recipe_options.update(
+    template=str(MODEL),
+    batch_size=1,
+    train_frames=5,
+    stats_count=8,
+    schedule_steps=60,
+    warmup_steps=0,
+  )
+  recipe = sm.wan_vae_recipe(config)
+  paths = {
+    "/".join(map(str, p)) for p, _ in jax.tree_util.tree_leaves_with_path(recipe.state.params)
+  }
+  assert paths and all("decoder" in p or "post_quant_conv" in p for p in paths), sorted(paths)[:5]
+  state, metrics = recipe.step(recipe.state, next(recipe.batches))
+  assert np.isfinite(float(metrics["loss"]))
+  out = recipe.export(state, tmp_path / "export")
+  before, after = md_core.open_checkpoint(MODEL / "vae"), md_core.open_checkpoint(out / "vae")
+  encoder = [k for k in before if k.startswith(("encoder.", "quant_conv."))]
+  assert encoder and all(np.array_equal(before[k], after[k]) for k in encoder)
+  assert any(not np.array_equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+
+
+def test_wan_vae_still_stage_exports_the_inflated_vae(tmp_path):
+  # The still stage's export is a clip VAE: each latent frame k is the still latent of frame 4k.
+  config = testing.app_config("default_models.py:wan-vae-still")
+  config.steps = 1
+  config.recipe_options.update(template=str(MODEL), batch_size=2, stats_count=8, schedule_steps=60)
+  recipe = sm.wan_vae_recipe(config)
+  out = recipe.export(recipe.state, tmp_path / "export")
+  vae = md_vae.load_vae_wan(out)
+  clip = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (1, 9, 16, 16, 3)), jnp.float32)
+  latents = vae.encode(clip).mean
+  for k in range(3):
+    still = vae.encode(clip[:, 4 * k : 4 * k + 1]).mean
+    np.testing.assert_allclose(latents[:, k : k + 1], still, atol=1e-5)

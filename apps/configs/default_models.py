@@ -1,13 +1,17 @@
 """md's default models: a tiny Wan 2.1 text-to-video model trained on md_data's moving shapes (models/shapes-wan).
 
 tools/.venv/bin/python tools/default_models/wan_template.py runs/shapes-wan-template   # the random start
-uv run apps/train --config=apps/configs/default_models.py:wan-vae --workdir=runs/shapes-wan-vae
+uv run apps/train --config=apps/configs/default_models.py:wan-vae-still --workdir=runs/shapes-wan-vae-still
 uv run apps/train --config=apps/configs/default_models.py:wan --workdir=runs/shapes-wan
 cp -r runs/shapes-wan/export/. models/shapes-wan/   # (bash tools/default_models/make.sh does all four)
 
-Variants: wan-vae (stage 1: the causal Wan VAE from its random init; exports the template folder with the
-trained vae/ and its latent statistics), wan (stage 2: the transformer on that VAE's latents; exports the
-whole pipeline). Recipes: `md_train.shapes_models`. The UMT5 text encoder stays at its random init (frozen).
+Variants: wan-vae-still (stage 1: the causal Wan VAE from its random init, on still images as one-frame
+clips; exports the template folder with that VAE inflated to a clip VAE, `md_vae.inflate_wan_vae`, and its
+latent statistics), wan (stage 2: the transformer on those latents; exports the whole pipeline), and
+wan-vae (optional, not in the shipped model: the VAE's decoder side fine-tuned on 9-frame clips, the
+encoder and so the latents kept; measured, it made the clip reconstructions' shapes worse). Recipes:
+`md_train.shapes_models`. The UMT5 text encoder stays at its random init (frozen, its residual branches
+scaled down by the template).
 """
 
 import ml_collections
@@ -15,33 +19,56 @@ import ml_collections
 from md_core import apps as md_apps
 
 VARIANTS = {
-  "wan-vae": (
+  "wan-vae-still": (
     "md_train.shapes_models:wan_vae_recipe",
-    dict(steps=60, checkpoint_every=30),
+    dict(steps=3000, checkpoint_every=500),
     dict(
       template="runs/shapes-wan-template",
       size=64,
       frames=9,
-      train_frames=5,
+      train_frames=1,
       crop=32,
-      batch_size=8,
+      batch_size=16,
       learning_rate=2e-3,
-      warmup_steps=10,
+      warmup_steps=20,
       kl_weight=1e-4,
-      foreground_weight=0.0,
-      crop_on_shape=False,
+      foreground_weight=10.0,
+      crop_on_shape=True,
       schedule_steps=0,
       stats_count=64,
+      inflate_export=True,
+      train_encoder=True,
+    ),
+  ),
+  "wan-vae": (
+    "md_train.shapes_models:wan_vae_recipe",
+    dict(steps=600, checkpoint_every=100),
+    dict(
+      template="runs/shapes-wan-vae-still/export",
+      size=64,
+      frames=9,
+      train_frames=9,
+      crop=32,
+      batch_size=2,
+      learning_rate=1e-3,
+      warmup_steps=20,
+      kl_weight=1e-4,
+      foreground_weight=10.0,
+      crop_on_shape=True,
+      schedule_steps=0,
+      stats_count=64,
+      inflate_export=False,
+      train_encoder=False,
     ),
   ),
   "wan": (
     "md_train.shapes_models:wan_recipe",
-    dict(steps=1000, checkpoint_every=250, log_every=10),
+    dict(steps=1500, checkpoint_every=250, log_every=10),
     dict(
-      base="runs/shapes-wan-vae/export",
+      base="runs/shapes-wan-vae-still/export",
       size=64,
       frames=9,
-      num_clips=512,
+      num_clips=1024,
       batch_size=16,
       learning_rate=2e-3,
       warmup_steps=20,

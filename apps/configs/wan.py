@@ -81,10 +81,10 @@ VARIANTS = {
     flow_shift=5.0,
   ),
   # md's own shapes model (models/shapes-wan, trained by apps/configs/default_models.py): what
-  # `uv run apps/wan_generate --config.prompt="a green triangle moving up"` runs without --config.
+  # `uv run apps/wan_generate --config.prompt="a green triangle moving up on a black background"` runs without --config.
   "default": dict(
     model=_SHAPES_MODEL,
-    prompt="a green triangle moving up",
+    prompt="a green triangle moving up on a black background",
     negative_prompt="",
     height=64,
     width=64,

@@ -1,6 +1,6 @@
 """wan_generate: Wan 2.1 / 2.2 videos with md-wan; writes MP4s and the settings used.
 
-uv run apps/wan_generate --config.prompt="a green triangle moving up"   # md's shapes model (no --config)
+uv run apps/wan_generate --config.prompt="a green triangle moving up on a black background"   # md's shapes model (no --config)
 uv run apps/wan_generate --config=apps/configs/wan.py:2.1-t2v-1.3b --config.prompt="a cat surfing" --workdir=out
 uv run apps/wan_generate --help --config=apps/configs/wan.py:tiny   # the variants, keys and values
 """

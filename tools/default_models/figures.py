@@ -1,6 +1,6 @@
 """The model card's figures: loss curves (PNG, drawn with PIL from the runs' metrics.jsonl) and a sample grid.
 
-uv run python tools/default_models/figures.py runs/shapes-wan-vae runs/shapes-wan models/shapes-wan
+uv run python tools/default_models/figures.py runs/shapes-wan-vae-still runs/shapes-wan-vae runs/shapes-wan models/shapes-wan
 
 Writes models/shapes-wan/loss.png (each stage's training loss against its step, log scale) and
 models/shapes-wan/samples.png (one row per prompt: the 9 frames of a 20-step, guidance-3 video, seed 0).
@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 PROMPTS = (
-  "a green triangle moving up",
+  "a green triangle moving up on a black background",
   "a red circle moving right on a black background",
   "a blue square moving left on a white background",
   "a yellow star moving down on a gray background",

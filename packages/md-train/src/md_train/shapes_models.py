@@ -217,12 +217,18 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   `recipe_options`: `template` (the starting pipeline folder), `size`, `frames` (of the exported latent
   statistics' clips), `train_frames` and `crop` (the training clips: frames and a random square window),
   `batch_size`, `learning_rate`, `warmup_steps`, `kl_weight`, `foreground_weight` (extra weight of the
-  shapes' pixels), `crop_on_shape`, `stats_count` (clips for the latent
-  statistics).
+  shapes' pixels), `crop_on_shape`, `stats_count` (clips for the latent statistics), and optionally
+  `inflate_export` (export the still-trained VAE inflated to a clip VAE, `md_vae.inflate_wan_vae`) and
+  `train_encoder` (False: train only the decoder side, so the latents, and a transformer trained on them,
+  stay those of the starting VAE).
   """
   config = _options(app_config)
   vae = md_vae.load_vae_wan(config.template)
-  frozen, params = split_trainable(vae)
+  if config.get("train_encoder", True):
+    frozen, params = split_trainable(vae)
+  else:
+    decoder_side = nnx.Any(nnx.PathContains("decoder"), nnx.PathContains("post_quant_conv"))
+    frozen, params = split_trainable(vae, nnx.All(nnx.Param, decoder_side))
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
   foreground = float(config.get("foreground_weight", 0.0))
@@ -251,6 +257,8 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     out = pathlib.Path(out)
     _copy_folder(config.template, out)
     model = frozen.merge(state.params)
+    if config.get("inflate_export", False):
+      md_vae.inflate_wan_vae(model)
     mean, std = latent_statistics(model, data, seed=config.seed + 1, count=config.stats_count)
     save_component(out / "vae", model, md_vae.vae_wan_convert_key)
     cfg_path = out / "vae" / "config.json"
@@ -473,6 +481,7 @@ def quality_prompts() -> dict[str, tuple[str, ...]]:
 def video_scores(
   pipe: md_wan.WanVideoPipeline,
   *,
+  prompts: dict[str, tuple[str, ...]] | None = None,
   seeds: tuple[int, ...] = (0, 1),
   num_inference_steps: int = 20,
   guidance_scale: float = 3.0,
@@ -480,9 +489,9 @@ def video_scores(
   size: int = 64,
   frames: int = 9,
 ) -> dict[str, md_data.Scores]:
-  """md_data's analyser on videos of `quality_prompts()` (each prompt once per seed): `Scores` per group
-  (`held_out`, `train`) and over `all`."""
-  groups = quality_prompts()
+  """md_data's analyser on videos of `prompts` (default `quality_prompts()`; each prompt once per seed):
+  `Scores` per group (`held_out`, `train` by default) and over `all`."""
+  groups = quality_prompts() if prompts is None else prompts
   prompts = [p for group in groups.values() for p in group]
   videos = np.stack(
     [
