@@ -1,12 +1,11 @@
 import json
 
+import grain  # noqa: E402  (a dev dependency: missing, the suite must fail, not skip)
 import numpy as np
 import pytest
 from PIL import Image
 
 import md_data as mdd
-
-grain = pytest.importorskip("grain")
 
 CONFIG = mdd.ShapesConfig(size=24)
 

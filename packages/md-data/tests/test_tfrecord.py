@@ -2,10 +2,9 @@ import json
 
 import numpy as np
 import pytest
+import tensorflow as tf  # noqa: E402  (a dev dependency: missing, the suite must fail, not skip)
 
 import md_data as mdd
-
-tf = pytest.importorskip("tensorflow")
 
 
 def _latents(i):
