@@ -23,7 +23,7 @@ from PIL import Image
 import md_sd
 import md_serve
 import md_wan
-from md_core import testing
+from md_core import media, testing
 
 STEPS = 4
 LONG = 300  # steps of the runs that are cancelled (one more compiled program, shared)
@@ -237,19 +237,37 @@ def test_bad_requests_name_the_field(served, body, param, words):
   assert err["param"] == param and words in err["message"], err
 
 
-def test_video_generation_is_an_animated_gif(served):
+def test_video_generation_is_an_mp4_or_a_gif(served, tmp_path):
   _, client, _, _ = served
   body = {"prompt": "a cat walking", "size": "16x16", "num_frames": 5, "steps": 2, "n": 2}
   r = client.post("/v1/videos/generations", json=body)
   assert r.status_code == 200, r.text
   data = r.json()["data"]
-  assert len(data) == 2 and data[0]["mime_type"] == "image/gif"
-  gif = Image.open(io.BytesIO(base64.b64decode(data[0]["b64_json"])))
+  assert len(data) == 2 and data[0]["mime_type"] == "video/mp4"
+  mp4 = tmp_path / "result.mp4"
+  mp4.write_bytes(base64.b64decode(data[0]["b64_json"]))
+  info = media.video_info(mp4)
+  assert (info["num_frames"], info["width"], info["height"]) == (5, 16, 16), info
+  gif_r = client.post("/v1/videos/generations", json={**body, "video_format": "gif"})
+  assert gif_r.status_code == 200, gif_r.text
+  item = gif_r.json()["data"][0]
+  assert item["mime_type"] == "image/gif"
+  gif = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
   assert gif.n_frames == 5 and gif.size == (16, 16)
+  # The same seed: the GIF's first frame is the MP4's first frame, up to H.264's loss.
+  first = media.load_video(mp4, max_frames=1)[0] * 255.0  # floats in [0, 1]
+  assert np.abs(first - np.asarray(gif.convert("RGB"), np.float32)).mean() < 12
+  url = client.post("/v1/videos/generations", json={**body, "response_format": "url"})
+  file = client.get(url.json()["data"][0]["url"])
+  assert file.status_code == 200 and file.headers["content-type"] == "video/mp4"
+  assert file.content == base64.b64decode(data[0]["b64_json"])  # same seed, same bytes
+  fmt = client.post("/v1/videos/generations", json={**body, "video_format": "webm"})
+  assert fmt.status_code == 400 and fmt.json()["error"]["param"] == "video_format"
   bad = client.post("/v1/videos/generations", json={**body, "num_frames": 4})
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_frames"
-  wrong = client.post("/v1/images/generations", json={"prompt": "a cat", "num_frames": 5})
-  assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "num_frames"
+  for field in ("num_frames", "video_format"):
+    wrong = client.post("/v1/images/generations", json={"prompt": "a cat", field: 5})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == field
   kind = client.post("/v1/videos/generations", json={"prompt": "a cat", "model": "sd-tiny"})
   assert kind.status_code == 400 and "video models: ['wan-tiny']" in kind.json()["error"]["message"]
 
@@ -353,7 +371,7 @@ def _chromium():
 
 def test_web_page_in_headless_chromium(served, tmp_path):
   from selenium.webdriver.common.by import By
-  from selenium.webdriver.support.ui import WebDriverWait
+  from selenium.webdriver.support.ui import Select, WebDriverWait
 
   server, _, _, _ = served
   driver = _chromium()
@@ -390,5 +408,22 @@ def test_web_page_in_headless_chromium(served, tmp_path):
     assert png.size[0] >= 800 and np.asarray(png).std() > 1  # a drawn page, not a blank one
     driver.refresh()  # the gallery is this browser's: it survives a reload
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#gallery img")) == 1)
+    # A video model's result is an MP4 that plays in a <video> element.
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#model option[value='wan-tiny']"))
+    Select(driver.find_element(By.ID, "model")).select_by_value("wan-tiny")
+    assert driver.find_element(By.ID, "size").get_attribute("value") == "16x16"
+    driver.find_element(By.ID, "prompt").send_keys("a cat walking")
+    driver.find_element(By.ID, "go").click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#result video.result"), "no video shown")
+    video = driver.find_element(By.CSS_SELECTOR, "#result video.result")
+    assert video.get_attribute("src").startswith("data:video/mp4;base64,")
+    wait.until(
+      lambda d: d.execute_script("return arguments[0].readyState", video) >= 2,
+      "the browser did not decode the MP4",
+    )
+    assert driver.execute_script(
+      "return [arguments[0].videoWidth, arguments[0].videoHeight]", video
+    ) == [16, 16]
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#gallery video")) == 1
   finally:
     driver.quit()

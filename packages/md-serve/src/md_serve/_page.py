@@ -1,8 +1,9 @@
 """The web page at `/`: plain HTML and a little JavaScript, no build step.
 
 A prompt box, model / LoRA / size / steps choices, a progress bar fed by the job's server-sent events (with
-the latent preview where the model sends one), the result as an image (a video shows as an animated GIF),
-and a gallery of this browser's results kept in localStorage.
+the latent preview where the model sends one), the result as an image or a looping video (MP4 in a
+`<video>` element; a GIF request shows as an image), and a gallery of this browser's results kept in
+localStorage.
 """
 
 PAGE = """<!doctype html>
@@ -14,9 +15,9 @@ PAGE = """<!doctype html>
  .row { display: flex; gap: .8rem; flex-wrap: wrap; margin: .6rem 0; align-items: end; }
  label { display: flex; flex-direction: column; font-size: .85rem; }
  progress { width: 100%; height: 1.2rem; }
- #result img, #preview img { image-rendering: pixelated; width: 256px; border: 1px solid #ccc; }
+ #result img, #result video, #preview img { image-rendering: pixelated; width: 256px; border: 1px solid #ccc; }
  #gallery { display: flex; flex-wrap: wrap; gap: .4rem; }
- #gallery img { width: 96px; image-rendering: pixelated; border: 1px solid #ddd; }
+ #gallery img, #gallery video { width: 96px; image-rendering: pixelated; border: 1px solid #ddd; }
  .error { color: #b00; }
 </style></head>
 <body>
@@ -48,16 +49,27 @@ window.mdProgress = [];  // the steps the bar was set to, in order (for tests an
 const auth = () => $("token").value ? {"Authorization": "Bearer " + $("token").value} : {};
 const q = () => $("token").value ? "?token=" + encodeURIComponent($("token").value) : "";
 
+function media(src) {
+  // An MP4 result plays in a muted looping <video>; images and GIFs are <img>.
+  const video = src.startsWith("data:video/");
+  const el = document.createElement(video ? "video" : "img");
+  if (video) { el.autoplay = true; el.loop = true; el.muted = true; el.playsInline = true; }
+  el.src = src; return el;
+}
 function gallery() {
   const items = JSON.parse(localStorage.getItem("md-gallery") || "[]");
   $("gallery").replaceChildren(...items.map((it) => {
-    const img = document.createElement("img"); img.src = it.src; img.title = it.prompt; return img;
+    const el = media(it.src); el.title = it.prompt; return el;
   }));
 }
 function remember(src, prompt) {
   const items = JSON.parse(localStorage.getItem("md-gallery") || "[]");
   items.unshift({src, prompt});
-  localStorage.setItem("md-gallery", JSON.stringify(items.slice(0, 24)));
+  // localStorage holds a few MB: when it is full, the oldest results go first.
+  for (let keep = Math.min(items.length, 24); keep > 0; keep--) {
+    try { localStorage.setItem("md-gallery", JSON.stringify(items.slice(0, keep))); break; }
+    catch (e) { if (keep === 1) console.warn("gallery: result too large to keep", e); }
+  }
   gallery();
 }
 function pickModel() {
@@ -107,9 +119,8 @@ $("form").addEventListener("submit", async (ev) => {
     const done = await (await fetch("/v1/jobs/" + job.id, {headers: auth()})).json();
     $("status").textContent = done.status + (done.error ? ": " + done.error : "");
     for (const item of done.data || []) {
-      const img = document.createElement("img");
-      img.src = "data:" + item.mime_type + ";base64," + item.b64_json; img.className = "result";
-      $("result").appendChild(img); remember(img.src, body.prompt);
+      const el = media("data:" + item.mime_type + ";base64," + item.b64_json); el.className = "result";
+      $("result").appendChild(el); remember(el.src, body.prompt);
     }
   };
   for (const name of ["succeeded", "failed", "cancelled"]) es.addEventListener(name, finish);

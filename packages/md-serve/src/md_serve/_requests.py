@@ -28,11 +28,14 @@ _FIELDS = {
   "cache_options": "options of the cache policy",
   "loras": 'adapters from the registry: [{"name": ..., "scale": ...}]',
   "num_frames": "video frames (videos only)",
+  "video_format": '"mp4" (default) or "gif" (videos only)',
   "search": '{"budget": int, "method": "random" | "zero_order" | "path"}: inference-time search',
   "wait": "true (default): answer with the result; false: answer 202 with the job at once",
   "user": "ignored (OpenAI clients send it)",
 }
 _FORMATS = ("b64_json", "url")
+_VIDEO_FORMATS = ("mp4", "gif")
+_VIDEO_ONLY = ("num_frames", "video_format")
 _METHODS = ("random", "zero_order", "path")
 
 
@@ -64,6 +67,7 @@ class GenRequest:
   cache_options: tuple = ()
   loras: tuple[tuple[str, float], ...] = ()
   response_format: str = "b64_json"
+  video_format: str = "mp4"
   search: tuple = ()
   wait: bool = True
 
@@ -134,7 +138,7 @@ def parse_request(
   if not isinstance(body, dict):
     raise RequestError("body", f"the body must be a JSON object, got {type(body).__name__}")
   for key in body:
-    if key not in _FIELDS or (key == "num_frames" and kind != "video"):
+    if key not in _FIELDS or (key in _VIDEO_ONLY and kind != "video"):
       near = difflib.get_close_matches(str(key), list(_FIELDS), n=1)
       hint = f" (did you mean {near[0]!r}?)" if near else ""
       raise RequestError(key, f"unknown field {key!r}{hint}; known: {sorted(_FIELDS)}")
@@ -161,6 +165,11 @@ def parse_request(
   fmt = _str(body, "response_format", "b64_json")
   if fmt not in _FORMATS:
     raise RequestError("response_format", f"response_format must be one of {_FORMATS}, got {fmt!r}")
+  video_format = _str(body, "video_format", "mp4")
+  if video_format not in _VIDEO_FORMATS:
+    raise RequestError(
+      "video_format", f"video_format must be one of {_VIDEO_FORMATS}, got {video_format!r}"
+    )
   guidance = body.get("guidance", 5.0)
   if isinstance(guidance, bool) or not isinstance(guidance, int | float) or guidance < 0:
     raise RequestError("guidance", f"guidance must be a number >= 0, got {guidance!r}")
@@ -226,6 +235,7 @@ def parse_request(
     cache_options=tuple(sorted(options.items())),
     loras=tuple(picked),
     response_format=fmt,
+    video_format=video_format,
     search=search_t,
     wait=wait,
   )

@@ -6,11 +6,11 @@ Routes:
   GET  /metrics                   Prometheus text (queue depth, step latency, compile count...)
   GET  /v1/models                 the models, their kinds, sizes and LoRAs
   POST /v1/images/generations     OpenAI-style body (prompt, n, size "WxH", response_format) + md fields
-  POST /v1/videos/generations     the same for video models (num_frames)
+  POST /v1/videos/generations     the same for video models (num_frames, video_format mp4 | gif)
   GET  /v1/jobs/{id}              a job's status (and its data once done)
   GET  /v1/jobs/{id}/events       server-sent events: queued, running, progress (step i of n, preview), done
   DELETE /v1/jobs/{id}            cancel
-  GET  /v1/files/{id}/{i}         result i of a job (PNG, or GIF for a video)
+  GET  /v1/files/{id}/{i}         result i of a job (PNG; a video as H.264 MP4 or animated GIF)
 With a bearer token set, /v1/* needs `Authorization: Bearer <token>` (or `?token=` for event streams and
 files, which browsers fetch without headers).
 """
@@ -23,6 +23,8 @@ import contextlib
 import hmac
 import io
 import json
+import pathlib
+import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from md_core import media
 from md_serve._jobs import DONE, JobQueue, QueueFull, ShuttingDown
 from md_serve._page import PAGE
 from md_serve._requests import RequestError, parse_request
@@ -44,15 +47,25 @@ def _error(status: int, message: str, param: str | None = None, **headers: str) 
   return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def encode_result(pixels: np.ndarray, fps: int = 8) -> tuple[bytes, str]:
-  """A uint8 image `[H, W, 3]` → PNG bytes, a video `[F, H, W, 3]` → animated GIF bytes."""
-  buf = io.BytesIO()
+def encode_result(pixels: np.ndarray, fps: int = 8, video_format: str = "mp4") -> tuple[bytes, str]:
+  """Encodes one result: a uint8 image `[H, W, 3]` as PNG, a video `[F, H, W, 3]` as MP4 or GIF.
+
+  Args:
+    pixels: the result, uint8.
+    fps: a video's frame rate.
+    video_format: "mp4" (H.264, yuv420p, through md_core.media's ffmpeg; an odd height or width is
+      padded by one edge pixel, as `media.save_video` does) or "gif" (looping, 256 colours per frame).
+
+  Returns:
+    The file's bytes and its MIME type.
+  """
   if pixels.ndim == 4:
-    frames = [Image.fromarray(f) for f in pixels]
-    frames[0].save(
-      buf, format="GIF", save_all=True, append_images=frames[1:], duration=1000 // fps, loop=0
-    )
-    return buf.getvalue(), "image/gif"
+    if video_format not in ("mp4", "gif"):
+      raise ValueError(f"video_format must be 'mp4' or 'gif', got {video_format!r}")
+    with tempfile.TemporaryDirectory(prefix="md_serve_") as tmp:
+      path = media.save_video(pathlib.Path(tmp) / f"result.{video_format}", pixels, fps)
+      return path.read_bytes(), f"video/{video_format}" if video_format == "mp4" else "image/gif"
+  buf = io.BytesIO()
   Image.fromarray(pixels).save(buf, format="PNG")
   return buf.getvalue(), "image/png"
 
@@ -93,13 +106,26 @@ def make_app(
   def job_or_404(request: Request):
     return queue.jobs.get(request.path_params["job_id"])
 
-  def data_of(job, request: Request) -> list[dict]:
+  encoded: dict[tuple[str, int], tuple[bytes, str]] = {}
+
+  def encoded_result(job, index: int) -> tuple[bytes, str]:
+    # The latest results are kept encoded, so a video goes through ffmpeg once however often its
+    # data or file is fetched.
+    key = (job.id, index)
+    if key not in encoded:
+      while len(encoded) >= 32:
+        encoded.pop(next(iter(encoded)))
+      encoded[key] = encode_result(job.results[index], video_format=job.request.video_format)
+    return encoded[key]
+
+  async def data_of(job, request: Request) -> list[dict]:
     out = []
-    for i, pixels in enumerate(job.results):
+    for i in range(len(job.results)):
       if job.request.response_format == "url":
         out.append({"url": str(request.url_for("file", job_id=job.id, index=str(i)))})
       else:
-        blob, mime = encode_result(pixels)
+        # Off the event loop: ffmpeg takes a while for a video.
+        blob, mime = await asyncio.to_thread(encoded_result, job, i)
         out.append({"b64_json": base64.b64encode(blob).decode(), "mime_type": mime})
       if job.scores is not None:
         out[-1]["score"] = job.scores[i]
@@ -132,7 +158,9 @@ def make_app(
     if job.status != "succeeded":
       status = 409 if job.status == "cancelled" else 500
       return _error(status, f"job {job.id} {job.status}: {job.error}", None)
-    return JSONResponse({"created": int(job.created), "id": job.id, "data": data_of(job, request)})
+    return JSONResponse(
+      {"created": int(job.created), "id": job.id, "data": await data_of(job, request)}
+    )
 
   async def images(request: Request):
     return await generate(request, "image")
@@ -146,7 +174,7 @@ def make_app(
       return _error(404, f"no job {request.path_params['job_id']!r}", "job_id")
     out = job.describe()
     if job.status == "succeeded":
-      out["data"] = data_of(job, request)
+      out["data"] = await data_of(job, request)
     return JSONResponse(out)
 
   async def job_cancel(request: Request):
@@ -182,7 +210,7 @@ def make_app(
     index = request.path_params["index"]
     if job is None or not index.isdigit() or int(index) >= len(job.results):
       return _error(404, "no such result", "index")
-    blob, mime = encode_result(job.results[int(index)])
+    blob, mime = await asyncio.to_thread(encoded_result, job, int(index))
     return Response(blob, media_type=mime)
 
   async def models(request: Request):
