@@ -3,6 +3,7 @@
 uv run --no-sync python bench/serve.py load     # 50 requests from 10 concurrent clients: p50/p95, throughput
 uv run --no-sync python bench/serve.py search   # best score vs denoiser calls -> packages/md-serve/search.png
 uv run --no-sync python bench/serve.py search-shapes   # the same on models/shapes-sd -> search_shapes.png
+uv run --no-sync python bench/serve.py search-shapes-video   # on models/shapes-wan -> search_shapes_video.png
 
 `load` starts the server on 127.0.0.1 (a free port) in this process, warms every batch bucket, then sends
 the requests with httpx and checks that none is lost (every one answered 200 with its own job, the
@@ -12,7 +13,9 @@ zero-order, and draws the mean best score against the denoiser calls spent. `sea
 on md's default image model (models/shapes-sd) with md_serve.ShapesVerifier (the share of the caption's
 colour, shape, position and background the analyser sees) on the 20 held-out-pair prompts of
 `md_train.shapes_sd.quality_prompts()`, 10 steps, and also reports the analyser's colour and shape rates of
-the chosen samples.
+the chosen samples. `search-shapes-video` does the same on md's default video model (models/shapes-wan:
+64×64, 9 frames, 10 steps, guidance 3) over its 20 held-out-pair prompts, where the verifier also checks
+the motion direction.
 """
 
 import concurrent.futures
@@ -155,13 +158,14 @@ def search_curve(budgets=(1, 2, 4, 8, 16)) -> dict:
   return table
 
 
-def search_shapes_curve(budgets=(1, 2, 4, 8, 16)) -> dict:
+def _shapes_search_table(
+  pipe, prompts, kw, budgets, fields, plot: pathlib.Path, title: str
+) -> dict:
+  """Random and zero-order search with md_serve.ShapesVerifier over `prompts`: per budget, the mean best
+  score, the denoiser calls per prompt, the analyser's rates (`fields`) of the chosen samples, and the
+  wall time; the score-vs-calls curves drawn to `plot`."""
   import md_data
-  from md_train import shapes_sd
 
-  pipe = md_sd.load_pipeline(ROOT / "models" / "shapes-sd")
-  prompts = shapes_sd.quality_prompts()["held_out"]
-  kw = dict(num_inference_steps=10, guidance_scale=3.0, progress=False)
   verifier = md_serve.ShapesVerifier()
   curves, table = {}, {}
   for method in ("random", "zero_order"):
@@ -174,26 +178,52 @@ def search_shapes_curve(budgets=(1, 2, 4, 8, 16)) -> dict:
       score = float(np.mean([r.scores[0] for r in rs]))
       pts.append((calls, score))
       rows.append(
-        {
-          "budget": b,
-          "calls": calls,
-          "score": round(score, 4),
-          "colour": round(found.colour, 3),
-          "shape": round(found.shape, 3),
-          "position": round(found.position, 3),
-          "background": round(found.background, 3),
-          "seconds": round(time.perf_counter() - t, 1),
-        }
+        {"budget": b, "calls": calls, "score": round(score, 4)}
+        | {f: round(getattr(found, f), 3) for f in fields}
+        | {"seconds": round(time.perf_counter() - t, 1)}
       )
+      print(method, rows[-1], flush=True)
     curves[method], table[method] = pts, rows
-  title = "best shapes-verifier score, models/shapes-sd, 20 held-out-pair prompts"
-  _plot(curves, ROOT / "packages/md-serve/search_shapes.png", title)
+  _plot(curves, plot, title)
   return table
+
+
+def search_shapes_curve(budgets=(1, 2, 4, 8, 16)) -> dict:
+  from md_train import shapes_sd
+
+  pipe = md_sd.load_pipeline(ROOT / "models" / "shapes-sd")
+  prompts = shapes_sd.quality_prompts()["held_out"]
+  kw = dict(num_inference_steps=10, guidance_scale=3.0, progress=False)
+  fields = ("colour", "shape", "position", "background")
+  title = "best shapes-verifier score, models/shapes-sd, 20 held-out-pair prompts"
+  plot = ROOT / "packages/md-serve/search_shapes.png"
+  return _shapes_search_table(pipe, prompts, kw, budgets, fields, plot, title)
+
+
+def search_shapes_video_curve(budgets=(1, 2, 4, 8, 16)) -> dict:
+  import md_wan
+  from md_train import shapes_models
+
+  pipe = md_wan.load_pipeline(ROOT / "models" / "shapes-wan")
+  prompts = shapes_models.quality_prompts()["held_out"]
+  kw = dict(
+    height=64, width=64, num_frames=9, num_inference_steps=10, guidance_scale=3.0,
+    max_sequence_length=16,
+  )  # fmt: skip
+  fields = ("colour", "shape", "direction", "background")
+  title = "best shapes-verifier score, models/shapes-wan, 20 held-out-pair prompts"
+  plot = ROOT / "packages/md-serve/search_shapes_video.png"
+  return _shapes_search_table(pipe, prompts, kw, budgets, fields, plot, title)
 
 
 if __name__ == "__main__":
   what = sys.argv[1] if len(sys.argv) > 1 else "load"
-  runs = {"load": load, "search": search_curve, "search-shapes": search_shapes_curve}
+  runs = {
+    "load": load,
+    "search": search_curve,
+    "search-shapes": search_shapes_curve,
+    "search-shapes-video": search_shapes_video_curve,
+  }
   if what not in runs:
     raise SystemExit(f"unknown benchmark {what!r}; choose one of {', '.join(runs)}")
   result = runs[what]()
