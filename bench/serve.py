@@ -1,11 +1,14 @@
-"""md-serve benchmarks on the tiny SD pipeline (tests/fixtures/sd_pipeline/sd), CPU, localhost.
+"""md-serve benchmarks on md's default image and video models (models/) and the tiny SD fixture, CPU, localhost.
 
 uv run --no-sync python bench/serve.py load     # 50 requests from 10 concurrent clients: p50/p95, throughput
+uv run --no-sync python bench/serve.py load-tiny   # the same on the tiny random SD fixture at 32x32
 uv run --no-sync python bench/serve.py search   # best score vs denoiser calls -> packages/md-serve/search.png
 uv run --no-sync python bench/serve.py search-shapes   # the same on models/shapes-sd -> search_shapes.png
 uv run --no-sync python bench/serve.py search-shapes-video   # on models/shapes-wan -> search_shapes_video.png
 
-`load` starts the server on 127.0.0.1 (a free port) in this process, warms every batch bucket, then sends
+`load` serves md's default image model (models/shapes-sd at its 64x64, 10 steps, guidance 3, the shapes
+prompts in turn; `load-tiny`: the tiny random SD fixture at 32x32). It starts the server on 127.0.0.1 (a
+free port) in this process, warms every batch bucket, then sends
 the requests with httpx and checks that none is lost (every one answered 200 with its own job, the
 queue's accepted count equals its succeeded count). `search` runs md_serve.search with a brightness
 verifier (mean pixel value: meaningful on random weights) for budgets 1..16 on three prompts, random and
@@ -39,13 +42,23 @@ def _pipe():
   return md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd")
 
 
-def load(requests: int = 50, clients: int = 10, steps: int = 10) -> dict:
+def load(requests: int = 50, clients: int = 10, steps: int = 10, model: str = "default") -> dict:
+  """`model`: "default" (md's shapes-sd at its own size, shapes prompts, guidance 3) or "tiny" (the tiny
+  random SD fixture at 32x32, guidance 5)."""
   import httpx
   import uvicorn
 
-  model = md_serve.ServedModel("sd-tiny", _pipe(), default_size=(32, 32))
+  if model == "default":
+    from md_train import shapes_sd
+
+    pipe = md_sd.load_pipeline(ROOT / "models" / "shapes-sd")
+    size, guidance = int(pipe.default_size), 3.0
+    texts = [p for group in shapes_sd.quality_prompts().values() for p in group]
+  else:
+    pipe, size, guidance, texts = _pipe(), 32, 5.0, [f"p{i}" for i in range(requests)]
+  served = md_serve.ServedModel("sd", pipe, default_size=(size, size))
   queue = md_serve.JobQueue(
-    {"sd-tiny": model}, max_queue=64, max_batch=4, batch_buckets=(1, 2, 4), batch_wait_s=0.02
+    {"sd": served}, max_queue=64, max_batch=4, batch_buckets=(1, 2, 4), batch_wait_s=0.02
   )
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -58,7 +71,7 @@ def load(requests: int = 50, clients: int = 10, steps: int = 10) -> dict:
   while not server.started:
     time.sleep(0.02)
   url = f"http://127.0.0.1:{port}"
-  body = {"size": "32x32", "steps": steps, "guidance": 5.0}
+  body = {"size": f"{size}x{size}", "steps": steps, "guidance": guidance}
   with httpx.Client(base_url=url, timeout=600) as c:  # warm-up: every bucket once
     for n in (1, 2, 4):
       assert (
@@ -71,7 +84,8 @@ def load(requests: int = 50, clients: int = 10, steps: int = 10) -> dict:
     with httpx.Client(base_url=url, timeout=600) as c:
       for i in range(k, requests, clients):
         t = time.perf_counter()
-        r = c.post("/v1/images/generations", json={"prompt": f"p{i}", "seed": i, **body})
+        prompt = texts[i % len(texts)]
+        r = c.post("/v1/images/generations", json={"prompt": prompt, "seed": i, **body})
         out.append((time.perf_counter() - t, r.status_code, r.json().get("id", "")))
     return out
 
@@ -84,6 +98,8 @@ def load(requests: int = 50, clients: int = 10, steps: int = 10) -> dict:
   lat = np.asarray([r[0] for r in rows])
   ok = [r for r in rows if r[1] == 200]
   return {
+    "model": model,
+    "size": size,
     "requests": requests,
     "clients": clients,
     "steps": steps,
@@ -220,6 +236,7 @@ if __name__ == "__main__":
   what = sys.argv[1] if len(sys.argv) > 1 else "load"
   runs = {
     "load": load,
+    "load-tiny": lambda: load(model="tiny"),
     "search": search_curve,
     "search-shapes": search_shapes_curve,
     "search-shapes-video": search_shapes_video_curve,
