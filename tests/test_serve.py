@@ -261,6 +261,15 @@ def test_video_generation_is_an_mp4_or_a_gif(served, tmp_path):
   file = client.get(url.json()["data"][0]["url"])
   assert file.status_code == 200 and file.headers["content-type"] == "video/mp4"
   assert file.content == base64.b64decode(data[0]["b64_json"])  # same seed, same bytes
+  # Search works on the video model too: the best of 3 videos, scored as a whole clip.
+  found = client.post(
+    "/v1/videos/generations", json={**body, "n": 1, "search": {"budget": 3, "method": "random"}}
+  )
+  assert found.status_code == 200, found.text
+  assert (
+    found.json()["data"][0]["score"]
+    >= _Brightness().score(media.load_video(mp4)[None], ["a cat walking"])[0] - 0.02
+  )  # the seed-0 video (the first candidate), up to H.264's loss
   fmt = client.post("/v1/videos/generations", json={**body, "video_format": "webm"})
   assert fmt.status_code == 400 and fmt.json()["error"]["param"] == "video_format"
   bad = client.post("/v1/videos/generations", json={**body, "num_frames": 4})

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import md_serve
-from md_core import testing
+from md_core import media, testing
 
 STEPS = 2
 PROMPTS = ("a red circle", "a blue square")
@@ -153,12 +153,32 @@ def test_search_on_flux_picks_the_brighter_noise():
   np.testing.assert_allclose(result.images[0], images[best], atol=1e-5, rtol=0)
 
 
-def test_ltx2_runs_one_request_per_call():
+def test_ltx2_runs_one_request_per_call_and_keeps_its_audio(tmp_path):
   import md_ltx
 
   pipe = md_ltx.load_ltx2_pipeline(testing.fixture_path("ltx2_pipeline") / "pipe")
   assert md_serve.noise_spec(pipe) is None
-  model = md_serve.ServedModel("ltx2-tiny", pipe, default_size=(32, 64))
+  model = md_serve.ServedModel(
+    "ltx2-tiny", pipe, default_size=(32, 64), call_kwargs=dict(spatio_temporal_guidance_blocks=(1,))
+  )
   assert model.kind == "video" and not model.describe()["batched_seeds"]
   with pytest.raises(ValueError, match="no per-row noise"):
     md_serve.search(pipe, "a cat", _Brightness(), 2, height=32, width=64, num_frames=9)
+  # Served, an LTX-2 video keeps its soundtrack: the MP4 holds the frames and the audio.
+  queue = md_serve.JobQueue({"ltx2-tiny": model}, max_batch=2, batch_buckets=(1,), batch_wait_s=0.0)
+  try:
+    body = {"prompt": "a cat", "num_frames": 9, "steps": 2, "guidance": 1.0}
+    job = queue.submit(md_serve.parse_request(body, "video", queue.models))
+    assert job.done.wait(600) and job.status == "succeeded", (job.status, job.error)
+  finally:
+    queue.shutdown("cancel")
+  frames = job.results[0]
+  assert frames.ndim == 4 and frames.shape[-1] == 3 and job.audio[0].ndim == 2
+  blob, mime = md_serve.encode_result(
+    job.results[0], job.fps, audio=job.audio[0], sample_rate=job.sample_rate
+  )
+  path = tmp_path / "ltx2.mp4"
+  path.write_bytes(blob)
+  info = media.video_info(path)
+  assert mime == "video/mp4" and info["has_audio"], info
+  assert (info["num_frames"], info["height"], info["width"]) == frames.shape[:3], info

@@ -85,6 +85,9 @@ class Job:
   total: int = 0
   error: str | None = None
   results: list = dataclasses.field(default_factory=list)
+  audio: list | None = None  # per result `[channels, samples]` in [-1, 1] (LTX-2), else None
+  sample_rate: int | None = None
+  fps: float = 8.0  # a video's frame rate (LTX-2 says its own)
   scores: list | None = None
   batch_rows: int = 0
   events: list = dataclasses.field(default_factory=list)
@@ -317,6 +320,7 @@ class JobQueue:
 
   def _kwargs(self, model: ServedModel, r: GenRequest, jobs: list[Job]) -> dict:
     kw = dict(
+      model.call_kwargs,
       height=r.height,
       width=r.width,
       num_inference_steps=r.steps,
@@ -394,13 +398,21 @@ class JobQueue:
       return all(j.cancel_requested for j in jobs)
 
     out = pipe(prompts, callback=self._progress(jobs, model, total), cancel=cancel, **kw)
-    out = np.asarray(out)
+    # LTX-2 returns its video with a soundtrack (`frames`, `audio`, `sample_rate`): both are kept.
+    audio, rate = getattr(out, "audio", None), getattr(out, "sample_rate", None)
+    fps = getattr(out, "frame_rate", None)
+    out = np.asarray(getattr(out, "frames", out))
     self.stats["batches"] += 1
     self.stats["denoiser_calls"] += int(pipe.last_calls)
     pixels = (np.clip(out, 0.0, 1.0) * 255).round().astype(np.uint8)
     at = 0
     for job in jobs:
       job.results = list(pixels[at : at + job.request.n])
+      if audio is not None:
+        job.audio = [np.asarray(a, np.float32) for a in audio[at : at + job.request.n]]
+        job.sample_rate = int(rate)
+      if fps is not None:
+        job.fps = float(fps)
       at += job.request.n
       if job.status == "running":
         job.step = job.total = total

@@ -146,6 +146,8 @@ class ServedModel:
     max_pixels: the largest height × width a request may ask for.
     num_frames: a video model's default frame count.
     max_frames: the most frames a video request may ask for.
+    call_kwargs: settings every call of this model gets, below the request's own (e.g. a checkpoint's
+      `max_sequence_length`, or LTX-2's `spatio_temporal_guidance_blocks` for a small transformer).
   """
 
   def __init__(
@@ -159,8 +161,10 @@ class ServedModel:
     max_pixels: int = 1024 * 1024,
     num_frames: int = 5,
     max_frames: int = 81,
+    call_kwargs: Mapping[str, Any] | None = None,
   ):
     self.name, self.pipe = name, pipe
+    self.call_kwargs = dict(call_kwargs or {})
     self.spec = noise_spec(pipe)
     self.kind = (
       self.spec.kind if self.spec else ("video" if "num_frames" in self.params else "image")

@@ -149,7 +149,7 @@ def search(
   """Generates up to `budget` samples for `prompt` and returns the `n` the verifier scores best.
 
   Args:
-    pipe: an md pipeline with per-row noise (md-sd, md-wan; `md_serve.noise_spec`).
+    pipe: an md pipeline with per-row noise (md-sd, md-wan, md-flux, LTX-Video; `md_serve.noise_spec`).
     prompt: the prompt.
     verifier: `score(images, prompts) -> [N]`.
     budget: samples to generate (at least `n`); budget 1 is the plain seed-`seed` sample.

@@ -47,7 +47,13 @@ def _error(status: int, message: str, param: str | None = None, **headers: str) 
   return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def encode_result(pixels: np.ndarray, fps: int = 8, video_format: str = "mp4") -> tuple[bytes, str]:
+def encode_result(
+  pixels: np.ndarray,
+  fps: float = 8,
+  video_format: str = "mp4",
+  audio: np.ndarray | None = None,
+  sample_rate: int | None = None,
+) -> tuple[bytes, str]:
   """Encodes one result: a uint8 image `[H, W, 3]` as PNG, a video `[F, H, W, 3]` as MP4 or GIF.
 
   Args:
@@ -55,6 +61,9 @@ def encode_result(pixels: np.ndarray, fps: int = 8, video_format: str = "mp4") -
     fps: a video's frame rate.
     video_format: "mp4" (H.264, yuv420p, through md_core.media's ffmpeg; an odd height or width is
       padded by one edge pixel, as `media.save_video` does) or "gif" (looping, 256 colours per frame).
+    audio: a video's soundtrack `[channels, samples]` in [-1, 1], muxed into the MP4 as AAC (a GIF holds
+      no sound: it is left out).
+    sample_rate: the soundtrack's samples per second.
 
   Returns:
     The file's bytes and its MIME type.
@@ -63,7 +72,11 @@ def encode_result(pixels: np.ndarray, fps: int = 8, video_format: str = "mp4") -
     if video_format not in ("mp4", "gif"):
       raise ValueError(f"video_format must be 'mp4' or 'gif', got {video_format!r}")
     with tempfile.TemporaryDirectory(prefix="md_serve_") as tmp:
-      path = media.save_video(pathlib.Path(tmp) / f"result.{video_format}", pixels, fps)
+      sound = audio if video_format == "mp4" else None
+      path = media.save_video(
+        pathlib.Path(tmp) / f"result.{video_format}", pixels, fps, audio=sound,
+        sample_rate=sample_rate if sound is not None else None,
+      )  # fmt: skip
       return path.read_bytes(), f"video/{video_format}" if video_format == "mp4" else "image/gif"
   buf = io.BytesIO()
   Image.fromarray(pixels).save(buf, format="PNG")
@@ -115,7 +128,11 @@ def make_app(
     if key not in encoded:
       while len(encoded) >= 32:
         encoded.pop(next(iter(encoded)))
-      encoded[key] = encode_result(job.results[index], video_format=job.request.video_format)
+      audio = job.audio[index] if job.audio else None
+      encoded[key] = encode_result(
+        job.results[index], job.fps, video_format=job.request.video_format, audio=audio,
+        sample_rate=job.sample_rate,
+      )  # fmt: skip
     return encoded[key]
 
   async def data_of(job, request: Request) -> list[dict]:
