@@ -143,7 +143,11 @@ HOOKS = {
 }
 
 
-@pytest.mark.parametrize("name", MODELS)
+# LTX-2's row is in the slow suite; FirstBlockCache and TeaCache on LTX-2 (tests/test_cache_families.py)
+# run its block hook in the default one.
+@pytest.mark.parametrize(
+  "name", [pytest.param(m, marks=[pytest.mark.slow] if m == "ltx2" else []) for m in MODELS]
+)
 def test_block_hook(name):
   model, forward, stacks = MODELS[name]()
   graphdef, state = nnx.split(model)

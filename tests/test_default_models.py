@@ -51,6 +51,7 @@ def test_quality_regression_floor(pipe):
 SEARCH_GAIN = 0.25
 
 
+@pytest.mark.slow  # ~100 s of video sampling; tests/test_default_image_model.py runs the image one by default
 def test_search_beats_the_seed_0_sample_on_held_out_pairs(pipe):
   import md_serve
 
@@ -263,6 +264,7 @@ def test_wan_vae_recipe_trains_on_stills_as_one_frame_clips():
   assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
 
 
+@pytest.mark.slow  # the clip stage is measured and left out of make.sh (the card says why)
 def test_wan_vae_clip_stage_trains_only_the_decoder_side(tmp_path):
   # train_encoder=False: the encoder (and so the latents a transformer trains on) stays as it started.
   config = testing.app_config("default_models.py:wan-vae")

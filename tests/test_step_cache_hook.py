@@ -73,7 +73,12 @@ def _flat(x):
   return np.concatenate([np.asarray(a).ravel() for a in jax.tree.leaves(x)])
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# LTX-2's row (the costliest: two streams) is in the slow suite; tests/test_cache_families.py runs real
+# policies through LTX-2's step-cache hook in the default one.
+@pytest.mark.parametrize(
+  "family",
+  [pytest.param(f, marks=[pytest.mark.slow] if f == "ltx2" else []) for f in sorted(FAMILIES)],
+)
 def test_toy_step_cache_in_every_pipeline(family):
   pipe, kw = FAMILIES[family]()
   plain, cached = [], []

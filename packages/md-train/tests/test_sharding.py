@@ -59,7 +59,8 @@ def _specs(tree):
 @pytest.mark.parametrize(
   "mesh_config",
   [
-    dict(ici_fsdp_parallelism=8),
+    # fsdp 8 alone is in the slow suite: the other two meshes cover the data, fsdp, context and tensor axes.
+    pytest.param(dict(ici_fsdp_parallelism=8), marks=pytest.mark.slow),
     dict(ici_data_parallelism=2, ici_fsdp_parallelism=4),
     dict(ici_fsdp_parallelism=2, ici_context_parallelism=2, ici_tensor_parallelism=2),
   ],
