@@ -7,15 +7,29 @@ uv run apps/train --config=apps/configs/train.py:sd15-lora-tiny --workdir=/tmp/s
 uv run apps/train --config=apps/configs/train.py:dreambooth-tiny --workdir=/tmp/db --config.recipe_options.class_dir=/tmp/db-class
 uv run apps/train --help --config=apps/configs/train.py:wan21-tiny   # the variant's keys and values
 
+uv run apps/prepare_data --config=apps/configs/prepare_data.py:tiny --workdir=/tmp/prepared
+uv run apps/train --config=apps/configs/train.py:sd15-records --config.recipe_options.records=/tmp/prepared \
+  --config.eval_every=2 --workdir=/tmp/sd15-records
+uv run apps/prepare_data --config=apps/configs/prepare_data.py:wan --config.source_type=shapes \
+  --config.shapes_count=16 --config.eval_count=4 --workdir=/tmp/clips
+uv run apps/train --config=apps/configs/train.py:wan21-records --config.recipe_options.records=/tmp/clips \
+  --workdir=/tmp/wan21-records
+
 Variants: wan21-tiny, sd15-tiny, flux1-tiny: the tiny pipelines of tests/fixtures (Wan 2.1 T2V, SD 1.5,
 Flux.1 dev) trained on md_data's shapes clips / images (`md_train.recipes`); sd15-lora-tiny,
 wan21-lora-tiny, flux1-lora-tiny: the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
 targets, init, seed), exported as a PEFT file; dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with
-prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`). `recipe` is
-"module.path:function"; the function takes this whole config and returns an `md_train.Recipe`, so any
-config file with `get_config(variant)` and these keys runs its own recipes through this app. Running the
-same command again resumes from `<workdir>/checkpoints` (the fingerprint of the recipe must match);
-`--config.steps` larger than the checkpoint's continues the run.
+prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
+sd15-records, wan21-records: the SD / Wan denoiser trained on the cached latents an apps/prepare_data run
+wrote (MaxDiffusion's way: prepare once, train on the records): `recipe_options.records` is that run's
+--workdir; train/ is read shuffled from `seed` (its position checkpointed), the eval loss (every
+`eval_every` steps) is the mean over eval/'s fixed timesteps of the records' losses there, and
+`recipe_options.model` empty trains the model the records were encoded with (settings.json's `model`).
+The records' family, latent shape and text width must fit the model; an error names what differs.
+`recipe` is "module.path:function"; the function takes this whole config and returns an
+`md_train.Recipe`, so any config file with `get_config(variant)` and these keys runs its own recipes
+through this app. Running the same command again resumes from `<workdir>/checkpoints` (the fingerprint of
+the recipe must match); `--config.steps` larger than the checkpoint's continues the run.
 """
 
 import ml_collections
@@ -109,6 +123,21 @@ VARIANTS["dreambooth-lora-tiny"] = (
   "md_train.recipes:dreambooth_sd",
   dict(VARIANTS["dreambooth-tiny"][1], learning_rate=1e-2, lora=dict(_LORA)),
 )
+
+# Training on an apps/prepare_data workdir (`records`, required): the denoiser of the model the records
+# were encoded with (`model` empty), or of another folder with the same VAE. Add `lora=` for a LoRA.
+_RECORDS = dict(
+  records="",
+  model="",
+  batch_size=2,
+  shuffle_buffer=1024,
+  learning_rate=1e-4,
+  warmup_steps=2,
+  max_grad_norm=1.0,
+  weight_decay=1e-2,
+)
+VARIANTS["sd15-records"] = ("md_train.recipes:sd15_tiny", dict(_RECORDS, snr_gamma=0.0))
+VARIANTS["wan21-records"] = ("md_train.recipes:wan21_tiny", dict(_RECORDS, shift=5.0))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -6,17 +6,22 @@ family's denoiser from the fixture folder (its config and random-init weights, a
 saved them), md_data shapes images (SD, Flux) or clips (Wan) encoded by that folder's VAE, the captions'
 states from its text encoder (encoded once per caption), the family loss of `md_train.families`, and an
 exporter that writes the trained denoiser back in the diffusers layout (config.json + safetensors under the
-reference's tensor names), which md's loaders (and diffusers) read.
+reference's tensor names), which md's loaders (and diffusers) read. With `recipe_options.records` (an
+`apps/prepare_data` workdir), the SD and Wan recipes train on its cached-latent records instead
+(`prepared_data`, `record_batches`) and evaluate on its eval/ records at their fixed timesteps.
 
     uv run apps/train --config=apps/configs/train.py:wan21-tiny --workdir=/tmp/wan
+    uv run apps/train --config=apps/configs/train.py:sd15-records --config.recipe_options.records=W
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import pathlib
 import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +97,331 @@ class CaptionCache:
     return {k: jnp.asarray(np.stack([self.cache[c][k] for c in captions])) for k in keys}
 
 
+# --- cached-latent records (apps/prepare_data) ---------------------------------------------------------
+
+# What apps/prepare_data writes last, once every shard is complete.
+PREPARED_SETTINGS = "settings.json"
+
+
+class PreparedData(NamedTuple):
+  """A checked `apps/prepare_data` workdir (`prepared_data`): train/ (and eval/) cached-latent records.
+
+  Attributes:
+    workdir: the folder.
+    settings: its settings.json (prepare_data's config: family, model, channels_first, splits, ...).
+    model: the pipeline folder the records were encoded with (settings.json's `model`, resolved).
+    latents: one train record's latents shape, channels last (`[h, w, c]`, video `[f, h, w, c]`).
+    encoder_hidden_states: one record's text states shape `[S, D]`.
+    eval: whether eval/ holds records (each with a fixed `timesteps`).
+  """
+
+  workdir: pathlib.Path
+  settings: dict
+  model: pathlib.Path
+  latents: tuple[int, ...]
+  encoder_hidden_states: tuple[int, ...]
+  eval: bool
+
+  @property
+  def channels_first(self) -> bool:
+    """The records store latents channels first (MaxDiffusion's layout: prepare_data's option)."""
+    return bool(self.settings.get("channels_first", False))
+
+
+def _record_files(folder: pathlib.Path) -> list[pathlib.Path]:
+  # What md_data's reader reads: the folder's files, less hidden ones and unfinished `.tmp` ones.
+  return sorted(
+    p for p in folder.iterdir()
+    if p.is_file() and not p.name.startswith(".") and not p.name.endswith(".tmp")
+  )  # fmt: skip
+
+
+def _first_record(folder: pathlib.Path, what: str) -> dict[str, tuple[int, ...]]:
+  """The feature shapes of the first record in `folder` (channels as stored), without TensorFlow."""
+  files = _record_files(folder)
+  if not files:
+    raise ValueError(f"{what}: {folder} holds no record files; run apps/prepare_data into it again")
+  first = next(md_data.iter_tfrecord(files[0]), None)
+  if first is None:
+    raise ValueError(f"{what}: {files[0]} holds no records")
+  features = md_data.decode_example(first)
+  missing = [n for n in md_data.LATENT_FEATURES if n not in features]
+  if missing:
+    raise ValueError(
+      f"{what}: {files[0]}: a record has no feature {missing[0]!r} (it has "
+      f"{', '.join(sorted(features)) or 'none'}); cached-latent records need "
+      f"{', '.join(md_data.LATENT_FEATURES)}"
+    )
+  return {n: tuple(md_data.parse_tensor(features[n][0]).shape) for n in md_data.LATENT_FEATURES}
+
+
+def _local_model(value: str, what: str) -> pathlib.Path:
+  path = _path(value)
+  if (path / "model_index.json").is_file():
+    return path
+  try:  # a hub id: the local hub cache (downloaded when online)
+    return pathlib.Path(md_core.resolve_source(value))
+  except (FileNotFoundError, ValueError, OSError) as e:
+    raise FileNotFoundError(f"{what}: the model {value!r} is not available ({e})") from None
+
+
+def prepared_data(workdir: str | os.PathLike, *, family: str) -> PreparedData:
+  """Checks an `apps/prepare_data` workdir for training a `family` ("sd" or "wan") denoiser.
+
+  Reads settings.json (the family and model the records were made with) and the first record of
+  train/ and eval/ (their shapes); no TensorFlow.
+
+  Raises:
+    FileNotFoundError: a missing workdir, train/ or settings.json (the path named).
+    ValueError: a file for a folder, no records, records of another family, or eval records whose
+      shapes differ from the train records' (both named).
+  """
+  what = f"recipe_options.records={os.fspath(workdir)!r}"
+  path = pathlib.Path(workdir).expanduser()
+  make = (
+    f"uv run apps/prepare_data --config=apps/configs/prepare_data.py:<variant> --workdir={path}"
+  )
+  if not os.fspath(workdir):
+    raise ValueError(f"{what} is empty: give the --workdir of an apps/prepare_data run")
+  if not path.exists():
+    raise FileNotFoundError(f"{what}: {path} does not exist; write the records first: {make}")
+  if not path.is_dir():
+    raise ValueError(
+      f"{what}: {path} is a file, not a prepare_data workdir (train/, settings.json)"
+    )
+  settings_file = path / PREPARED_SETTINGS
+  if not settings_file.is_file():
+    raise FileNotFoundError(
+      f"{what}: {path} has no {PREPARED_SETTINGS}, so it is not a finished apps/prepare_data "
+      f"workdir (settings.json is written last); run {make}"
+    )
+  settings = md_core.read_json(settings_file)
+  got = settings.get("family")
+  if got != family:
+    raise ValueError(
+      f"{what}: the records in {path} were prepared for family={got!r} (model "
+      f"{settings.get('model')!r}, settings.json), this recipe trains a {family!r} denoiser; use "
+      f"the {_RECORDS_VARIANTS.get(got, 'matching')} variant or prepare the data with family={family}"
+    )
+  if not (path / "train").is_dir():
+    raise FileNotFoundError(f"{what}: {path} has no train/ folder of records; run {make}")
+  shapes = _first_record(path / "train", what)
+  eval_dir = path / "eval"
+  has_eval = eval_dir.is_dir() and bool(_record_files(eval_dir))
+  if has_eval:
+    for name, shape in _first_record(eval_dir, what).items():
+      if shape != shapes[name]:
+        raise ValueError(
+          f"{what}: eval/ records have {name!r} of shape {shape}, train/ records {shapes[name]}; "
+          "prepare both splits with one model and size"
+        )
+  latents = shapes["latents"]
+  if settings.get("channels_first", False):
+    latents = latents[1:] + latents[:1]
+  if not settings.get("model"):
+    raise ValueError(f"{what}: {settings_file} names no model")
+  return PreparedData(
+    workdir=path,
+    settings=settings,
+    model=_local_model(str(settings["model"]), what),
+    latents=tuple(latents),
+    encoder_hidden_states=shapes["encoder_hidden_states"],
+    eval=has_eval,
+  )
+
+
+# The apps/configs/train.py variants that train each family's records (for the errors).
+_RECORDS_VARIANTS = {"sd": "sd15-records", "wan": "wan21-records"}
+
+
+def _check_records_fit(
+  data: PreparedData,
+  model: pathlib.Path,
+  *,
+  denoiser: str,
+  latents: tuple[int | str, ...],
+  multiple: int,
+  text_dim: int,
+  max_timestep: int,
+) -> None:
+  """The records fit the denoiser of `model`: `latents` is the expected shape with letters for free
+  sizes (spatial ones multiples of `multiple`), `text_dim` the text states' width; eval timesteps
+  lie below `max_timestep`; and a model other than the records' one has the same VAE.
+
+  Raises:
+    ValueError: naming the workdir, the feature and both shapes (or both VAE configs).
+  """
+  where = f"{data.workdir}"
+  want = "(" + ", ".join(str(x) for x in latents) + ")"
+  got = data.latents
+  spatial = [i for i, x in enumerate(latents) if x in ("h", "w")]
+  fits = len(got) == len(latents) and all(
+    g == x if isinstance(x, int) else (i not in spatial or g % multiple == 0)
+    for i, (g, x) in enumerate(zip(got, latents))
+  )
+  if not fits:
+    layout = " (channels last" + ("; stored channels first)" if data.channels_first else ")")
+    extra = f", h and w multiples of {multiple}" if multiple > 1 else ""
+    raise ValueError(
+      f"{where}: feature 'latents' has shape {got}{layout} per record; the {denoiser} of {model} "
+      f"takes {want}{extra}; prepare the records with this model's VAE (apps/prepare_data "
+      "--config.model=...) or train the model they were made with"
+    )
+  states = data.encoder_hidden_states
+  if len(states) != 2 or states[1] != text_dim:
+    raise ValueError(
+      f"{where}: feature 'encoder_hidden_states' has shape {states} per record; the {denoiser} of "
+      f"{model} takes (S, {text_dim}); prepare the records with this model's text encoder"
+    )
+  top = int(data.settings.get("num_train_timesteps", 1000))
+  if data.eval and top > max_timestep:
+    raise ValueError(
+      f"{where}: the eval records' timesteps go up to num_train_timesteps={top} (settings.json), "
+      f"the {denoiser} of {model} trains on {max_timestep}"
+    )
+  if model.resolve() != data.model.resolve():
+    mine, theirs = model / "vae" / "config.json", data.model / "vae" / "config.json"
+    if mine.is_file() and theirs.is_file():
+      skip = ("_diffusers_version", "_name_or_path")
+      a, b = md_core.read_json(mine), md_core.read_json(theirs)
+      differ = sorted(k for k in set(a) | set(b) if k not in skip and a.get(k) != b.get(k))
+      if differ:
+        raise ValueError(
+          f"{where}: the records hold latents of {data.model}'s VAE, recipe_options.model={model} "
+          f"has another VAE ({theirs} and {mine} differ in {', '.join(differ)}); leave "
+          "recipe_options.model empty to train the records' model, or prepare the records with "
+          "this one"
+        )
+
+
+class RecordBatches:
+  """Training batches from cached-latent records: `{"latents", "encoder_hidden_states"}` arrays with
+  the leading (batch) axis split over `sharding`'s mesh, latents channels last; resumable through the
+  records iterator's `state()` / `restore(s)` (batches served).
+
+  Args:
+    records: the `md_data.read_latent_records` iterator (this process's part of each batch).
+    channels_first: the records store latents channels first.
+    sharding: where the batch's arrays go (a `NamedSharding` over the data-parallel axes), or None.
+  """
+
+  def __init__(
+    self, records: md_data.TFRecordIterator, *, channels_first: bool = False, sharding: Any = None
+  ):
+    self.records, self.channels_first, self.sharding = records, channels_first, sharding
+
+  def __iter__(self) -> RecordBatches:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    batch = next(self.records)
+    latents = batch["latents"]
+    if self.channels_first:
+      latents = np.moveaxis(latents, 1, -1)
+    out = {"latents": latents, "encoder_hidden_states": batch["encoder_hidden_states"]}
+    if self.sharding is None:
+      return {k: jnp.asarray(v) for k, v in out.items()}
+    import md_sharding as mds
+
+    return mds.host_local_to_global(out, self.sharding.mesh, self.sharding.spec)
+
+  def state(self) -> dict[str, Any]:
+    return self.records.state()
+
+  def restore(self, state: Mapping[str, Any]) -> None:
+    self.records.restore(state)
+
+
+def record_batches(
+  data: PreparedData,
+  *,
+  batch_size: int,
+  seed: int,
+  sharding: Any = None,
+  shuffle_buffer: int = 1024,
+) -> RecordBatches:
+  """The endless, shuffled (files and records, from `seed`) train/ batches of `data`.
+
+  `batch_size` is the global batch; each process reads its own files (`md_data.read_latent_records`)
+  for its part of it.
+
+  Raises:
+    ValueError: fewer train records than `batch_size` (settings.json's count).
+  """
+  count = (data.settings.get("splits") or {}).get("train", {}).get("records")
+  if count is not None and int(count) < batch_size:
+    raise ValueError(
+      f"{data.workdir}: train/ holds {count} records, fewer than batch_size={batch_size}; prepare "
+      "more examples or lower recipe_options.batch_size"
+    )
+  per_process = batch_size
+  if sharding is not None:
+    sizes = md_data.batch_sizes(sharding.mesh, global_batch_size=batch_size)
+    per_process = sizes.per_process_batch_size
+  records = md_data.read_latent_records(
+    data.workdir / "train", batch_size=per_process, seed=seed, shuffle_buffer=shuffle_buffer,
+    timesteps=False,
+  )  # fmt: skip
+  return RecordBatches(records, channels_first=data.channels_first, sharding=sharding)
+
+
+def eval_records(data: PreparedData, *, batch_size: int) -> list[dict[str, np.ndarray]]:
+  """Every eval/ record of `data`, unshuffled (file order for one file; the reader interleaves several
+  files, deterministically), in batches of up to `batch_size` (numpy, latents channels last,
+  `timesteps [B]` int64)."""
+  reader = md_data.read_latent_records(
+    data.workdir / "eval", batch_size=batch_size, seed=None, repeat=False, drop_remainder=False,
+    timesteps=True, process_index=0, process_count=1,
+  )  # fmt: skip
+  out = []
+  for batch in reader:
+    if data.channels_first:
+      batch["latents"] = np.moveaxis(batch["latents"], 1, -1)
+    out.append(batch)
+  return out
+
+
+def _records_evaluator(loss_fn, make_batches: Callable[[], list], *, key: str, scale: float):
+  """MaxDiffusion's eval on records with fixed timesteps: each record's loss at its own timestep (the
+  same noise at every evaluation), averaged per timestep; `eval/loss` is the mean over timesteps."""
+  batches = []  # read at the first evaluation
+  base = jax.random.key(0)
+
+  def evaluate(state: TrainState) -> dict[str, float]:
+    if not batches:
+      batches.extend(make_batches())
+    by_step: dict[int, list[float]] = {}
+    index = 0
+    for batch in batches:
+      timesteps = np.asarray(batch["timesteps"])
+      n = len(timesteps)
+      dtype = jnp.int32 if key == "timesteps" else jnp.float32
+      levels = jnp.asarray(timesteps * scale, dtype)
+      keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(index, index + n))
+      inputs = {k: jnp.asarray(v) for k, v in batch.items() if k != "timesteps"}
+      losses = _example_losses(loss_fn, state.params, inputs, levels, keys, key=key)
+      for t, loss in zip(timesteps.tolist(), np.asarray(losses).tolist()):
+        by_step.setdefault(int(t), []).append(loss)
+      index += n
+    means = {t: float(np.mean(v)) for t, v in sorted(by_step.items())}
+    out = {f"eval/loss_t{t}": v for t, v in means.items()}
+    out["eval/loss"] = float(np.mean(list(means.values())))
+    return out
+
+  return evaluate
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "key"))
+def _example_losses(loss_fn, params, batch, levels, keys, *, key):
+  """`[B]` losses, one per example: the loss of a batch of one, vmapped over the batch."""
+
+  def one(example, level, k):
+    single = {name: value[None] for name, value in example.items()}
+    return loss_fn(params, {**single, key: level[None]}, k)[0]
+
+  return jax.vmap(one)(batch, levels, keys)
+
+
 def import_recipe(spec: str) -> Callable[[Any], Recipe]:
   """The recipe function `"module.path:function"` names (what `apps/train`'s `recipe` key holds).
 
@@ -160,13 +490,18 @@ def _optimizer(opts: Mapping[str, Any]):
   )
 
 
-def _fingerprint(name: str, model: pathlib.Path, opts: Mapping[str, Any], config: Any) -> dict:
-  return {
+def _fingerprint(
+  name: str, model: pathlib.Path, opts: Mapping[str, Any], config: Any, records: Any = None
+) -> dict:
+  out = {
     "recipe": name,
     "model": model.name,
     "seed": int(config.seed),
     "options": {k: v for k, v in sorted(opts.items()) if k != "model"},
   }
+  if records is not None:  # re-prepared records (other counts) would change the batches
+    out["records"] = {"splits": records.settings.get("splits"), "latents": list(records.latents)}
+  return out
 
 
 def _shapes(opts: Mapping[str, Any], config: Any, *, frames: int | None) -> md_data.ShapesIterator:
@@ -338,18 +673,35 @@ def _denoiser_recipe(
   lora_key_map: Callable | None = None,
   batches: Any = None,
   evaluate: bool = True,
+  records: PreparedData | None = None,
 ) -> Recipe:
   """The part every denoiser recipe shares: optimizer, state, shapes batches (unless `batches` are
-  given), held-out eval, export of `component` in the diffusers layout (with a `lora`: the adapter as
-  `<folder>/<component>/pytorch_lora_weights.safetensors`, PEFT names under `unet.` /
-  `transformer.`), fingerprint."""
+  given; with `records`, the prepare_data workdir's train/ records), held-out eval (with `records`:
+  its eval/ records at their fixed timesteps, none without eval/), export of `component` in the
+  diffusers layout (with a `lora`: the adapter as `<folder>/<component>/pytorch_lora_weights.safetensors`,
+  PEFT names under `unet.` / `transformer.`), fingerprint."""
   optimizer = _optimizer(opts)
   if lora is not None:
     loss_fn = lora_loss(loss_fn, lora)
   state = init_state(params, optimizer, rng=int(config.seed))
-  if batches is None:
-    batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
-  held_out = lambda: _eval_batches(opts, config, frames, pixels, captions)  # noqa: E731
+  batch_size = int(opts["batch_size"])
+  evaluator = None
+  if records is not None:
+    batches = record_batches(
+      records, batch_size=batch_size, seed=int(config.seed), sharding=sharding,
+      shuffle_buffer=int(opts.get("shuffle_buffer", 1024)),
+    )  # fmt: skip
+    if evaluate and records.eval:
+      evaluator = _records_evaluator(
+        loss_fn, lambda: eval_records(records, batch_size=batch_size), key=eval_key,
+        scale=eval_scale,
+      )  # fmt: skip
+  else:
+    if batches is None:
+      batches = EncodedBatches(_shapes(opts, config, frames=frames), pixels, captions, sharding)
+    held_out = lambda: _eval_batches(opts, config, frames, pixels, captions)  # noqa: E731
+    if evaluate:
+      evaluator = _evaluator(loss_fn, held_out, key=eval_key, scale=eval_scale)
   source = model / component
 
   def export(s: TrainState, folder) -> pathlib.Path:
@@ -368,41 +720,66 @@ def _denoiser_recipe(
     state=state,
     step=make_train_step(loss_fn, optimizer),
     batches=batches,
-    eval=_evaluator(loss_fn, held_out, key=eval_key, scale=eval_scale) if evaluate else None,
+    eval=evaluator,
     export=export,
-    fingerprint=_fingerprint(name, model, opts, config),
+    fingerprint=_fingerprint(name, model, opts, config, records),
   )
 
 
-def wan21_tiny(config: Any) -> Recipe:
-  """The tiny Wan 2.1 T2V transformer (tests/fixtures/wan_pipeline/t2v) on shapes clips.
+def _records(opts: Mapping[str, Any], family: str) -> PreparedData | None:
+  """The `records` option's prepare_data workdir, checked (None when the option is absent)."""
+  if "records" not in opts:
+    return None
+  return prepared_data(opts["records"] or "", family=family)
 
-  `config.recipe_options`: `model` (the pipeline folder), `batch_size`, `size` (pixels), `frames`
-  (4k + 1), `max_sequence_length`, `learning_rate`, `warmup_steps`, `max_grad_norm`, `weight_decay`,
-  `shift` (the sigma sampler's shift), `lora` (train a LoRA only: see `_trainable`).
+
+def wan21_tiny(config: Any) -> Recipe:
+  """The tiny Wan 2.1 T2V transformer (tests/fixtures/wan_pipeline/t2v) on shapes clips, or on the
+  cached latents of an `apps/prepare_data` workdir (`records`).
+
+  `config.recipe_options`: `model` (the pipeline folder; with `records` and empty: the records'
+  model), `batch_size`, `size` (pixels), `frames` (4k + 1), `max_sequence_length`, `learning_rate`,
+  `warmup_steps`, `max_grad_norm`, `weight_decay`, `shift` (the sigma sampler's shift), `lora` (train a
+  LoRA only: see `_trainable`), `records` (a prepare_data workdir of family wan: train on its train/
+  records, shuffled with `shuffle_buffer` from the seed; eval loss on its eval/ records at their
+  timesteps, sigma = timestep / 1000; `size`, `frames`, `max_sequence_length` are then the records').
   """
   import md_wan
 
   opts = _options(config)
-  model = _fixture(config, _WAN)
+  records = _records(opts, "wan")
+  model = _fixture(config, _WAN if records is None else str(records.model))
   mesh = _mesh(config)
   sharding = batch_sharding(mesh, int(opts["batch_size"]))
-  frames = int(opts.get("frames", 5))
-  pipe = md_wan.load_pipeline(model, mesh=mesh)
-  length = int(opts.get("max_sequence_length", 64))
-  captions = CaptionCache(
-    lambda c: {"encoder_hidden_states": pipe.encode_prompt(c, max_sequence_length=length)}
-  )
-  pixels = _split_jit(pipe.vae, lambda vae, x: vae.normalize_latents(vae.encode(x * 2 - 1).mode()))
-  key_map = pipe.lora_key_map("transformer")
+  pixels = captions = None
+  if records is None:
+    frames = int(opts.get("frames", 5))
+    pipe = md_wan.load_pipeline(model, mesh=mesh)
+    transformer, key_map = pipe.transformer, pipe.lora_key_map("transformer")
+    length = int(opts.get("max_sequence_length", 64))
+    captions = CaptionCache(
+      lambda c: {"encoder_hidden_states": pipe.encode_prompt(c, max_sequence_length=length)}
+    )
+    pixels = _split_jit(
+      pipe.vae, lambda vae, x: vae.normalize_latents(vae.encode(x * 2 - 1).mode())
+    )
+  else:
+    frames = None
+    cfg = md_wan.WanConfig.from_json(model / "transformer")
+    _, ph, pw = cfg.patch_size
+    _check_records_fit(
+      records, model, denoiser="transformer", latents=("f", "h", "w", cfg.in_channels),
+      multiple=int(np.lcm(ph, pw)), text_dim=cfg.text_dim, max_timestep=1000,
+    )  # fmt: skip
+    transformer, key_map = md_wan.load_transformer(model, mesh=mesh), md_wan.convert_key
   frozen, params, lora = _trainable(
-    config, pipe.transformer, family="wan", source=model / "transformer", key_map=key_map
+    config, transformer, family="wan", source=model / "transformer", key_map=key_map
   )
   loss_fn = families.wan_loss(frozen, shift=float(opts.get("shift", 5.0)))
   return _denoiser_recipe(
     "wan21-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
     captions=captions, sharding=sharding, frames=frames, component="transformer", convert_key=md_wan.convert_key,
-    eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map,
+    eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map, records=records,
   )  # fmt: skip
 
 
@@ -412,30 +789,46 @@ def _image_latents(vae: nnx.Module, scale: Callable) -> Callable[[np.ndarray], j
 
 
 def sd15_tiny(config: Any) -> Recipe:
-  """The tiny SD 1.5 UNet (tests/fixtures/sd_pipeline/sd) on shapes images, diffusers'
-  train_text_to_image.py loss (epsilon target; Min-SNR-γ when `snr_gamma` > 0).
+  """The tiny SD 1.5 UNet (tests/fixtures/sd_pipeline/sd) on shapes images, or on the cached latents
+  of an `apps/prepare_data` workdir (`records`); diffusers' train_text_to_image.py loss (epsilon
+  target; Min-SNR-γ when `snr_gamma` > 0).
 
-  `config.recipe_options`: `model`, `batch_size`, `size`, `learning_rate`, `warmup_steps`,
-  `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora` (rank, alpha, targets, init, seed: only
-  the LoRA trains, as in train_text_to_image_lora.py; exported as a PEFT file).
+  `config.recipe_options`: `model` (with `records` and empty: the records' model), `batch_size`,
+  `size`, `learning_rate`, `warmup_steps`, `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora` (rank,
+  alpha, targets, init, seed: only the LoRA trains, as in train_text_to_image_lora.py; exported as a
+  PEFT file), `records` (a prepare_data workdir of family sd: train on its train/ records, shuffled
+  with `shuffle_buffer` from the seed; eval loss on its eval/ records at their timesteps; only the
+  UNet is loaded).
   """
   import md_schedulers as mdsch
   import md_sd
 
   opts = _options(config)
-  model = _fixture(config, _SD)
+  records = _records(opts, "sd")
+  model = _fixture(config, _SD if records is None else str(records.model))
   mesh = _mesh(config)
   sharding = batch_sharding(mesh, int(opts["batch_size"]))
-  pipe = md_sd.load_pipeline(model, mesh=mesh)
-  sched = pipe.scheduler_config
+  pixels = captions = None
+  if records is None:
+    pipe = md_sd.load_pipeline(model, mesh=mesh)
+    unet, sched, key_map = pipe.unet, pipe.scheduler_config, pipe.lora_key_map("unet")
+    captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c)[0]})
+    factor = float(pipe.vae.config.scaling_factor)
+    pixels = _image_latents(pipe.vae, lambda m, z: z * factor)
+  else:
+    cfg = md_sd.UNetConfig.from_json(model / "unet" / "config.json")
+    sched = mdsch.read_config(model / "scheduler")
+    _check_records_fit(
+      records, model, denoiser="UNet", latents=("h", "w", cfg.in_channels),
+      multiple=2 ** (len(cfg.block_out_channels) - 1), text_dim=int(cfg.cross_attention_dim[0]),
+      max_timestep=int(sched.get("num_train_timesteps", 1000)),
+    )  # fmt: skip
+    unet = md_sd.load_unet(model, mesh=mesh, progress=False)
+    key_map = md_sd.unet_key_map(unet.cfg)
   keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
   acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
-  captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c)[0]})
-  factor = float(pipe.vae.config.scaling_factor)
-  pixels = _image_latents(pipe.vae, lambda m, z: z * factor)
-  key_map = pipe.lora_key_map("unet")
   frozen, params, lora = _trainable(
-    config, pipe.unet, family="sd", source=model / "unet", key_map=key_map
+    config, unet, family="sd", source=model / "unet", key_map=key_map
   )
   gamma = float(opts.get("snr_gamma", 0.0) or 0.0)
   prediction = sched.get("prediction_type", "epsilon")
@@ -445,7 +838,7 @@ def sd15_tiny(config: Any) -> Recipe:
   return _denoiser_recipe(
     "sd15-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
     captions=captions, sharding=sharding, frames=None, component="unet", convert_key=md_sd.convert_unet_key,
-    eval_key="timesteps", eval_scale=1.0, lora=lora, lora_key_map=key_map,
+    eval_key="timesteps", eval_scale=1.0, lora=lora, lora_key_map=key_map, records=records,
   )  # fmt: skip
 
 
