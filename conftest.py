@@ -36,6 +36,7 @@ jax.config.update("jax_threefry_partitionable", True)
 RUN_FIRST = (
   "tests/test_train_app.py",  # ~180 s: two training runs, a kill and a resume
   "tests/test_prepare_data.py",  # ~60 s: the prepare_data app as a subprocess, TensorFlow's import
+  "tests/test_train_records.py",  # ~120 s: prepare_data then apps/train, both subprocesses
   "tests/test_ltx2_generate_app.py",  # the app subprocesses that generate, each compiling a pipeline
   "tests/test_ltx_generate_app.py",
   "tests/test_wan_generate_app.py",
