@@ -77,7 +77,7 @@ def encode_result(
         pathlib.Path(tmp) / f"result.{video_format}", pixels, fps, audio=sound,
         sample_rate=sample_rate if sound is not None else None,
       )  # fmt: skip
-      return path.read_bytes(), f"video/{video_format}" if video_format == "mp4" else "image/gif"
+      return path.read_bytes(), "video/mp4" if video_format == "mp4" else "image/gif"
   buf = io.BytesIO()
   Image.fromarray(pixels).save(buf, format="PNG")
   return buf.getvalue(), "image/png"
