@@ -192,6 +192,36 @@ def test_cached_latents_batches_drop_captions_from_the_seed():
   assert ((text == 0) | (text == pick + 1)).all()
   assert 0 < (text == 0).mean() < 0.5  # about a quarter dropped
 
+  assert "loss_map" not in batch
+  maps = np.arange(10, dtype=np.float32).reshape(10, 1) * 10  # clip i's map is 10 i
+  with_maps = sm.cached_latents_recipe(
+    config, None, None, None, latents, ids, states, "unet", None, maps=maps
+  )
+  batch = next(with_maps.batches)
+  np.testing.assert_array_equal(batch["loss_map"], np.asarray(batch["latents"]) * 10)
+
+
+def test_latent_masks_follow_the_causal_vae_grid():
+  """Pixel masks [B, 9, 8, 8, 1] onto a latent grid (3, 2, 2): frame 0 alone, then chunks of 4 frames,
+  4x4 pixel blocks, grown by one latent pixel."""
+  fg = np.zeros((2, 9, 8, 8, 1), np.float32)
+  fg[0, 0, 0, 0] = 1  # frame 0, top-left block
+  fg[0, 6, 7, 7] = 1  # frame 6 (the second chunk, latent frame 2), bottom-right block
+  m = sm.latent_masks(fg, (3, 2, 2))
+  assert m.shape == (2, 3, 2, 2, 1) and m.dtype == np.float32
+  np.testing.assert_array_equal(m[1], 0)
+  np.testing.assert_array_equal(m[0, 1], 0)  # frames 1-4 hold nothing
+  np.testing.assert_array_equal(m[0, 0], 1)  # the top-left block grown over the 2x2 grid
+  np.testing.assert_array_equal(m[0, 2], 1)
+  big = np.zeros((1, 5, 16, 16, 1), np.float32)
+  big[0, 1:, 0, 0] = 1
+  grown = sm.latent_masks(big, (2, 4, 4))[0, 1, ..., 0]
+  np.testing.assert_array_equal(grown, np.pad(np.ones((2, 2)), ((0, 2), (0, 2))))
+  with pytest.raises(ValueError, match=r"latent grid \(3, 3, 2\)"):
+    sm.latent_masks(fg, (3, 3, 2))
+  with pytest.raises(ValueError, match="do not map"):
+    sm.latent_masks(fg, (4, 2, 2))
+
 
 class _Identity:
   """A VAE stand-in whose round trip is exact (its latent is the clip itself)."""

@@ -75,6 +75,7 @@ VARIANTS = {
       shift=3.0,
       drop_caption=0.1,
       max_sequence_length=16,
+      foreground_weight=0.0,
     ),
   ),
   # md's default image model (models/shapes-sd): a tiny SD 1.5 pipeline, recipes in md_train.shapes_sd.

@@ -30,6 +30,21 @@ def test_diffusion_loss_is_the_weighted_mse():
     mdt.diffusion_loss(pred, target, jnp.ones(2))
 
 
+def test_element_weights_weigh_single_errors():
+  pred, target = _arrays()
+  err = (np.asarray(pred) - np.asarray(target)) ** 2
+  m = np.random.default_rng(0).uniform(0, 3, (3, 4, 4, 1)).astype(np.float32)  # one per pixel
+  w = jnp.asarray([0.5, 2.0, 1.0])
+  got = float(mdt.diffusion_loss(pred, target, w, jnp.asarray(m)))
+  want = ((err * m).mean(axis=(1, 2, 3)) * np.asarray(w)).mean()
+  assert got == pytest.approx(want, rel=1e-6)
+  ones = mdt.diffusion_loss(pred, target, element_weights=jnp.ones((1, 1, 1, 1)))
+  assert float(ones) == pytest.approx(float(mdt.diffusion_loss(pred, target)), rel=1e-6)
+  for bad in ((3, 4, 4), (3, 2, 4, 1), (2, 4, 4, 2)):
+    with pytest.raises(ValueError, match=r"element_weights have shape \(" + str(bad[0])):
+      mdt.diffusion_loss(pred, target, element_weights=jnp.ones(bad))
+
+
 def test_targets():
   x0, noise = _arrays()
   t = jnp.asarray([0, 500, 999])

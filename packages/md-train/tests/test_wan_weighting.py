@@ -78,6 +78,19 @@ def test_wan_loss_weighted_like_maxdiffusion(sigmas):
   np.testing.assert_allclose(float(plain), _reference_loss(batch, np.ones(len(sigmas))), rtol=1e-5)
 
 
+def test_loss_map_weighs_latent_pixels():
+  """`loss_map [B, F, H, W, 1]` multiplies each latent pixel's squared error before the mean."""
+  batch = _batch(3, [0.2, 0.5, 0.8])
+  m = np.random.default_rng(7).uniform(0, 5, (3, 2, 3, 3, 1)).astype(np.float32)
+  loss, _ = mtf.wan_loss(_Toy())(PARAMS, batch | {"loss_map": m}, jax.random.key(0))
+  x0, noise = batch["latents"].astype(np.float64), batch["noise"].astype(np.float64)
+  s = batch["sigmas"].astype(np.float64)[:, None, None, None, None]
+  err = (noise - x0 - (0.7 * ((1 - s) * x0 + s * noise) - 0.3 * s)) ** 2
+  np.testing.assert_allclose(float(loss), float(np.mean(err * m)), rtol=1e-5)
+  with pytest.raises(ValueError, match="element_weights"):
+    mtf.wan_loss(_Toy())(PARAMS, batch | {"loss_map": m[:, :, :2]}, jax.random.key(0))
+
+
 @pytest.mark.parametrize("sigmas", [[0.4], [0.6, 0.6, 0.6]], ids=["batch1", "equal"])
 def test_no_spread_falls_back_to_plain_mse(sigmas):
   """MaxDiffusion's formula is 0 / 0 here; md weights every example 1, and the gradient stays finite."""

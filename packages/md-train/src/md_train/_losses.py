@@ -19,14 +19,19 @@ FLOW_SAMPLERS = ("uniform", "logit_normal", "mode", "shifted")
 
 
 def diffusion_loss(
-  prediction: jax.Array, target: jax.Array, weights: jax.Array | None = None
+  prediction: jax.Array,
+  target: jax.Array,
+  weights: jax.Array | None = None,
+  element_weights: jax.Array | None = None,
 ) -> jax.Array:
-  """Weighted MSE: `mean_b(w_b * mean((prediction_b - target_b)²))`, in float32.
+  """Weighted MSE: `mean_b(w_b * mean(m_b * (prediction_b - target_b)²))`, in float32.
 
   Args:
     prediction: `[B, ...]` model output.
     target: `[B, ...]`, the same shape.
     weights: `[B]` per-example weights (None: all 1, the plain MSE).
+    element_weights: `m`, weights of single elements that broadcast against the prediction (e.g.
+      `[B, F, H, W, 1]` over channels-last video latents), so some regions count more; None: all 1.
 
   Returns:
     A float32 scalar.
@@ -34,6 +39,15 @@ def diffusion_loss(
   if prediction.shape != target.shape:
     raise ValueError(f"prediction has shape {prediction.shape}, target {target.shape}")
   err = jnp.square(prediction.astype(jnp.float32) - target.astype(jnp.float32))
+  if element_weights is not None:
+    if element_weights.ndim != err.ndim or any(
+      w not in (1, e) for w, e in zip(element_weights.shape, err.shape)
+    ):
+      raise ValueError(
+        f"element_weights have shape {element_weights.shape}, which does not broadcast against the"
+        f" prediction's {err.shape} (same rank, each axis 1 or equal)"
+      )
+    err = err * element_weights.astype(jnp.float32)
   per_example = err.reshape(err.shape[0], -1).mean(axis=1)  # [B]
   if weights is None:
     return per_example.mean()

@@ -179,7 +179,8 @@ def wan_loss(
   """The Wan 2.1 text-to-video flow-matching loss.
 
   Batch: `latents [B, F, H, W, C]` (channels-last, VAE-normalised), `encoder_hidden_states [B, S, D]`,
-  optional `noise` like the latents and `sigmas [B]`. The model sees timestep 1000 σ.
+  optional `noise` like the latents, `sigmas [B]` and `loss_map [B, F, H, W, 1]` (weights of the latent
+  pixels' squared errors, `diffusion_loss`'s `element_weights`). The model sees timestep 1000 σ.
 
   Args:
     transformer: the transformer's frozen part.
@@ -223,7 +224,7 @@ def wan_loss(
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
     model = transformer.merge(params)
     pred = model(noisy, sigmas * 1000, batch["encoder_hidden_states"], None, layout="BFHWC")
-    return diffusion_loss(pred, target, weights), {}
+    return diffusion_loss(pred, target, weights, batch.get("loss_map")), {}
 
   return loss_fn
 

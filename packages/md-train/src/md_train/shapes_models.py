@@ -374,16 +374,42 @@ def encode_clips(
   seed: int,
   count: int,
   batch_size: int = 8,
-) -> tuple[np.ndarray, list[str]]:
+  masks: bool = False,
+) -> tuple[np.ndarray, ...]:
   """The normalised VAE latents (encoder means) `[count, f, h, w, z]` of `count` shapes clips, and their
-  captions."""
+  captions; with `masks`, also the shapes' masks on the latent grid `[count, f, h, w, 1]`
+  (`latent_masks`)."""
   vae = pipe.vae
   encode = jax.jit(lambda v: vae.normalize_latents(vae.encode(v).mean))
-  lats, caps = [], []
-  for v, c in _take(shapes_videos(data, seed=seed, batch_size=batch_size), -(-count // batch_size)):
+  lats, caps, fgs = [], [], []
+  batches = shapes_videos(data, seed=seed, batch_size=batch_size, masks=True)
+  for v, c, fg in _take(batches, -(-count // batch_size)):
     lats.append(np.asarray(encode(jnp.asarray(v))))
     caps += c
-  return np.concatenate(lats)[:count], caps[:count]
+    fgs.append(fg)
+  latents = np.concatenate(lats)[:count]
+  if not masks:
+    return latents, caps[:count]
+  fg = np.concatenate(fgs)[:count]
+  return latents, caps[:count], latent_masks(fg, latents.shape[1:4])
+
+
+def latent_masks(fg: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
+  """Pixel masks `[B, T, H, W, 1]` of a causal video VAE's clips carried to its latent `grid` (f, h, w):
+  latent frame 0 covers pixel frame 0 and latent frame k the k-th chunk of the rest (as the causal VAE
+  groups them), each latent pixel its block of pixels; a latent pixel is 1 where any pixel it covers is,
+  grown by one latent pixel on each side so the shape's edge and its nearest background count too."""
+  b, t, h, w, _ = fg.shape
+  f, gh, gw = grid
+  if (t - 1) % max(f - 1, 1) or h % gh or w % gw:
+    raise ValueError(f"masks of shape {fg.shape} do not map onto a latent grid {grid}")
+  step = (t - 1) // max(f - 1, 1)
+  chunks = [fg[:, :1]] + [fg[:, 1 + k * step : 1 + (k + 1) * step] for k in range(f - 1)]
+  m = np.stack([c.max(axis=1) for c in chunks], axis=1)  # [B, f, H, W, 1]
+  m = m.reshape(b, f, gh, h // gh, gw, w // gw, 1).max(axis=(3, 5))
+  grown = np.pad(m, ((0, 0), (0, 0), (1, 1), (1, 1), (0, 0)))
+  m = np.max([grown[:, :, y : y + gh, x : x + gw] for y in range(3) for x in range(3)], axis=0)
+  return m.astype(np.float32)
 
 
 def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
@@ -392,12 +418,17 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
 
   `recipe_options`: `base`, `size`, `frames`, `num_clips`, `batch_size`, `learning_rate`, `warmup_steps`,
   `shift` (the training sigmas' shift), `drop_caption`, `max_sequence_length` (text tokens; generate
-  with the same).
+  with the same), `foreground_weight` (the latent pixels on and next to the shape weigh
+  `1 + foreground_weight` in the loss, `latent_masks`; 0, the default: the plain MSE).
   """
   config = _options(app_config)
   pipe = md_wan.load_pipeline(config.base)
   data = _shapes_config(config)
-  latents, captions = encode_clips(pipe, data, seed=config.seed, count=config.num_clips)
+  latents, captions, masks = encode_clips(
+    pipe, data, seed=config.seed, count=config.num_clips, masks=True
+  )
+  foreground = float(config.get("foreground_weight", 0.0))
+  maps = 1.0 + foreground * masks if foreground else None
   table = ("",) + train_captions(config.frames)
   index = {c: i for i, c in enumerate(table)}
   length = int(config.max_sequence_length)
@@ -413,7 +444,7 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   state = init_state(params, optimizer, rng=config.seed)
   step = make_train_step(families.wan_loss(frozen, shift=config.shift), optimizer)
   return cached_latents_recipe(
-    config, state, step, frozen, latents, ids, embeds, "transformer", md_wan.convert_key
+    config, state, step, frozen, latents, ids, embeds, "transformer", md_wan.convert_key, maps=maps
   )
 
 
@@ -427,21 +458,25 @@ def cached_latents_recipe(
   states: np.ndarray,
   component: str,
   convert_key: Callable,
+  maps: np.ndarray | None = None,
 ) -> Recipe:
   """The denoiser stage of a default model: batches of `config.batch_size` cached `latents` drawn from
   `config.seed`, each with the text states `states[ids]` (row 0, the empty prompt, for a fraction
-  `config.drop_caption`), and an export that copies the folder `config.base` and replaces `component`'s
-  weights with the trained ones."""
+  `config.drop_caption`) and, given `maps` (one per latent), its `loss_map`; and an export that copies
+  the folder `config.base` and replaces `component`'s weights with the trained ones."""
 
   def batches():
     rng = np.random.default_rng([config.seed, 1])
     while True:
       pick = rng.integers(0, len(latents), config.batch_size)
       text = np.where(rng.random(config.batch_size) < config.drop_caption, 0, ids[pick])
-      yield {
+      batch = {
         "latents": jnp.asarray(latents[pick]),
         "encoder_hidden_states": jnp.asarray(states[text]),
       }
+      if maps is not None:
+        batch["loss_map"] = jnp.asarray(maps[pick])
+      yield batch
 
   def export(state, out: str | os.PathLike) -> pathlib.Path:
     out = pathlib.Path(out)
