@@ -5,8 +5,9 @@ End to end as real subprocesses: prepare_data `tiny` (shapes-sd, 6 train + 2 eva
 records at their fixed timesteps (0 and 999). In process, the Wan recipe on a few records written here
 (channels first, as MaxDiffusion writes them): batches come back channels last and shuffled, 3 straight
 steps equal 2 steps + a resume in a fresh records iterator bit for bit (and the next batch too), and the
-eval loss at each record's timestep equals that record's batch-1 loss; bad workdirs and records that do
-not fit the model fail naming the problem.
+eval loss at each record's timestep equals that record's batch-1 loss; records without settings.json
+(MaxDiffusion's own) train once the model is named; bad workdirs and records that do not fit the model
+fail naming the problem.
 """
 
 import importlib.util
@@ -215,6 +216,36 @@ def test_wan_eval_per_record_timestep(wan):
   assert metrics["eval/loss"] == pytest.approx(
     (metrics["eval/loss_t100"] + metrics["eval/loss_t900"]) / 2
   )
+
+
+def test_records_without_settings_json(wan, tmp_path):
+  """MaxDiffusion's own cached-latent records: the files at the folder's top, latents channels first,
+  no settings.json. With `model` named they train like prepare_data's (channels last, the same
+  shapes); without it the error says how."""
+  _, latents, states, _, _ = wan
+  folder = tmp_path / "maxdiffusion"
+  mdd.write_tfrecord(
+    folder / "file_00-4.tfrec",
+    [mdd.latent_example(np.moveaxis(latents[i], -1, 0), states[i]) for i in range(4)],
+  )
+  with pytest.raises(FileNotFoundError, match=r"has no settings.json.*recipe_options.model=<folder>"):
+    recipes.wan21_tiny(_config("wan21-records", records=str(folder)))
+  recipe = recipes.wan21_tiny(_config("wan21-records", records=str(folder), model=str(WAN)))
+  data = recipes.prepared_data(folder, family="wan", model=str(WAN))
+  assert data.train_dir == folder and not data.eval and data.latents == (2, 4, 4, 4)
+  assert data.settings["source"] == "records without settings.json"
+  got = np.asarray(next(recipe.batches)["latents"])
+  order = [int(np.argmin(np.abs(latents - x).sum(axis=(1, 2, 3, 4)))) for x in got]
+  np.testing.assert_array_equal(got, latents[order])
+  # Stored channels last, said so: the same batches.
+  last = tmp_path / "channels_last"
+  mdd.write_tfrecord(
+    last / "train" / "part-0.tfrec", [mdd.latent_example(latents[i], states[i]) for i in range(4)]
+  )
+  data = recipes.prepared_data(last, family="wan", model=str(WAN), channels_first=False)
+  assert data.train_dir == last / "train" and data.latents == (2, 4, 4, 4)
+  got = next(recipes.record_batches(data, batch_size=2, seed=0))["latents"]
+  np.testing.assert_array_equal(np.asarray(got), latents[order[:2]])
 
 
 def test_missing_and_empty_workdirs(tmp_path):

@@ -26,6 +26,9 @@ wrote (MaxDiffusion's way: prepare once, train on the records): `recipe_options.
 `eval_every` steps) is the mean over eval/'s fixed timesteps of the records' losses there, and
 `recipe_options.model` empty trains the model the records were encoded with (settings.json's `model`).
 The records' family, latent shape and text width must fit the model; an error names what differs.
+Records written elsewhere (MaxDiffusion's cached-latent TFRecords, no settings.json) train too: give
+`recipe_options.model` (the pipeline they were encoded with) and, when their latents are stored channels
+last, `recipe_options.records_channels_first=False`.
 `recipe` is "module.path:function"; the function takes this whole config and returns an
 `md_train.Recipe`, so any config file with `get_config(variant)` and these keys runs its own recipes
 through this app. Running the same command again resumes from `<workdir>/checkpoints` (the fingerprint of
@@ -129,6 +132,7 @@ VARIANTS["dreambooth-lora-tiny"] = (
 _RECORDS = dict(
   records="",
   model="",
+  records_channels_first=True,  # only read for records without settings.json (MaxDiffusion's layout)
   batch_size=2,
   shuffle_buffer=1024,
   learning_rate=1e-4,

@@ -104,15 +104,20 @@ PREPARED_SETTINGS = "settings.json"
 
 
 class PreparedData(NamedTuple):
-  """A checked `apps/prepare_data` workdir (`prepared_data`): train/ (and eval/) cached-latent records.
+  """A checked folder of cached-latent records (`prepared_data`): an `apps/prepare_data` workdir
+  (train/, eval/, settings.json) or records written elsewhere (MaxDiffusion's layout, no settings.json).
 
   Attributes:
     workdir: the folder.
-    settings: its settings.json (prepare_data's config: family, model, channels_first, splits, ...).
+    settings: its settings.json (prepare_data's config: family, model, channels_first, splits, ...);
+      for records without one, what the recipe options said (`family`, `model`, `channels_first`,
+      `source: "records without settings.json"`).
     model: the pipeline folder the records were encoded with (settings.json's `model`, resolved).
     latents: one train record's latents shape, channels last (`[h, w, c]`, video `[f, h, w, c]`).
     encoder_hidden_states: one record's text states shape `[S, D]`.
     eval: whether eval/ holds records (each with a fixed `timesteps`).
+    train_dir: the folder of the train records (`workdir/train`, or `workdir` itself for records
+      without settings.json that keep their files at the top).
   """
 
   workdir: pathlib.Path
@@ -121,6 +126,7 @@ class PreparedData(NamedTuple):
   latents: tuple[int, ...]
   encoder_hidden_states: tuple[int, ...]
   eval: bool
+  train_dir: pathlib.Path
 
   @property
   def channels_first(self) -> bool:
@@ -165,14 +171,25 @@ def _local_model(value: str, what: str) -> pathlib.Path:
     raise FileNotFoundError(f"{what}: the model {value!r} is not available ({e})") from None
 
 
-def prepared_data(workdir: str | os.PathLike, *, family: str) -> PreparedData:
-  """Checks an `apps/prepare_data` workdir for training a `family` ("sd" or "wan") denoiser.
+def prepared_data(
+  workdir: str | os.PathLike,
+  *,
+  family: str,
+  model: str | None = None,
+  channels_first: bool = True,
+) -> PreparedData:
+  """Checks a folder of cached-latent records for training a `family` ("sd" or "wan") denoiser.
 
-  Reads settings.json (the family and model the records were made with) and the first record of
-  train/ and eval/ (their shapes); no TensorFlow.
+  An `apps/prepare_data` workdir names its family and model in settings.json. Records written
+  elsewhere (MaxDiffusion's cached-latent TFRecords: `latents` and `encoder_hidden_states`, latents
+  channels first) have no settings.json: give `model`, the pipeline folder they were encoded with, and
+  `channels_first` (their layout; True, MaxDiffusion's, by default); their files lie in train/ or at
+  the folder's top, eval records (with `timesteps`) in eval/. Reads the first record of each split
+  (their shapes); no TensorFlow.
 
   Raises:
-    FileNotFoundError: a missing workdir, train/ or settings.json (the path named).
+    FileNotFoundError: a missing workdir, train/ or settings.json (the path named; without
+      settings.json, unless `model` is given).
     ValueError: a file for a folder, no records, records of another family, or eval records whose
       shapes differ from the train records' (both named).
   """
@@ -190,12 +207,25 @@ def prepared_data(workdir: str | os.PathLike, *, family: str) -> PreparedData:
       f"{what}: {path} is a file, not a prepare_data workdir (train/, settings.json)"
     )
   settings_file = path / PREPARED_SETTINGS
-  if not settings_file.is_file():
+  train_dir = path / "train"
+  if settings_file.is_file():
+    settings = md_core.read_json(settings_file)
+  elif model:
+    # Records made elsewhere: the recipe options say what settings.json would.
+    settings = dict(
+      family=family, model=str(model), channels_first=bool(channels_first),
+      source="records without settings.json",
+    )  # fmt: skip
+    if not train_dir.is_dir():
+      train_dir = path
+  else:
     raise FileNotFoundError(
       f"{what}: {path} has no {PREPARED_SETTINGS}, so it is not a finished apps/prepare_data "
-      f"workdir (settings.json is written last); run {make}"
+      f"workdir (settings.json is written last); run {make}. For records written elsewhere "
+      "(MaxDiffusion's layout), name the pipeline folder they were encoded with: "
+      "recipe_options.model=<folder> (and recipe_options.records_channels_first=False if their "
+      "latents are stored channels last)"
     )
-  settings = md_core.read_json(settings_file)
   got = settings.get("family")
   if got != family:
     raise ValueError(
@@ -203,9 +233,9 @@ def prepared_data(workdir: str | os.PathLike, *, family: str) -> PreparedData:
       f"{settings.get('model')!r}, settings.json), this recipe trains a {family!r} denoiser; use "
       f"the {_RECORDS_VARIANTS.get(got, 'matching')} variant or prepare the data with family={family}"
     )
-  if not (path / "train").is_dir():
+  if not train_dir.is_dir():
     raise FileNotFoundError(f"{what}: {path} has no train/ folder of records; run {make}")
-  shapes = _first_record(path / "train", what)
+  shapes = _first_record(train_dir, what)
   eval_dir = path / "eval"
   has_eval = eval_dir.is_dir() and bool(_record_files(eval_dir))
   if has_eval:
@@ -227,6 +257,7 @@ def prepared_data(workdir: str | os.PathLike, *, family: str) -> PreparedData:
     latents=tuple(latents),
     encoder_hidden_states=shapes["encoder_hidden_states"],
     eval=has_eval,
+    train_dir=train_dir,
   )
 
 
@@ -359,7 +390,7 @@ def record_batches(
     sizes = md_data.batch_sizes(sharding.mesh, global_batch_size=batch_size)
     per_process = sizes.per_process_batch_size
   records = md_data.read_latent_records(
-    data.workdir / "train", batch_size=per_process, seed=seed, shuffle_buffer=shuffle_buffer,
+    data.train_dir, batch_size=per_process, seed=seed, shuffle_buffer=shuffle_buffer,
     timesteps=False,
   )  # fmt: skip
   return RecordBatches(records, channels_first=data.channels_first, sharding=sharding)
@@ -727,10 +758,14 @@ def _denoiser_recipe(
 
 
 def _records(opts: Mapping[str, Any], family: str) -> PreparedData | None:
-  """The `records` option's prepare_data workdir, checked (None when the option is absent)."""
+  """The `records` option's folder of records, checked (None when the option is absent); `model` and
+  `records_channels_first` describe records without settings.json (`prepared_data`)."""
   if "records" not in opts:
     return None
-  return prepared_data(opts["records"] or "", family=family)
+  return prepared_data(
+    opts["records"] or "", family=family, model=opts.get("model") or None,
+    channels_first=bool(opts.get("records_channels_first", True)),
+  )  # fmt: skip
 
 
 def wan21_tiny(config: Any) -> Recipe:
