@@ -4,6 +4,7 @@ uv run python bench/default_models.py            # the video model: quality + sp
 uv run python bench/default_models.py --scores   # quality only
 uv run python bench/default_models.py --image    # the image model (shapes-sd): quality + speed
 uv run python bench/default_models.py --image --scores
+uv run python bench/default_models.py --scores runs/shapes-wan/export   # quality of another folder
 
 Quality: md_data's analyser on `md_train.shapes_models.quality_prompts()` x 2 seeds (20 steps, guidance 3),
 rates of the right colour, shape, direction and background, for the held-out colour x shape pairs and the
@@ -39,11 +40,17 @@ def _table(pipe, score_fn, keys: tuple[str, ...], unit: str) -> dict:
   return out
 
 
+def _folder(default: str) -> pathlib.Path:
+  """The model folder: the first argument that is not a flag, else models/<default>."""
+  given = [a for a in sys.argv[1:] if not a.startswith("--")]
+  return pathlib.Path(given[0]) if given else ROOT / "models" / default
+
+
 def scores() -> dict:
   import md_wan
   from md_train import shapes_models as sm
 
-  pipe = md_wan.load_pipeline(ROOT / "models" / "shapes-wan")
+  pipe = md_wan.load_pipeline(_folder("shapes-wan"))
   return _table(pipe, sm.video_scores, ("colour", "shape", "direction", "background"), "videos")
 
 
@@ -87,7 +94,7 @@ def image_scores() -> dict:
   import md_sd
   from md_train import shapes_sd as ss
 
-  pipe = md_sd.load_pipeline(ROOT / "models" / "shapes-sd")
+  pipe = md_sd.load_pipeline(_folder("shapes-sd"))
   return _table(pipe, ss.image_scores, ("colour", "shape", "position", "background"), "images")
 
 

@@ -1,8 +1,8 @@
 """Two real processes on localhost (`jax.distributed.initialize`, 2 CPU devices each) train a tiny NNX
 flow-matching model through `md_train.make_train_step` (AdamW + EMA, noise and sigmas drawn from the
 state's rng) for 2 steps on one mesh over all 4 devices (dcn data 2 across the processes × fsdp 2 inside
-each; kernels sharded over fsdp), the global batch assembled from each process's rows (`jax.make_array_from_process_local_data`),
-and write one checkpoint with `md_train.Checkpointer`; the final parameters equal a single-process run of
+each; kernels sharded over fsdp), the global batch assembled by `md_data.GlobalBatches` from each
+process's own rows, and write one checkpoint with `md_train.Checkpointer`; the final parameters equal a single-process run of
 the same 2 steps on the same global batch within 1e-5, and so do the checkpoint's. (The Wan transformer
 of tests/test_sharding.py would work too, but its sharded step compiles for minutes on a loaded 2-core
 machine.)
@@ -75,6 +75,7 @@ def _train(mesh, process_rows=None):
   import jax
   from jax.sharding import NamedSharding, PartitionSpec
 
+  import md_data as mdd
   import md_train as mdt
 
   frozen, params = mdt.split_trainable(_model())
@@ -89,12 +90,13 @@ def _train(mesh, process_rows=None):
       params,
     )
     batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    batch = {
-      name: jax.make_array_from_process_local_data(
-        batch_sharding, value[process_rows(batch_sharding, value.shape)], value.shape
-      )
-      for name, value in batch.items()
-    }
+    # This process's data source yields only its own rows; md_data.GlobalBatches makes them global.
+    rows = process_rows(batch_sharding, batch["latents"].shape)
+    local = iter([{name: value[rows] for name, value in batch.items()}])
+    batches = mdd.GlobalBatches(local, mesh, global_batch_size=batch["latents"].shape[0])
+    assert batches.sizes.per_process_batch_size == rows.stop - rows.start
+    batch = next(batches)
+    assert all(v.sharding.is_equivalent_to(batch_sharding, 2) for v in batch.values())
   opt = mdt.make_optimizer(learning_rate=1e-2, warmup_steps=1, ema_decay=0.9)
   state = mdt.init_state(params, opt, rng=0)
   if mesh is not None:

@@ -228,7 +228,9 @@ def test_records_without_settings_json(wan, tmp_path):
     folder / "file_00-4.tfrec",
     [mdd.latent_example(np.moveaxis(latents[i], -1, 0), states[i]) for i in range(4)],
   )
-  with pytest.raises(FileNotFoundError, match=r"has no settings.json.*recipe_options.model=<folder>"):
+  with pytest.raises(
+    FileNotFoundError, match=r"has no settings.json.*recipe_options.model=<folder>"
+  ):
     recipes.wan21_tiny(_config("wan21-records", records=str(folder)))
   recipe = recipes.wan21_tiny(_config("wan21-records", records=str(folder), model=str(WAN)))
   data = recipes.prepared_data(folder, family="wan", model=str(WAN))
