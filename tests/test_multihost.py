@@ -3,7 +3,8 @@ flow-matching model through `md_train.make_train_step` (AdamW + EMA, noise and s
 state's rng) for 2 steps on one mesh over all 4 devices (dcn data 2 across the processes × fsdp 2 inside
 each; kernels sharded over fsdp), the global batch assembled by `md_data.GlobalBatches` from each
 process's own rows, and write one checkpoint with `md_train.Checkpointer`; the final parameters equal a single-process run of
-the same 2 steps on the same global batch within 1e-5, and so do the checkpoint's. (The Wan transformer
+the same 2 steps on the same global batch within 1e-5, and so do the checkpoint's (restored into the
+one-device state, and read without a target by `Checkpointer.read`). (The Wan transformer
 of tests/test_sharding.py would work too, but its sharded step compiles for minutes on a loaded 2-core
 machine.)
 
@@ -204,6 +205,12 @@ def test_two_processes_train_and_checkpoint_like_one(tmp_path):
   assert info["step"] == STEPS
   for r, w in zip(jax.tree.leaves(restored.params), want):
     np.testing.assert_allclose(np.asarray(r), w, atol=TOL, rtol=0)
+  # ... and reads without a target (whole host arrays, whatever topology wrote it).
+  arrays, meta = mdt.Checkpointer(tmp_path / "checkpoints").read()
+  assert meta["step"] == STEPS and len(arrays) == len(jax.tree.leaves(restored))
+  for name, r in zip(meta["leaves"], jax.tree.leaves(restored)):
+    r = jax.random.key_data(r) if jax.dtypes.issubdtype(r.dtype, jax.dtypes.prng_key) else r
+    np.testing.assert_array_equal(arrays[name], np.asarray(r), err_msg=name)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

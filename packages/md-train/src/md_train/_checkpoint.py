@@ -248,13 +248,22 @@ class Checkpointer:
   # --- restore --------------------------------------------------------------------------------------
   def read(self, step: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """The raw arrays (`{pytree path: host array}`; PRNG keys as key data) and the JSON metadata of
-    a checkpoint, without a target state (for inspection and tests)."""
+    a checkpoint, without a target state (for inspection and tests). Any checkpoint reads, whatever
+    mesh or process count wrote it: each array is restored whole onto this process's first device."""
     import orbax.checkpoint as ocp
 
     step = self._step_or_latest(step)
     meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    # The saved shapes and dtypes, placed on one local device (the saved shardings name the writer's
+    # devices, which this process may not have).
+    saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+    saved = getattr(saved, "item_metadata", saved)
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = {
+      name: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=one) for name, m in saved.items()
+    }
     restored = self._manager.restore(
-      step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
     ).state
     arrays = {name: np.asarray(restored[f"leaf_{i:05d}"]) for i, name in enumerate(meta["leaves"])}
     return arrays, meta
