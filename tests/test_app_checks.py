@@ -11,13 +11,15 @@ import time
 
 import pytest
 
+from md_core import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = dict(
   os.environ,
   JAX_PLATFORMS="cpu",
   HF_HUB_OFFLINE="1",
   MD_PROGRESS="0",
-  XLA_FLAGS="",
+  XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS,
   TF_CPP_MIN_LOG_LEVEL="",
 )
 

@@ -10,13 +10,15 @@ import sys
 import numpy as np
 import pytest
 
+from md_core import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_app(*flags: str, variant: str = "tiny") -> subprocess.CompletedProcess:
   env = dict(
     os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 " + testing.FAST_COMPILE_XLA_FLAGS,
     JAX_PLATFORMS="cpu",
     HF_HUB_OFFLINE="1",
     MD_PROGRESS="0",
@@ -57,7 +59,6 @@ def _ltx2_outputs(folder: pathlib.Path) -> tuple[dict, dict]:
 def test_ltx2_generate_writes_video_with_audio_and_settings(tmp_path):
   """tiny-ltx2 (text-to-video with sound): one MP4 with an H.264 video stream of the decoded frames and an
   AAC stream of the generated waveform, and settings.json with the sample rate and the audio duration."""
-  from md_core import testing
 
   out = run_app(
     f"--workdir={tmp_path}", "--config.prompt=a cat playing a piano", "--config.num_inference_steps=2",
@@ -85,7 +86,6 @@ def test_ltx2_generate_writes_video_with_audio_and_settings(tmp_path):
 
 @pytest.mark.slow
 def test_ltx2_generate_image_to_video(tmp_path):
-  from md_core import testing
 
   first = _picture(tmp_path / "first.png", 0)
   out = run_app(

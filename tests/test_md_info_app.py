@@ -6,11 +6,17 @@ import pathlib
 import subprocess
 import sys
 
+from md_core import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_app(*flags: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 " + testing.FAST_COMPILE_XLA_FLAGS,
+    JAX_PLATFORMS="cpu",
+  )
   return subprocess.run(
     [
       sys.executable,

@@ -21,6 +21,7 @@ import md_flux
 import md_ltx
 import md_sd
 import md_wan
+from md_core import testing
 from md_core.testing import fixture_path, load_arrays
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -231,7 +232,13 @@ def test_every_app_config_has_quantization(name):
 
 
 def test_app_rejects_a_bad_quantization_before_loading(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", MD_PROGRESS="0", XLA_FLAGS="")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    HF_HUB_OFFLINE="1",
+    MD_PROGRESS="0",
+    XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS,
+  )
   out = subprocess.run(
     [sys.executable, str(ROOT / "apps" / "flux_generate"), "--config=apps/configs/flux.py:tiny",
      "--config.quantization=int4", f"--workdir={tmp_path / 'out'}"],

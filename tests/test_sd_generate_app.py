@@ -9,13 +9,15 @@ import sys
 import numpy as np
 import pytest
 
+from md_core import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_app(*flags: str, variant: str = "tiny") -> subprocess.CompletedProcess:
   env = dict(
     os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 " + testing.FAST_COMPILE_XLA_FLAGS,
     JAX_PLATFORMS="cpu",
     HF_HUB_OFFLINE="1",
     MD_PROGRESS="0",

@@ -6,8 +6,16 @@ import pathlib
 import subprocess
 import sys
 
+from md_core import testing
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", MD_PROGRESS="0", XLA_FLAGS="")
+ENV = dict(
+  os.environ,
+  JAX_PLATFORMS="cpu",
+  HF_HUB_OFFLINE="1",
+  MD_PROGRESS="0",
+  XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS,
+)
 
 
 def _run(*flags: str) -> subprocess.CompletedProcess:
