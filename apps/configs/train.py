@@ -18,7 +18,8 @@ uv run apps/train --config=apps/configs/train.py:wan21-records --config.recipe_o
 Variants: wan21-tiny, sd15-tiny, flux1-tiny: the tiny pipelines of tests/fixtures (Wan 2.1 T2V, SD 1.5,
 Flux.1 dev) trained on md_data's shapes clips / images (`md_train.recipes`); sd15-lora-tiny,
 wan21-lora-tiny, flux1-lora-tiny: the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
-targets, init, seed), exported as a PEFT file; dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with
+targets, init, seed), exported as a PEFT file; wan22-high-tiny, wan22-low-tiny: one expert of the tiny
+Wan 2.2 A14B pipeline (`recipe_options.expert`), on the timesteps it samples; dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with
 prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
 sd15-records, wan21-records: the SD / Wan denoiser trained on the cached latents an apps/prepare_data run
 wrote (MaxDiffusion's way: prepare once, train on the records): `recipe_options.records` is that run's
@@ -97,6 +98,15 @@ for _name, _targets in (("sd15", None), ("wan21", None), ("flux1", _FLUX_TARGETS
   _recipe, _options = VARIANTS[f"{_name}-tiny"]
   _lora = dict(_LORA, targets=_targets or _LORA["targets"])
   VARIANTS[f"{_name}-lora-tiny"] = (_recipe, dict(_options, learning_rate=1e-2, lora=_lora))
+
+# Wan 2.2 A14B, one expert at a time (DiffSynth's way: each expert on its own timesteps, the boundary from
+# the folder's model_index.json): the tiny two-expert fixture, its high-noise `transformer` or low-noise
+# `transformer_2`, exported as that component.
+for _expert in ("high", "low"):
+  VARIANTS[f"wan22-{_expert}-tiny"] = (
+    "md_train.recipes:wan21_tiny",
+    dict(VARIANTS["wan21-tiny"][1], model="tests/fixtures/wan_pipeline/t2v_a14b", expert=_expert),
+  )
 
 # Dreambooth (train_dreambooth.py) on the tiny SD pipeline: three 32x32 instance images of a red disc,
 # prior preservation with 4 class images the pipeline generates into class_dir at the first run.

@@ -178,3 +178,55 @@ def test_sd_loss_noise_offset_is_the_plain_loss_on_offset_noise():
   assert got == pytest.approx(want, abs=1e-6)
   assert abs(got - base) > 1e-4  # the offset changes the loss
   assert off == base
+
+
+def test_wan22_expert_ranges_are_diffsynths_boundaries():
+  """The split of the shift-5 table at Wan 2.2's boundaries: DiffSynth's A14B scripts train the
+  high-noise expert on the table's first 0.417 (T2V, boundary 0.875) or 0.358 (I2V, 0.9) of entries."""
+  table = mdt.flow_training_table(1000, shift=5.0)
+  for ratio, fraction in ((0.875, 0.417), (0.9, 0.358)):
+    lo, k = mdt.expert_range(table, ratio, "high")
+    assert lo == 0 and abs(k - fraction * 1000) <= 1, (ratio, k)
+    assert mdt.expert_range(table, ratio, "low") == (k, 1000)
+    assert float(table.timesteps[k - 1]) >= ratio * 1000 > float(table.timesteps[k])
+  with pytest.raises(ValueError, match="expected one of"):
+    mdt.expert_range(table, 0.875, "middle")
+  with pytest.raises(ValueError, match="leaves an expert no training timestep"):
+    mdt.expert_range(table, 1.5, "high")
+
+
+def test_wan_loss_draws_only_the_experts_entries():
+  """With `table_range`, the drawn σ are the table entries of the key's draw inside the range: the loss
+  equals the loss with those σ given (bell weights of the same entries)."""
+  from flax import nnx
+
+  import md_train.families as mtf
+
+  class Stub(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.full((), 0.5))
+
+    def __call__(self, x, t, ctx, image, layout):
+      return x * self.w[...] + (t / 1000)[:, None, None, None, None] + ctx.mean()
+
+  frozen, params = mdt.split_trainable(Stub())
+  table = mdt.flow_training_table(1000, shift=5.0)
+  rng = np.random.default_rng(0)
+  batch = {
+    "latents": jnp.asarray(rng.normal(size=(4, 2, 4, 4, 3)), jnp.float32),
+    "encoder_hidden_states": jnp.asarray(rng.normal(size=(4, 3, 8)), jnp.float32),
+  }
+  for expert in ("high", "low"):
+    lo, hi = mdt.expert_range(table, 0.875, expert)
+    loss_fn = mtf.wan_loss(frozen, table=table, table_range=(lo, hi))
+    for seed in range(3):
+      key = jax.random.key(seed)
+      idx = jax.random.randint(jax.random.split(key)[1], (4,), lo, hi)
+      assert bool(jnp.all((idx >= lo) & (idx < hi)))
+      drawn, _ = loss_fn(params, batch, key)
+      given, _ = loss_fn(params, dict(batch, sigmas=table.sigmas[idx]), key)
+      np.testing.assert_allclose(float(drawn), float(given), rtol=1e-6)
+  with pytest.raises(ValueError, match="table_range needs a table"):
+    mtf.wan_loss(frozen, table_range=(0, 10))
+  with pytest.raises(ValueError, match="not a non-empty range"):
+    mtf.wan_loss(frozen, table=table, table_range=(10, 10))

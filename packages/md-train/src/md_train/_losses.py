@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import md_schedulers as mdsch
 
@@ -183,6 +184,30 @@ def flow_training_table(
   bell = jnp.exp(-2 * ((timesteps - n / 2) / n) ** 2)
   bell = bell - bell.min()
   return FlowTable(sigmas, timesteps, bell * (n / bell.sum()))
+
+
+WAN22_EXPERTS = ("high", "low")
+
+
+def expert_range(table: FlowTable, boundary_ratio: float, expert: str) -> tuple[int, int]:
+  """The entries `[lo, hi)` of `table` a Wan 2.2 expert trains on: the high-noise expert (`transformer`)
+  those whose timestep is at least `boundary_ratio` x N (where the pipeline samples with it), the
+  low-noise expert (`transformer_2`) the rest. DiffSynth's Wan 2.2 scripts give the same split as a
+  fraction of the table (`--max_timestep_boundary` / `--min_timestep_boundary`).
+
+  Raises:
+    ValueError: an unknown expert, or a ratio that leaves an expert no entry.
+  """
+  if expert not in WAN22_EXPERTS:
+    raise ValueError(f"expert={expert!r}; expected one of {WAN22_EXPERTS} (Wan 2.2's two experts)")
+  n = int(table.timesteps.shape[0])
+  k = int(np.sum(np.asarray(table.timesteps) >= float(boundary_ratio) * n))
+  if not 0 < k < n:
+    raise ValueError(
+      f"boundary_ratio={boundary_ratio} leaves an expert no training timestep (the table's "
+      f"timesteps run from {float(table.timesteps[0]):.1f} down to {float(table.timesteps[-1]):.1f})"
+    )
+  return (0, k) if expert == "high" else (k, n)
 
 
 def table_lookup(table: FlowTable, timesteps: jax.Array) -> tuple[jax.Array, jax.Array]:

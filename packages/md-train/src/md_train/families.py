@@ -172,11 +172,12 @@ def wan_loss(
   sampler: str = "shifted",
   shift: float = 5.0,
   table: FlowTable | None = None,
+  table_range: tuple[int, int] | None = None,
   weighting: str | None = None,
   num_train_timesteps: int = 1000,
   **sampler_options: Any,
 ) -> LossFn:
-  """The Wan 2.1 text-to-video flow-matching loss.
+  """The Wan 2.1 text-to-video flow-matching loss (and either Wan 2.2 expert's, with `table_range`).
 
   Batch: `latents [B, F, H, W, C]` (channels-last, VAE-normalised), `encoder_hidden_states [B, S, D]`,
   optional `noise` like the latents, `sigmas [B]` and `loss_map [B, F, H, W, 1]` (weights of the latent
@@ -189,6 +190,8 @@ def wan_loss(
     table: train as DiffSynth / MaxDiffusion train Wan (`flow_training_table`): σ is a uniformly drawn
       entry of the table, and each example's squared error is weighted by its entry's bell weight
       (given sigmas take the weight of the nearest entry).
+    table_range: draw only the table's entries `[lo, hi)`: a Wan 2.2 expert's timesteps
+      (`expert_range`; DiffSynth trains each expert so). Needs `table`.
     weighting: `"batch_bell"`: newer MaxDiffusion's Wan loss weights, relative to the batch
       (`batch_bell_weights` of the timesteps 1000 σ over `num_train_timesteps`: the bell less the
       batch's minimum, summing to `num_train_timesteps` over the batch; all 1 for a batch of 1 or
@@ -198,6 +201,17 @@ def wan_loss(
   """
   if weighting not in WAN_WEIGHTINGS:
     raise ValueError(f"wan_loss: weighting={weighting!r}; expected one of {WAN_WEIGHTINGS}")
+  if table_range is not None:
+    if table is None:
+      raise ValueError("wan_loss: table_range needs a table (flow_training_table) to draw from")
+    lo, hi = (int(x) for x in table_range)
+    if not 0 <= lo < hi <= table.sigmas.shape[0]:
+      raise ValueError(
+        f"wan_loss: table_range={tuple(table_range)} is not a non-empty range of the table's "
+        f"{table.sigmas.shape[0]} entries"
+      )
+  else:
+    lo, hi = 0, None if table is None else table.sigmas.shape[0]
   if weighting is not None and table is not None:
     raise ValueError(
       f"wan_loss: weighting={weighting!r} and a table: the table's bell weights and the batch-relative"
@@ -215,7 +229,7 @@ def wan_loss(
       if table is not None:
         _, weights = table_lookup(table, sigmas * 1000)
     elif table is not None:
-      idx = jax.random.randint(k_t, (b,), 0, table.sigmas.shape[0])
+      idx = jax.random.randint(k_t, (b,), lo, hi)
       sigmas, weights = table.sigmas[idx], table.weights[idx]
     else:
       sigmas = flow_sigmas(k_t, b, sampler=sampler, shift=shift, **sampler_options)

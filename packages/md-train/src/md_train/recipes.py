@@ -34,6 +34,7 @@ from md_train import _dreambooth, families
 from md_train._eval import eval_loss
 from md_train._loop import Recipe, batch_sharding
 from md_train._lora import LoRA, LoRAConfig, add_lora, lora_loss, save_lora, split_lora
+from md_train._losses import WAN22_EXPERTS, expert_range, flow_training_table
 from md_train._optim import make_optimizer
 from md_train._step import TrainState, init_state, make_train_step, split_trainable
 
@@ -768,29 +769,58 @@ def _records(opts: Mapping[str, Any], family: str) -> PreparedData | None:
   )  # fmt: skip
 
 
+def _wan_expert(
+  opts: Mapping[str, Any], model: pathlib.Path
+) -> tuple[str, str | None, float | None]:
+  """`(component, expert, boundary_ratio)`: the transformer a Wan recipe trains. With the `expert`
+  option ("high" or "low") a Wan 2.2 A14B folder's high-noise `transformer` or low-noise
+  `transformer_2`, and the folder's `boundary_ratio` (model_index.json); without it `transformer`."""
+  expert = opts.get("expert") or None
+  if expert is None:
+    return "transformer", None, None
+  if expert not in WAN22_EXPERTS:
+    raise ValueError(
+      f"recipe_options.expert={expert!r}; expected one of {WAN22_EXPERTS} (Wan 2.2's high-noise "
+      "`transformer` or low-noise `transformer_2`), or empty for a one-transformer model"
+    )
+  index = md_core.read_json(model / "model_index.json")
+  ratio = index.get("boundary_ratio")
+  if "transformer_2" not in index or ratio is None:
+    raise ValueError(
+      f"recipe_options.expert={expert!r}: {model} has one transformer (no transformer_2 and "
+      "boundary_ratio in model_index.json); leave expert empty, or name a Wan 2.2 A14B folder"
+    )
+  return ("transformer" if expert == "high" else "transformer_2"), expert, float(ratio)
+
+
 def wan21_tiny(config: Any) -> Recipe:
   """The tiny Wan 2.1 T2V transformer (tests/fixtures/wan_pipeline/t2v) on shapes clips, or on the
-  cached latents of an `apps/prepare_data` workdir (`records`).
+  cached latents of an `apps/prepare_data` workdir (`records`); with `expert`, one expert of a Wan 2.2
+  A14B folder (the `wan22-tiny` variants: tests/fixtures/wan_pipeline/t2v_a14b).
 
   `config.recipe_options`: `model` (the pipeline folder; with `records` and empty: the records'
   model), `batch_size`, `size` (pixels), `frames` (4k + 1), `max_sequence_length`, `learning_rate`,
   `warmup_steps`, `max_grad_norm`, `weight_decay`, `shift` (the sigma sampler's shift), `lora` (train a
   LoRA only: see `_trainable`), `records` (a prepare_data workdir of family wan: train on its train/
   records, shuffled with `shuffle_buffer` from the seed; eval loss on its eval/ records at their
-  timesteps, sigma = timestep / 1000; `size`, `frames`, `max_sequence_length` are then the records').
+  timesteps, sigma = timestep / 1000; `size`, `frames`, `max_sequence_length` are then the records'),
+  `expert` ("high" or "low": train only that Wan 2.2 expert, `transformer` or `transformer_2`, on the
+  timesteps it samples: DiffSynth's way, the bell-weighted `flow_training_table` of `shift` drawn in
+  `expert_range` of the folder's `boundary_ratio`; exported as that component).
   """
   import md_wan
 
   opts = _options(config)
   records = _records(opts, "wan")
   model = _fixture(config, _WAN if records is None else str(records.model))
+  component, expert, boundary = _wan_expert(opts, model)
   mesh = _mesh(config)
   sharding = batch_sharding(mesh, int(opts["batch_size"]))
   pixels = captions = None
   if records is None:
     frames = int(opts.get("frames", 5))
     pipe = md_wan.load_pipeline(model, mesh=mesh)
-    transformer, key_map = pipe.transformer, pipe.lora_key_map("transformer")
+    transformer, key_map = getattr(pipe, component), pipe.lora_key_map(component)
     length = int(opts.get("max_sequence_length", 64))
     captions = CaptionCache(
       lambda c: {"encoder_hidden_states": pipe.encode_prompt(c, max_sequence_length=length)}
@@ -800,20 +830,28 @@ def wan21_tiny(config: Any) -> Recipe:
     )
   else:
     frames = None
-    cfg = md_wan.WanConfig.from_json(model / "transformer")
+    cfg = md_wan.WanConfig.from_json(model / component)
     _, ph, pw = cfg.patch_size
     _check_records_fit(
-      records, model, denoiser="transformer", latents=("f", "h", "w", cfg.in_channels),
+      records, model, denoiser=component, latents=("f", "h", "w", cfg.in_channels),
       multiple=int(np.lcm(ph, pw)), text_dim=cfg.text_dim, max_timestep=1000,
     )  # fmt: skip
-    transformer, key_map = md_wan.load_transformer(model, mesh=mesh), md_wan.convert_key
+    transformer = md_wan.load_transformer(model / component, subfolder=None, mesh=mesh)
+    key_map = md_wan.convert_key
   frozen, params, lora = _trainable(
-    config, transformer, family="wan", source=model / "transformer", key_map=key_map
+    config, transformer, family="wan", source=model / component, key_map=key_map
   )
-  loss_fn = families.wan_loss(frozen, shift=float(opts.get("shift", 5.0)))
+  shift = float(opts.get("shift", 5.0))
+  if expert is None:
+    loss_fn = families.wan_loss(frozen, shift=shift)
+  else:
+    table = flow_training_table(1000, shift=shift)
+    loss_fn = families.wan_loss(
+      frozen, table=table, table_range=expert_range(table, boundary, expert)
+    )
   return _denoiser_recipe(
     "wan21-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
-    captions=captions, sharding=sharding, frames=frames, component="transformer", convert_key=md_wan.convert_key,
+    captions=captions, sharding=sharding, frames=frames, component=component, convert_key=md_wan.convert_key,
     eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map, records=records,
   )  # fmt: skip
 
