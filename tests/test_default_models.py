@@ -27,10 +27,10 @@ def pipe():
 
 
 # The regression floor: every other prompt of `quality_prompts()` (8 held-out and 8 trained colour x shape
-# pairs), seed 0, 10 steps, guidance 3. Measured on the shipped model (2026-12-03, 2-core CPU): held-out
-# colour 4/8, background 8/8; trained colour 6/8, background 8/8; shape 0/8 and 2/8, direction 0/8 and 1/8
-# (chance: the transformer has not learned them). Each floor is one miss under the measurement.
-FLOOR = {"held_out": dict(colour=3, background=7), "train": dict(colour=5, background=7)}
+# pairs), seed 0, 10 steps, guidance 3. Measured on the shipped model (2026-12-04, 2-core CPU): held-out
+# colour 8/8, background 8/8; trained colour 8/8, background 8/8; shape 2/8 and 0/8, direction 0/8 and
+# 3/8 (about chance: the transformer has not learned them). Each floor is one miss under the measurement.
+FLOOR = {"held_out": dict(colour=7, background=7), "train": dict(colour=7, background=7)}
 
 
 def test_quality_regression_floor(pipe):

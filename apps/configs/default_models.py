@@ -63,7 +63,7 @@ VARIANTS = {
   ),
   "wan": (
     "md_train.shapes_models:wan_recipe",
-    dict(steps=1500, checkpoint_every=250, log_every=10),
+    dict(steps=3000, checkpoint_every=250, log_every=10),
     dict(
       base="runs/shapes-wan-vae-still/export",
       size=64,
@@ -75,7 +75,7 @@ VARIANTS = {
       shift=3.0,
       drop_caption=0.1,
       max_sequence_length=16,
-      foreground_weight=0.0,
+      foreground_weight=4.0,
     ),
   ),
   # md's default image model (models/shapes-sd): a tiny SD 1.5 pipeline, recipes in md_train.shapes_sd.
