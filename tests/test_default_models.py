@@ -47,7 +47,7 @@ def test_quality_regression_floor(pipe):
 # per held-out pair, 10 steps, guidance 3, budget 8; the first candidate is the seed-0 sample.
 # Measured on the shipped model (2026-12-03, 2-core CPU): per prompt 0.5 0.5 0.25 0.5 0.25 for the
 # seed-0 samples (mean 0.40), 0.75 1.0 0.5 1.0 1.0 for the best of 8 (mean 0.85). The floor keeps about
-# half of that gain, for other CPUs' numerics.
+# half of that gain, for other CPUs' numerics. The 2026-12-04 model passes it too (`-m slow`, 43 s).
 SEARCH_GAIN = 0.25
 
 
