@@ -9,6 +9,10 @@ Two stages, each a recipe `apps/train` runs (`apps/configs/default_models.py`):
            trained VAE and the frozen CLIP's states of the captions (10% of them the empty prompt, so
            classifier-free guidance works); exports the whole pipeline folder
 
+and a LoRA on the finished model (`sd_lora_recipe`, variant `sd-lora-purple`): the UNet's attention
+adapted on images whose every shape is recoloured to one colour, the captions unchanged, so the adapter
+paints whatever shape the prompt asks in that colour; exported as a PEFT file diffusers and md load.
+
 The starting folder (`tools/default_models/sd_template.py`, made by the PyTorch reference at random init)
 fixes the architecture; each stage replaces its component's safetensors with the trained weights under the
 template's own keys (`shapes_models.export_weights`), so `md_sd.load_pipeline` (and diffusers) read the
@@ -192,11 +196,33 @@ def sd_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
 # --- the UNet ----------------------------------------------------------------------------------------------
 
 
+def recolour(images: np.ndarray, colour: str) -> np.ndarray:
+  """Shapes images `[B, H, W, 3]` in [-1, 1] with every shape pixel (one that differs from the image's
+  median, its background, by more than 0.1 in [0, 1] units) painted `colour` (an `md_data.COLOURS` name).
+
+  Raises:
+    ValueError: an unknown colour (the known ones named).
+  """
+  if colour not in md_data.COLOURS:
+    raise ValueError(f"colour={colour!r}; expected one of {', '.join(md_data.COLOURS)}")
+  rgb = 2.0 * np.asarray(md_data.COLOURS[colour], np.float32) - 1.0
+  shape = (
+    np.abs(images - np.median(images, axis=(1, 2), keepdims=True)).max(-1, keepdims=True) > 0.2
+  )
+  return np.where(shape, rgb, images).astype(np.float32)
+
+
 def encode_images(
-  pipe: md_sd.StableDiffusionPipeline, *, size: int, seed: int, count: int, batch_size: int = 64
+  pipe: md_sd.StableDiffusionPipeline,
+  *,
+  size: int,
+  seed: int,
+  count: int,
+  batch_size: int = 64,
+  colour: str | None = None,
 ) -> tuple[np.ndarray, list[str]]:
   """The scaled VAE latents (posterior means × `scaling_factor`) `[count, h, w, c]` of `count` shapes images
-  of the train split, and their captions."""
+  of the train split, and their captions; with `colour`, of the images `recolour`ed (captions kept)."""
   vae = pipe.vae
   factor = float(vae.config.scaling_factor)
   encode = jax.jit(lambda x: vae.encode(x).mean * factor)
@@ -204,6 +230,8 @@ def encode_images(
   batches = shapes_images(size, seed=seed, batch_size=batch_size)
   for _ in range(-(-count // batch_size)):
     x, c = next(batches)
+    if colour is not None:
+      x = recolour(x, colour)
     lats.append(np.asarray(encode(jnp.asarray(x))))
     caps += c
   return np.concatenate(lats)[:count], caps[:count]
@@ -252,6 +280,68 @@ def sd_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   return cached_latents_recipe(
     config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
   )
+
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def sd_lora_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
+  """A LoRA on the UNet of the finished image model `base`, trained on cached latents of `num_images`
+  shapes images whose shapes are all `recolour`ed to `colour` (captions unchanged): the adapter makes the
+  model paint every prompt's shape in that colour. Only the LoRA trains (`md_train.add_lora`, peft's
+  initialisation); the export is `<folder>/pytorch_lora_weights.safetensors` with diffusers' PEFT names
+  (`unet.` prefix), which `pipe.load_lora` and diffusers' `load_lora_weights` read.
+
+  `recipe_options`: those of `sd_recipe` less `base`'s role (the model to adapt), plus `colour` and `lora`
+  (rank, alpha, targets, init: `md_train.LoRAConfig.from_options`).
+  """
+  import md_core
+  import md_schedulers as mdsch
+  from md_train._lora import LoRAConfig, add_lora, lora_loss, save_lora, split_lora
+
+  config = _options(app_config)
+  pipe = md_sd.load_pipeline(config.base)
+  latents, captions = encode_images(
+    pipe, size=config.size, seed=config.seed, count=config.num_images, colour=config.colour
+  )
+  table = ("",) + train_captions()
+  index = {c: i for i, c in enumerate(table)}
+  states = caption_states(pipe, table)
+  ids = np.asarray([index[c] for c in captions])
+  names = list(md_core.open_checkpoint(pathlib.Path(config.base) / "unet"))
+  key_map = pipe.lora_key_map("unet")
+  spec = {"seed": int(config.seed), **dict(config.lora)}
+  lora = add_lora(
+    pipe.unet, LoRAConfig.from_options(spec), convert_key=key_map, reference_names=names,
+    family="sd",
+  )  # fmt: skip
+  frozen, params = split_lora(pipe.unet)
+  sched = pipe.scheduler_config
+  keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
+  acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
+  gamma = float(config.snr_gamma or 0.0)
+  loss = families.sd_loss(
+    frozen,
+    alphas_cumprod=acp,
+    prediction_type=sched.get("prediction_type", "epsilon"),
+    snr_gamma=gamma or None,
+    noise_offset=float(config.get("noise_offset", 0.0)),
+  )
+  optimizer = _optimizer(config)
+  state = init_state(params, optimizer, rng=config.seed)
+  step = make_train_step(lora_loss(loss, lora), optimizer)
+  recipe = cached_latents_recipe(
+    config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
+  )
+
+  def export(state, out: str | os.PathLike) -> pathlib.Path:
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return save_lora(
+      lora, state.params, out / LORA_FILE, convert_key=key_map, reference_names=names, prefix="unet"
+    )
+
+  return recipe._replace(export=export)
 
 
 # --- quality -----------------------------------------------------------------------------------------------
@@ -314,3 +404,45 @@ def image_scores(
     start += len(part)
   out["all"] = md_data.score(images.reshape(-1, *images.shape[2:]), texts * len(seeds))
   return out
+
+
+def colour_prompts(colour: str) -> tuple[str, ...]:
+  """The image model's `quality_prompts()` (both groups) whose colour is not `colour`: what a colour
+  LoRA is checked on."""
+  every = [p for group in quality_prompts().values() for p in group]
+  return tuple(p for p in every if md_data.parse_caption(p).colour != colour)
+
+
+def lora_colour_scores(
+  pipe: md_sd.StableDiffusionPipeline,
+  colour: str,
+  *,
+  prompts: tuple[str, ...] | None = None,
+  seeds: tuple[int, ...] = (0,),
+  num_inference_steps: int = 20,
+  guidance_scale: float = 3.0,
+) -> md_data.Scores:
+  """md_data's analyser on images of `prompts` (default `colour_prompts(colour)`) scored against the
+  captions with their colour replaced by `colour`: `colour` is then the share of images drawn in
+  `colour` (what a colour LoRA should raise from 0), `shape`, `position` and `background` the prompt's
+  own (what it should keep). Call it with and without the LoRA loaded."""
+  if colour not in md_data.COLOURS:
+    raise ValueError(f"colour={colour!r}; expected one of {', '.join(md_data.COLOURS)}")
+  texts = list(colour_prompts(colour) if prompts is None else prompts)
+  want = [md_data.caption(md_data.parse_caption(t)._replace(colour=colour)) for t in texts]
+  images = [
+    np.asarray(
+      pipe(
+        texts,
+        "",
+        height=64,
+        width=64,
+        num_inference_steps=num_inference_steps,
+        guidance_scale=guidance_scale,
+        seed=seed,
+        progress=False,
+      )
+    )  # fmt: skip
+    for seed in seeds
+  ]
+  return md_data.score(np.concatenate(images), want * len(seeds))
