@@ -251,34 +251,43 @@ def sd_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   `recipe_options`: `base`, `size`, `num_images`, `batch_size`, `learning_rate`, `warmup_steps`,
   `drop_caption`, `snr_gamma` (Min-SNR-γ weighting; 0 for the plain MSE), `noise_offset` (`sd_loss`'s).
   """
-  import md_schedulers as mdsch
 
   config = _options(app_config)
   pipe = md_sd.load_pipeline(config.base)
-  latents, captions = encode_images(
-    pipe, size=config.size, seed=config.seed, count=config.num_images
-  )
-  table = ("",) + train_captions()
-  index = {c: i for i, c in enumerate(table)}
-  states = caption_states(pipe, table)
-  ids = np.asarray([index[c] for c in captions])
-  sched = pipe.scheduler_config
-  keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
-  acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
+  latents, ids, states = _cached_inputs(config, pipe)
   frozen, params = split_trainable(pipe.unet)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
+  step = make_train_step(_unet_loss(config, pipe, frozen), optimizer)
+  return cached_latents_recipe(
+    config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
+  )
+
+
+def _cached_inputs(config, pipe, colour: str | None = None):
+  """`(latents, caption ids, caption states)` of `config.num_images` shapes images (`encode_images`)."""
+  latents, captions = encode_images(
+    pipe, size=config.size, seed=config.seed, count=config.num_images, colour=colour
+  )
+  table = ("",) + train_captions()
+  index = {c: i for i, c in enumerate(table)}
+  return latents, np.asarray([index[c] for c in captions]), caption_states(pipe, table)
+
+
+def _unet_loss(config, pipe, frozen: Frozen) -> LossFn:
+  """SD's loss on the pipeline's noise schedule, with the recipe's Min-SNR-γ and noise offset."""
+  import md_schedulers as mdsch
+
+  sched = pipe.scheduler_config
+  keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
+  acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
   gamma = float(config.snr_gamma or 0.0)
-  loss = families.sd_loss(
+  return families.sd_loss(
     frozen,
     alphas_cumprod=acp,
     prediction_type=sched.get("prediction_type", "epsilon"),
     snr_gamma=gamma or None,
     noise_offset=float(config.get("noise_offset", 0.0)),
-  )
-  step = make_train_step(loss, optimizer)
-  return cached_latents_recipe(
-    config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
   )
 
 
@@ -296,18 +305,11 @@ def sd_lora_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   (rank, alpha, targets, init: `md_train.LoRAConfig.from_options`).
   """
   import md_core
-  import md_schedulers as mdsch
   from md_train._lora import LoRAConfig, add_lora, lora_loss, save_lora, split_lora
 
   config = _options(app_config)
   pipe = md_sd.load_pipeline(config.base)
-  latents, captions = encode_images(
-    pipe, size=config.size, seed=config.seed, count=config.num_images, colour=config.colour
-  )
-  table = ("",) + train_captions()
-  index = {c: i for i, c in enumerate(table)}
-  states = caption_states(pipe, table)
-  ids = np.asarray([index[c] for c in captions])
+  latents, ids, states = _cached_inputs(config, pipe, colour=config.colour)
   names = list(md_core.open_checkpoint(pathlib.Path(config.base) / "unet"))
   key_map = pipe.lora_key_map("unet")
   spec = {"seed": int(config.seed), **dict(config.lora)}
@@ -316,20 +318,9 @@ def sd_lora_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     family="sd",
   )  # fmt: skip
   frozen, params = split_lora(pipe.unet)
-  sched = pipe.scheduler_config
-  keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
-  acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
-  gamma = float(config.snr_gamma or 0.0)
-  loss = families.sd_loss(
-    frozen,
-    alphas_cumprod=acp,
-    prediction_type=sched.get("prediction_type", "epsilon"),
-    snr_gamma=gamma or None,
-    noise_offset=float(config.get("noise_offset", 0.0)),
-  )
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
-  step = make_train_step(lora_loss(loss, lora), optimizer)
+  step = make_train_step(lora_loss(_unet_loss(config, pipe, frozen), lora), optimizer)
   recipe = cached_latents_recipe(
     config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
   )
