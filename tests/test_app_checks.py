@@ -3,7 +3,6 @@ load; outputs never destroy earlier work; --help lists the variants and keys; ti
 directory; a clean run prints no warning or INFO line."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,14 +13,7 @@ import pytest
 from md_core import testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(
-  os.environ,
-  JAX_PLATFORMS="cpu",
-  HF_HUB_OFFLINE="1",
-  MD_PROGRESS="0",
-  XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS,
-  TF_CPP_MIN_LOG_LEVEL="",
-)
+ENV = testing.app_env(TF_CPP_MIN_LOG_LEVEL="")
 
 
 def run(app: str, config: str, *flags: str, cwd=ROOT, timeout=600) -> subprocess.CompletedProcess:

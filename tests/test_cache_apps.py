@@ -3,7 +3,6 @@ before any weights load; a tiny Flux run with a cache records it in settings.jso
 computed vs reused."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,10 +13,7 @@ import pytest
 from md_core import testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(
-  os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", MD_PROGRESS="0", XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS,
-  TF_CPP_MIN_LOG_LEVEL="",
-)  # fmt: skip
+ENV = testing.app_env(TF_CPP_MIN_LOG_LEVEL="")
 
 
 def run(app: str, config: str, *flags: str) -> subprocess.CompletedProcess:

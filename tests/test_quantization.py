@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import pathlib
 import subprocess
 import sys
@@ -232,13 +231,7 @@ def test_every_app_config_has_quantization(name):
 
 
 def test_app_rejects_a_bad_quantization_before_loading(tmp_path):
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    HF_HUB_OFFLINE="1",
-    MD_PROGRESS="0",
-    XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS,
-  )
+  env = testing.app_env()
   out = subprocess.run(
     [sys.executable, str(ROOT / "apps" / "flux_generate"), "--config=apps/configs/flux.py:tiny",
      "--config.quantization=int4", f"--workdir={tmp_path / 'out'}"],

@@ -1,7 +1,6 @@
 """apps/serve as a user meets it: every bad setting is one line naming it (exit 2) before any weights load;
 a typo in a key gets the nearest key."""
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,13 +8,7 @@ import sys
 from md_core import testing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = dict(
-  os.environ,
-  JAX_PLATFORMS="cpu",
-  HF_HUB_OFFLINE="1",
-  MD_PROGRESS="0",
-  XLA_FLAGS=testing.FAST_COMPILE_XLA_FLAGS,
-)
+ENV = testing.app_env()
 
 
 def _run(*flags: str) -> subprocess.CompletedProcess:

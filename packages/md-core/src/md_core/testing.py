@@ -1,5 +1,6 @@
 """Helpers for md's tests (any package may use them)."""
 
+import os
 import pathlib
 
 import numpy as np
@@ -10,6 +11,20 @@ import numpy as np
 FAST_COMPILE_XLA_FLAGS = (
   "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 )
+
+
+def app_env(**extra: str) -> dict[str, str]:
+  """The environment for a test's app subprocess: this one's, on the CPU, offline, without progress bars,
+  compiling fast (`FAST_COMPILE_XLA_FLAGS`, no forced device count); `extra` adds or replaces variables."""
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    HF_HUB_OFFLINE="1",
+    MD_PROGRESS="0",
+    XLA_FLAGS=FAST_COMPILE_XLA_FLAGS,
+  )
+  env.update(extra)
+  return env
 
 
 def repo_root() -> pathlib.Path:
