@@ -112,26 +112,23 @@ VARIANTS = {
       schedule_steps=0,
     ),
   ),
-  # A LoRA on the shipped image model (models/shapes-sd-lora-purple): every shape drawn purple.
-  "sd-lora-purple": (
-    "md_train.shapes_sd:sd_lora_recipe",
-    dict(steps=300, checkpoint_every=100, log_every=10),
-    dict(
-      base="models/shapes-sd",
-      colour="purple",
-      size=64,
-      num_images=1024,
-      batch_size=16,
-      learning_rate=5e-3,
-      warmup_steps=10,
-      drop_caption=0.0,
-      snr_gamma=5.0,
-      noise_offset=0.1,
-      schedule_steps=0,
-      lora=dict(rank=4, alpha=4.0),
-    ),
-  ),
 }
+# A LoRA on the shipped image model (models/shapes-sd-lora-purple): every shape drawn purple; the UNet
+# stage's options, on the finished model, with a LoRA's learning rate and no caption dropout.
+VARIANTS["sd-lora-purple"] = (
+  "md_train.shapes_sd:sd_lora_recipe",
+  dict(steps=300, checkpoint_every=100, log_every=10),
+  dict(
+    VARIANTS["sd"][2],
+    base="models/shapes-sd",
+    colour="purple",
+    num_images=1024,
+    learning_rate=5e-3,
+    warmup_steps=10,
+    drop_caption=0.0,
+    lora=dict(rank=4, alpha=4.0),
+  ),  # fmt: skip
+)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
