@@ -213,6 +213,17 @@ def test_lora_recipe_trains_a_step_and_exports_a_peft_file(tmp_path):
   pipe.load_lora(out, name="trained")
 
 
+def test_lora_recipe_option_errors():
+  # Refused before the model loads, naming the option.
+  with pytest.raises(ValueError, match=r"recipe_options.colour='pink'; .* one of red, green"):
+    ss.sd_lora_recipe(_variant("sd-lora-purple", colour="pink"))
+  config = _variant("sd-lora-purple")
+  with config.unlocked():
+    del config.recipe_options["lora"]
+  with pytest.raises(ValueError, match="recipe_options.lora is missing"):
+    ss.sd_lora_recipe(config)
+
+
 def test_recolour_paints_only_the_shape():
   images, _ = next(ss.shapes_images(64, seed=5, batch_size=4))
   out = ss.recolour(images, "purple")

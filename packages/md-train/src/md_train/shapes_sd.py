@@ -308,11 +308,20 @@ def sd_lora_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   from md_train._lora import LoRAConfig, add_lora, lora_loss, save_lora, split_lora
 
   config = _options(app_config)
+  colour, spec = config.get("colour"), config.get("lora")
+  if colour not in md_data.COLOURS:
+    raise ValueError(
+      f"recipe_options.colour={colour!r}; the LoRA's colour must be one of {', '.join(md_data.COLOURS)}"
+    )
+  if not spec:
+    raise ValueError(
+      "recipe_options.lora is missing: give the adapter's rank and alpha, e.g. {rank: 4}"
+    )
   pipe = md_sd.load_pipeline(config.base)
-  latents, ids, states = _cached_inputs(config, pipe, colour=config.colour)
+  latents, ids, states = _cached_inputs(config, pipe, colour=colour)
   names = list(md_core.open_checkpoint(pathlib.Path(config.base) / "unet"))
   key_map = pipe.lora_key_map("unet")
-  spec = {"seed": int(config.seed), **dict(config.lora)}
+  spec = {"seed": int(config.seed), **dict(spec)}
   lora = add_lora(
     pipe.unet, LoRAConfig.from_options(spec), convert_key=key_map, reference_names=names,
     family="sd",
