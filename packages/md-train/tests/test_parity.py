@@ -1,6 +1,7 @@
 """One training step against PyTorch autograd (tools/fixtures/train_step.py): the loss of diffusers' training
 scripts within 1e-5 and the gradients within 1e-4 for SD 1.x (epsilon, v, Min-SNR-γ), SDXL, Flux.1 dev and
-Wan 2.1, and AdamW (+ global-norm clipping) steps against torch.optim.AdamW within 1e-5."""
+Wan 2.1, LTX-Video (tools/fixtures/train_step_ltx.py: LTX-Video-Trainer's loss, with and without
+first-frame conditioning), and AdamW (+ global-norm clipping) steps against torch.optim.AdamW within 1e-5."""
 
 import functools
 
@@ -14,6 +15,7 @@ from flax import nnx
 
 import md_core
 import md_flux
+import md_ltx
 import md_schedulers as mdsch
 import md_sd
 import md_train as mdt
@@ -151,6 +153,65 @@ def test_wan_loss_and_grads_match_torch(wan):
   np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
   np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
   _check_grads(grads, ref, "grad/", md_wan.convert_key)
+
+
+@pytest.fixture(scope="module")
+def ltx():
+  model = md_ltx.load_transformer(fixture_path("ltx_transformer") / "transformer", subfolder=None)
+  frozen, params = mdt.split_trainable(model)
+  ref = load_arrays(fixture_path("train_step_ltx") / "ltx.npz")
+  bfhwc = lambda x: jnp.asarray(x).transpose(0, 2, 3, 4, 1)  # noqa: E731
+  batch = {
+    "latents": bfhwc(ref["latents"]),
+    "noise": bfhwc(ref["noise"]),
+    **{
+      k: jnp.asarray(ref[k]) for k in ("sigmas", "encoder_hidden_states", "encoder_attention_mask")
+    },
+  }
+  return frozen, params, ref, batch
+
+
+@pytest.mark.parametrize("case", ["plain", "first_frame"])
+def test_ltx_loss_and_grads_match_torch(ltx, case):
+  """LTX-Video-Trainer's loss: integer timesteps round(1000 σ) (σ = 0.3456 gives 346), the caption mask,
+  rotary scales (8 / 24, 32, 32); `first_frame` noises the first frame to 1e-5 and masks it out."""
+  frozen, params, ref, batch = ltx
+  batch = dict(batch, first_frame=case == "first_frame")
+  loss_fn = mtf.ltx_loss(frozen, frame_rate=24)
+  (loss, _), grads = mdt.loss_and_grads(loss_fn, params, batch)
+  np.testing.assert_allclose(float(loss), ref[f"{case}/loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(
+    float(optax.tree.norm(grads)), ref[f"{case}/grad_norm"], atol=GRAD_TOL, rtol=0
+  )
+  _check_grads(grads, ref, f"{case}/grad/", md_ltx.convert_key)
+
+
+def test_ltx_first_frame_changes_the_loss(ltx):
+  """The two reference cases differ (so each checks its own path), and a drawn conditioning with
+  probability 1 is the given one."""
+  frozen, params, ref, batch = ltx
+  assert abs(float(ref["plain/loss"]) - float(ref["first_frame/loss"])) > 1e-3
+  loss, _ = mtf.ltx_loss(frozen, first_frame_conditioning_p=1.0)(params, batch, jax.random.key(0))
+  np.testing.assert_allclose(float(loss), ref["first_frame/loss"], atol=LOSS_TOL, rtol=0)
+
+
+def test_ltx_loss_refuses_bad_options_and_latents(ltx):
+  frozen, params, _, batch = ltx
+  with pytest.raises(ValueError, match="sampler='beta'; expected one of"):
+    mtf.ltx_loss(frozen, sampler="beta")
+  with pytest.raises(ValueError, match="first_frame_conditioning_p=1.5 is not a probability"):
+    mtf.ltx_loss(frozen, first_frame_conditioning_p=1.5)
+  flat = dict(batch, latents=batch["latents"][:, 0], noise=batch["noise"][:, 0])
+  with pytest.raises(ValueError, match=r"\[B, F, H, W, C\], got shape \(2, 4, 4, 8\)"):
+    mtf.ltx_loss(frozen)(params, flat, jax.random.key(0))
+
+
+def test_ltx_sigma_shift_is_the_trainers_line():
+  """0.95 at 1024 tokens, 2.05 at 4096, linear between and beyond (LTX-Video-Trainer's sampler)."""
+  assert mtf.ltx_sigma_shift(1024) == pytest.approx(0.95)
+  assert mtf.ltx_sigma_shift(4096) == pytest.approx(2.05)
+  assert mtf.ltx_sigma_shift(2560) == pytest.approx(1.5)
+  assert mtf.ltx_sigma_shift(48) < 0.95
 
 
 def test_adamw_steps_match_torch():

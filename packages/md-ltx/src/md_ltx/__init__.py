@@ -69,6 +69,7 @@ from md_ltx._upsampler import (
 )
 from md_ltx._upsampler_weights import config_from_checkpoint as upsampler_config_from_checkpoint
 from md_ltx._upsampler_weights import load_latent_upsampler, upsampler_keymap
+from md_ltx._video_tokens import pack_tokens, unpack_tokens
 from md_ltx._weights import (
   KEEP_F32,
   ORIGINAL_ALLOW_UNUSED,
@@ -123,6 +124,8 @@ __all__ = [
   "load_ltx2_transformer",
   "load_pipeline",
   "load_transformer",
+  "pack_tokens",
+  "unpack_tokens",
   "ltx2_audio_coords",
   "ltx2_convert_key",
   "ltx2_convert_original_key",

@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 
 import md_flux
+import md_ltx
 from md_train._losses import (
+  FLOW_SAMPLERS,
   FlowTable,
   batch_bell_weights,
   diffusion_inputs,
@@ -285,5 +287,119 @@ def klein_loss(
     model = transformer.merge(params)
     pred = model(noisy.reshape(b, h * w, c), ctx, sigmas, img_ids, txt_ids, g)
     return diffusion_loss(pred.reshape(b, h, w, -1), target), {}
+
+  return loss_fn
+
+
+LTX_SAMPLERS = ("shifted_logit_normal", *FLOW_SAMPLERS)
+# Sigma of the conditioned first frame's tokens in LTX-Video-Trainer's first-frame conditioning.
+LTX_FIRST_FRAME_SIGMA = 1e-5
+
+
+def ltx_sigma_shift(
+  tokens: int,
+  min_tokens: int = 1024,
+  max_tokens: int = 4096,
+  min_shift: float = 0.95,
+  max_shift: float = 2.05,
+) -> float:
+  """The mean of LTX-Video-Trainer's shifted logit-normal sampler for a sequence of `tokens` latent
+  tokens: the straight line through `(min_tokens, min_shift)` and `(max_tokens, max_shift)` (not
+  clipped: shorter sequences get a smaller, possibly negative, mean)."""
+  slope = (max_shift - min_shift) / (max_tokens - min_tokens)
+  return float(min_shift + slope * (tokens - min_tokens))
+
+
+def ltx_loss(
+  transformer: Frozen,
+  *,
+  frame_rate: float = 24.0,
+  temporal_compression: int = 8,
+  spatial_compression: int = 32,
+  first_frame_conditioning_p: float = 0.0,
+  sampler: str = "shifted_logit_normal",
+  logit_std: float = 1.0,
+  **sampler_options: Any,
+) -> LossFn:
+  """The LTX-Video text-to-video flow-matching loss of Lightricks' LTX-Video-Trainer.
+
+  Batch: `latents [B, F, H, W, C]` (channels-last, VAE-normalised), `encoder_hidden_states [B, S, D]`,
+  optional `encoder_attention_mask [B, S]` (1 for caption tokens), `noise` like the latents, `sigmas [B]`
+  in (0, 1] and `first_frame` (a boolean scalar: condition on the first frame in this batch, instead of
+  the draw with probability `first_frame_conditioning_p`). The latents are packed into tokens
+  (`md_ltx.pack_tokens`), noised as `(1 - σ) x + σ noise` towards the target `noise - x`; the model sees
+  the integer timesteps `round(1000 σ)`, the caption mask and the rotary positions scaled by
+  `(temporal_compression / frame_rate, spatial_compression, spatial_compression)`. With first-frame
+  conditioning the first latent frame's tokens are noised to σ = 1e-5 only and leave the loss (their
+  timesteps stay the batch's, as in the trainer); the loss is the squared error times that mask over the
+  mask's mean. A one-frame clip is never conditioned (nothing would be left to learn).
+
+  Args:
+    transformer: the `LTXTransformer`'s frozen part.
+    frame_rate, temporal_compression, spatial_compression: the rotary scales (the trainer's
+      `fps / 8` latent frame rate and 32 pixels per latent).
+    first_frame_conditioning_p: the probability that a batch is first-frame conditioned (image-to-video
+      training); 0 is pure text-to-video.
+    sampler: how σ is drawn when absent: `shifted_logit_normal` (the trainer's default: sigmoid of
+      N(`ltx_sigma_shift(tokens)`, `logit_std`²)) or one of `flow_sigmas`' samplers.
+    logit_std, sampler_options: the sampler's options.
+  """
+  if sampler not in LTX_SAMPLERS:
+    raise ValueError(f"ltx_loss: sampler={sampler!r}; expected one of {LTX_SAMPLERS}")
+  if not 0.0 <= float(first_frame_conditioning_p) <= 1.0:
+    raise ValueError(
+      f"ltx_loss: first_frame_conditioning_p={first_frame_conditioning_p} is not a probability in [0, 1]"
+    )
+  scale = (
+    float(temporal_compression) / float(frame_rate),
+    spatial_compression,
+    spatial_compression,
+  )
+
+  def loss_fn(params, batch, key):
+    k_noise, k_t, k_first = jax.random.split(key, 3)
+    latents = batch["latents"]
+    if latents.ndim != 5:
+      raise ValueError(f"LTX-Video latents must be [B, F, H, W, C], got shape {latents.shape}")
+    model = transformer.merge(params)
+    p, pt = model.cfg.patch_size, model.cfg.patch_size_t
+    b, f, h, w, _ = latents.shape
+    if f % pt or h % p or w % p:
+      raise ValueError(
+        f"LTX-Video latents {latents.shape}: frames must divide by patch_size_t={pt}, height and width "
+        f"by patch_size={p}"
+      )
+    grid = (f // pt, h // p, w // p)
+    x = md_ltx.pack_tokens(latents, p, pt)
+    noise = md_ltx.pack_tokens(_noise(batch, k_noise), p, pt)
+    tokens = x.shape[1]
+    if "sigmas" in batch:
+      sigmas = batch["sigmas"]
+    elif sampler == "shifted_logit_normal":
+      mean = ltx_sigma_shift(tokens)
+      sigmas = flow_sigmas(k_t, b, sampler="logit_normal", logit_mean=mean, logit_std=logit_std)
+    else:
+      sigmas = flow_sigmas(k_t, b, sampler=sampler, logit_std=logit_std, **sampler_options)
+    timesteps = jnp.round(sigmas.astype(jnp.float32) * 1000.0)
+    sig = jnp.broadcast_to(sigmas.astype(jnp.float32)[:, None, None], (b, tokens, 1))
+    mask = None
+    first = grid[1] * grid[2]
+    if first < tokens and ("first_frame" in batch or first_frame_conditioning_p > 0):
+      on = (
+        jnp.asarray(batch["first_frame"], bool)
+        if "first_frame" in batch
+        else jax.random.bernoulli(k_first, float(first_frame_conditioning_p))
+      )
+      head = (jnp.arange(tokens) < first)[None, :, None] & on
+      sig = jnp.where(head, jnp.float32(LTX_FIRST_FRAME_SIGMA), sig)
+      mask = jnp.broadcast_to(jnp.where(head, 0.0, 1.0), (b, tokens, 1))
+      mask = mask / mask.mean()
+    noisy, target = (1 - sig) * x + sig * noise, noise - x
+    pred = model(
+      noisy.astype(x.dtype), batch["encoder_hidden_states"], timesteps,
+      batch.get("encoder_attention_mask"), num_frames=grid[0], height=grid[1], width=grid[2],
+      rope_interpolation_scale=scale,
+    )  # fmt: skip
+    return diffusion_loss(pred, target, None, mask), {}
 
   return loss_fn
