@@ -267,6 +267,22 @@ def test_missing_and_empty_workdirs(tmp_path):
     recipes.sd15_tiny(_config("sd15-records", records=str(no_records)))
 
 
+def test_sdxl_records_are_refused_naming_the_added_conditioning(tmp_path):
+  """An SDXL UNet needs pooled text embeddings and time ids, which cached-latent records do not hold."""
+  rng = np.random.default_rng(0)
+  folder = tmp_path / "records"
+  mdd.write_tfrecord(
+    folder / "part-0.tfrec",
+    [
+      mdd.latent_example(rng.normal(size=(4, 4, 4)).astype(np.float32), rng.normal(size=(8, 32)))
+      for _ in range(2)
+    ],
+  )
+  sdxl = ROOT / "tests" / "fixtures" / "sd_pipeline" / "sdxl"
+  with pytest.raises(ValueError, match=r"has an SDXL UNet .*the sdxl-tiny variant, no records"):
+    recipes.sd15_tiny(_config("sd15-records", records=str(folder), model=str(sdxl)))
+
+
 def test_records_that_do_not_fit_the_model(tmp_path):
   """shapes-sd's UNet takes 4 latent channels and 32-wide CLIP states; errors before any weights load."""
   rng = np.random.default_rng(0)

@@ -15,9 +15,10 @@ uv run apps/prepare_data --config=apps/configs/prepare_data.py:wan --config.sour
 uv run apps/train --config=apps/configs/train.py:wan21-records --config.recipe_options.records=/tmp/clips \
   --workdir=/tmp/wan21-records
 
-Variants: wan21-tiny, sd15-tiny, flux1-tiny: the tiny pipelines of tests/fixtures (Wan 2.1 T2V, SD 1.5,
-Flux.1 dev) trained on md_data's shapes clips / images (`md_train.recipes`); sd15-lora-tiny,
-wan21-lora-tiny, flux1-lora-tiny: the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
+Variants: wan21-tiny, sd15-tiny, sdxl-tiny, flux1-tiny, klein-tiny, ltx-tiny: the tiny pipelines of
+tests/fixtures (Wan 2.1 T2V, SD 1.5, SDXL, Flux.1 dev, Flux.2 Klein, LTX-Video T2V) trained on md_data's
+shapes clips / images (`md_train.recipes`); <family>-lora-tiny (sd15, sdxl, wan21, flux1, klein, ltx):
+the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
 targets, init, seed), exported as a PEFT file; wan22-high-tiny, wan22-low-tiny: one expert of the tiny
 Wan 2.2 A14B pipeline (`recipe_options.expert`), on the timesteps it samples; dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with
 prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
@@ -86,6 +87,42 @@ VARIANTS = {
     ),
   ),
 }
+# SDXL (train_text_to_image_sdxl.py), Flux.2 Klein (train_dreambooth_lora_flux2_klein.py) and LTX-Video
+# (LTX-Video-Trainer) on their tiny pipelines.
+VARIANTS["sdxl-tiny"] = (
+  "md_train.recipes:sdxl_tiny",
+  dict(VARIANTS["sd15-tiny"][1], model="tests/fixtures/sd_pipeline/sdxl"),
+)
+VARIANTS["klein-tiny"] = (
+  "md_train.recipes:klein_tiny",
+  dict(
+    model="tests/fixtures/flux2_pipeline/klein",
+    text_encoder_out_layers="1,2,3",  # the tiny Qwen3 has 3 layers (Klein's own: 9, 18, 27)
+    batch_size=2,
+    size=32,
+    learning_rate=1e-3,
+    warmup_steps=2,
+    max_grad_norm=1.0,
+    weight_decay=1e-2,
+    max_sequence_length=96,  # the chat template adds ~30 tokens to a shapes caption
+  ),
+)
+VARIANTS["ltx-tiny"] = (
+  "md_train.recipes:ltx_tiny",
+  dict(
+    model="tests/fixtures/ltx_pipeline/t2v",
+    batch_size=2,
+    size=32,
+    frames=9,
+    max_sequence_length=64,
+    frame_rate=25.0,
+    first_frame_conditioning_p=0.0,
+    learning_rate=1e-3,
+    warmup_steps=2,
+    max_grad_norm=1.0,
+    weight_decay=1e-2,
+  ),
+)
 # LoRA variants: only the adapter trains (diffusers' train_text_to_image_lora.py: r 4, alpha = r, the
 # attention projections; higher learning rate), exported as <workdir>/export/<component>/
 # pytorch_lora_weights.safetensors, which `pipe.load_lora` and diffusers' `load_lora_weights` read.
@@ -94,7 +131,11 @@ _FLUX_TARGETS = (
   "attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,"
   "attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
 )  # train_dreambooth_lora_flux.py's defaults
-for _name, _targets in (("sd15", None), ("wan21", None), ("flux1", _FLUX_TARGETS)):
+_FAMILY_TARGETS = (
+  ("sd15", None), ("sdxl", None), ("wan21", None), ("flux1", _FLUX_TARGETS), ("klein", None),
+  ("ltx", None),
+)  # fmt: skip
+for _name, _targets in _FAMILY_TARGETS:
   _recipe, _options = VARIANTS[f"{_name}-tiny"]
   _lora = dict(_LORA, targets=_targets or _LORA["targets"])
   VARIANTS[f"{_name}-lora-tiny"] = (_recipe, dict(_options, learning_rate=1e-2, lora=_lora))

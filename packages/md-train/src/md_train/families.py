@@ -70,7 +70,8 @@ def sd_loss(
 
   Batch: `latents [B, h, w, C]` (channels-last, already scaled by the VAE's scaling factor),
   `encoder_hidden_states [B, S, D]`, optional `noise [B, h, w, C]`, `timesteps [B]` int and, for SDXL,
-  `added_cond_kwargs` (`text_embeds [B, D2]`, `time_ids [B, 6]`).
+  `added_cond_kwargs` (`text_embeds [B, D2]`, `time_ids [B, 6]`) or those two keys at the batch's top
+  (as the recipes' batches carry them, every array with the batch axis first).
 
   Args:
     unet: the UNet's frozen part.
@@ -100,9 +101,10 @@ def sd_loss(
     t = batch["timesteps"] if "timesteps" in batch else uniform_timesteps(k_t, latents.shape[0], n)
     noisy, target = diffusion_inputs(prediction_type, latents, noise, t, alphas_cumprod=acp)
     model = unet.merge(params)
-    pred = model(
-      noisy, t, batch["encoder_hidden_states"], added_cond_kwargs=batch.get("added_cond_kwargs")
-    )
+    added = batch.get("added_cond_kwargs")
+    if added is None and "text_embeds" in batch:
+      added = {"text_embeds": batch["text_embeds"], "time_ids": batch["time_ids"]}
+    pred = model(noisy, t, batch["encoder_hidden_states"], added_cond_kwargs=added)
     weights = None
     if snr_gamma is not None:
       weights = min_snr_weights(acp, t, snr_gamma, prediction_type)

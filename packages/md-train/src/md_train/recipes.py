@@ -639,6 +639,9 @@ def _flat_values(module: nnx.Module) -> dict[tuple, np.ndarray]:
 
 _WAN = "tests/fixtures/wan_pipeline/t2v"
 _SD = "tests/fixtures/sd_pipeline/sd"
+_SDXL = "tests/fixtures/sd_pipeline/sdxl"
+_LTX = "tests/fixtures/ltx_pipeline/t2v"
+_KLEIN = "tests/fixtures/flux2_pipeline/klein"
 _FLUX = "tests/fixtures/flux_pipeline/dev"
 # Timesteps (x 1000 sigma for the flow models) at which the recipes' `eval` reports the loss.
 EVAL_TIMESTEPS = (100, 500, 900)
@@ -864,7 +867,7 @@ def _image_latents(vae: nnx.Module, scale: Callable) -> Callable[[np.ndarray], j
 def sd15_tiny(config: Any) -> Recipe:
   """The tiny SD 1.5 UNet (tests/fixtures/sd_pipeline/sd) on shapes images, or on the cached latents
   of an `apps/prepare_data` workdir (`records`); diffusers' train_text_to_image.py loss (epsilon
-  target; Min-SNR-γ when `snr_gamma` > 0).
+  target; Min-SNR-γ when `snr_gamma` > 0). An SDXL `model` trains as `sdxl_tiny` does.
 
   `config.recipe_options`: `model` (with `records` and empty: the records' model), `batch_size`,
   `size`, `learning_rate`, `warmup_steps`, `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora` (rank,
@@ -873,23 +876,57 @@ def sd15_tiny(config: Any) -> Recipe:
   with `shuffle_buffer` from the seed; eval loss on its eval/ records at their timesteps; only the
   UNet is loaded).
   """
+  return _sd_recipe(config, _SD, "sd15-tiny")
+
+
+def sdxl_tiny(config: Any) -> Recipe:
+  """The tiny SDXL UNet (tests/fixtures/sd_pipeline/sdxl) on shapes images: diffusers'
+  train_text_to_image_sdxl.py loss (epsilon target; Min-SNR-γ when `snr_gamma` > 0) with its added
+  conditioning, the second text encoder's pooled embedding as `text_embeds` and the micro-conditioning
+  `time_ids` = original size, crop top-left (0, 0), target size, all `(size, size)` here (the shapes
+  images are rendered at the training size, never cropped).
+
+  `config.recipe_options`: as `sd15_tiny`'s but `records` (SDXL's records would need the pooled
+  embeddings, which apps/prepare_data does not write).
+  """
+  return _sd_recipe(config, _SDXL, "sdxl-tiny")
+
+
+def _sd_recipe(config: Any, default: str, name: str) -> Recipe:
   import md_schedulers as mdsch
   import md_sd
 
   opts = _options(config)
   records = _records(opts, "sd")
-  model = _fixture(config, _SD if records is None else str(records.model))
+  model = _fixture(config, default if records is None else str(records.model))
   mesh = _mesh(config)
   sharding = batch_sharding(mesh, int(opts["batch_size"]))
   pixels = captions = None
   if records is None:
     pipe = md_sd.load_pipeline(model, mesh=mesh)
     unet, sched, key_map = pipe.unet, pipe.scheduler_config, pipe.lora_key_map("unet")
-    captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c)[0]})
+    if pipe.kind == "sdxl":
+      size = int(opts.get("size", 32))
+      time_ids = np.asarray([size, size, 0, 0, size, size], np.float32)
+
+      def encode(c):
+        embeds, pooled = pipe.encode_prompt(c)
+        ids = np.broadcast_to(time_ids, (len(c), 6))
+        return {"encoder_hidden_states": embeds, "text_embeds": pooled, "time_ids": ids}
+
+      captions = CaptionCache(encode)
+    else:
+      captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c)[0]})
     factor = float(pipe.vae.config.scaling_factor)
     pixels = _image_latents(pipe.vae, lambda m, z: z * factor)
   else:
     cfg = md_sd.UNetConfig.from_json(model / "unet" / "config.json")
+    if cfg.addition_embed_type is not None:
+      raise ValueError(
+        f"recipe_options.records: {model} has an SDXL UNet (addition_embed_type="
+        f"{cfg.addition_embed_type!r}), whose added conditioning (pooled text embeddings, time ids) "
+        "the records do not hold; train it on shapes images (the sdxl-tiny variant, no records)"
+      )
     sched = mdsch.read_config(model / "scheduler")
     _check_records_fit(
       records, model, denoiser="UNet", latents=("h", "w", cfg.in_channels),
@@ -909,8 +946,8 @@ def sd15_tiny(config: Any) -> Recipe:
     frozen, alphas_cumprod=acp, prediction_type=prediction, snr_gamma=gamma or None
   )
   return _denoiser_recipe(
-    "sd15-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
-    captions=captions, sharding=sharding, frames=None, component="unet", convert_key=md_sd.convert_unet_key,
+    name, config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
+    captions=captions, sharding=sharding, frames=None, component="unet", convert_key=md_sd.unet_key_map(unet.cfg),
     eval_key="timesteps", eval_scale=1.0, lora=lora, lora_key_map=key_map, records=records,
   )  # fmt: skip
 
@@ -952,6 +989,103 @@ def flux1_tiny(config: Any) -> Recipe:
     "flux1-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
     captions=captions, sharding=sharding, frames=None, component="transformer", convert_key=md_flux.convert_key,
     eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map,
+  )  # fmt: skip
+
+
+def klein_tiny(config: Any) -> Recipe:
+  """The tiny Flux.2 Klein transformer (tests/fixtures/flux2_pipeline/klein) on shapes images: diffusers'
+  train_dreambooth_lora_flux2_klein.py loss (`families.klein_loss`: logit-normal sigmas, no guidance;
+  the images through the VAE's posterior mode, 2x2 patchified and normalised as the pipeline encodes
+  reference images; the prompts' stacked Qwen3 states).
+
+  `config.recipe_options`: `model`, `batch_size`, `size` (a multiple of 16), `max_sequence_length`,
+  `text_encoder_out_layers` (the Qwen3 hidden states stacked; empty: Klein's 9, 18, 27), `learning_rate`, `warmup_steps`, `max_grad_norm`, `weight_decay`, `lora` (targets required: Klein has
+  no default list).
+  """
+  import md_flux
+  import md_text
+
+  opts = _options(config)
+  model = _fixture(config, _KLEIN)
+  mesh = _mesh(config)
+  sharding = batch_sharding(mesh, int(opts["batch_size"]))
+  pipe = md_flux.load_pipeline(model, mesh=mesh)
+  if not isinstance(pipe, md_flux.Flux2KleinPipeline):
+    raise ValueError(
+      f"recipe_options.model={str(model)!r} is a {type(pipe).__name__} folder; klein_tiny trains a "
+      "Flux.2 Klein transformer (flux1_tiny trains Flux.1)"
+    )
+  length = int(opts.get("max_sequence_length", 64))
+  layers = opts.get("text_encoder_out_layers") or md_text.FLUX2_KLEIN_LAYERS
+  layers = tuple(int(i) for i in (layers.split(",") if isinstance(layers, str) else layers))
+  kw = dict(max_sequence_length=length, text_encoder_out_layers=layers)
+  captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c, **kw)})
+  pixels = _split_jit(pipe.vae, lambda m, x: m.encode_latents(x * 2 - 1))
+  key_map = pipe.lora_key_map("transformer")
+  frozen, params, lora = _trainable(
+    config, pipe.transformer, family="klein", source=model / "transformer", key_map=key_map
+  )
+  loss_fn = families.klein_loss(frozen)
+  return _denoiser_recipe(
+    "klein-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
+    captions=captions, sharding=sharding, frames=None, component="transformer",
+    convert_key=md_flux.convert_key_flux2, eval_key="sigmas", eval_scale=1e-3, lora=lora,
+    lora_key_map=key_map,
+  )  # fmt: skip
+
+
+def ltx_tiny(config: Any) -> Recipe:
+  """The tiny LTX-Video transformer (tests/fixtures/ltx_pipeline/t2v) on shapes clips: Lightricks'
+  LTX-Video-Trainer loss (`families.ltx_loss`: shifted logit-normal sigmas, integer timesteps, the
+  caption mask; first-frame conditioning with probability `first_frame_conditioning_p`), the clips
+  through the VAE's posterior mean, normalised by its latent statistics as the pipeline does, the rotary
+  positions scaled by the VAE's own compression and `frame_rate`, as md's pipeline samples.
+
+  `config.recipe_options`: `model`, `batch_size`, `size` (a multiple of the VAE × patch factor),
+  `frames` (1 + k × the VAE's temporal factor), `max_sequence_length`, `frame_rate`,
+  `first_frame_conditioning_p`, `learning_rate`, `warmup_steps`, `max_grad_norm`, `weight_decay`, `lora`.
+  """
+  import md_ltx
+
+  opts = _options(config)
+  model = _fixture(config, _LTX)
+  mesh = _mesh(config)
+  sharding = batch_sharding(mesh, int(opts["batch_size"]))
+  pipe = md_ltx.load_pipeline(model, mesh=mesh)
+  size, frames = int(opts.get("size", 32)), int(opts.get("frames", 5))
+  try:
+    pipe.check_size(size, size, frames)
+  except ValueError as e:
+    raise ValueError(f"recipe_options.size={size} / frames={frames}: {e}") from None
+  length = int(opts.get("max_sequence_length", 64))
+
+  def encode(c):
+    states, mask = pipe.encode_prompt(c, max_sequence_length=length)
+    return {"encoder_hidden_states": states, "encoder_attention_mask": mask.astype(jnp.float32)}
+
+  def latents(vae, x):
+    z = vae.encode(x * 2 - 1).mean
+    stats = (1,) * (z.ndim - 1) + (-1,)
+    mean = vae.latents_mean[...].astype(z.dtype).reshape(stats)
+    std = vae.latents_std[...].astype(z.dtype).reshape(stats)
+    return (z - mean) / std
+
+  pixels = _split_jit(pipe.vae, latents)
+  key_map = pipe.lora_key_map("transformer")
+  frozen, params, lora = _trainable(
+    config, pipe.transformer, family="ltx", source=model / "transformer", key_map=key_map
+  )
+  loss_fn = families.ltx_loss(
+    frozen, frame_rate=float(opts.get("frame_rate", 25)),
+    temporal_compression=pipe.vae_temporal_compression_ratio,
+    spatial_compression=pipe.vae_spatial_compression_ratio,
+    first_frame_conditioning_p=float(opts.get("first_frame_conditioning_p", 0.0)),
+  )  # fmt: skip
+  return _denoiser_recipe(
+    "ltx-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
+    captions=CaptionCache(encode), sharding=sharding, frames=frames, component="transformer",
+    convert_key=md_ltx.convert_key, eval_key="sigmas", eval_scale=1e-3, lora=lora,
+    lora_key_map=key_map,
   )  # fmt: skip
 
 
@@ -1032,7 +1166,7 @@ def dreambooth_sd(config: Any) -> Recipe:
   return _denoiser_recipe(
     "dreambooth-sd", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn,
     pixels=pixels, captions=None, sharding=sharding, frames=None, component="unet",
-    convert_key=md_sd.convert_unet_key, eval_key="timesteps", eval_scale=1.0, lora=lora,
+    convert_key=md_sd.unet_key_map(pipe.unet.cfg), eval_key="timesteps", eval_scale=1.0, lora=lora,
     lora_key_map=key_map, batches=batches, evaluate=False,
   )  # fmt: skip
 
