@@ -1,8 +1,10 @@
-"""Dreambooth (md_train.recipes.dreambooth_sd, md_train._dreambooth, `sd_loss(prior_loss_weight=)`):
-one prior-preservation step of the tiny SD 1.x UNet against diffusers' train_dreambooth.py loss by torch
-autograd (tools/fixtures/train_dreambooth_step.py: loss within 1e-5, gradients within 1e-4), the
-instance / class folders and their errors, class-image generation, the batches' halves and resume, and a
-2-step run of the `dreambooth-lora-tiny` recipe that generates its class images with md's pipeline."""
+"""Dreambooth (md_train.recipes.dreambooth_sd / dreambooth_flux, md_train._dreambooth, the losses'
+`prior_loss_weight=`): one prior-preservation step of the tiny SD 1.x UNet and of the tiny Flux.1 dev
+transformer against diffusers' train_dreambooth.py / train_dreambooth_flux.py losses by torch autograd
+(tools/fixtures/train_dreambooth_step.py: loss within 1e-5, gradients within 1e-4), the instance / class
+folders and their errors, class-image generation, the batches' halves and resume, and 2-step runs of the
+`dreambooth-lora-tiny` (SD 1.x), `dreambooth-sdxl-lora-tiny` and `dreambooth-flux-lora-tiny` recipes, each
+generating its class images with md's own pipeline."""
 
 import importlib.util
 
@@ -15,6 +17,7 @@ import pytest
 from flax import nnx
 
 import md_core
+import md_flux
 import md_schedulers as mdsch
 import md_sd
 import md_train as mdt
@@ -64,6 +67,37 @@ def test_prior_preservation_step_matches_torch():
   print(
     f"dreambooth: loss err {abs(float(loss) - float(ref['loss'])):.1e}, max grad err {worst:.1e}"
   )
+
+
+def test_flux_prior_preservation_step_matches_torch():
+  """train_dreambooth_flux.py with --with_prior_preservation: instance rows first, the loss
+  `mse(instance) + 0.5 mse(class)` of the flow target, guidance 3.5."""
+  ref = load_arrays(fixture_path("train_dreambooth_step") / "flux.npz")
+  frozen, params = mdt.split_trainable(md_flux.load_flux(fixture_path("flux_transformer") / "dev"))
+  weight = float(ref["prior_loss_weight"])
+  assert np.all(ref["guidance"] == 3.5)
+  loss_fn = mtf.flux_loss(frozen, guidance=3.5, prior_loss_weight=weight)
+  batch = {k: ref[k] for k in ("sigmas", "encoder_hidden_states", "pooled_projections", "txt_ids")}
+  batch.update(latents=_nhwc(ref["latents"]), noise=_nhwc(ref["noise"]))
+  (loss, aux), grads = mdt.loss_and_grads(loss_fn, params, batch)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(aux["instance_loss"]), ref["instance_loss"], atol=LOSS_TOL)
+  np.testing.assert_allclose(float(aux["prior_loss"]), ref["prior_loss"], atol=LOSS_TOL)
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+  names = [k for k in ref if k.startswith("grad/")]
+  assert len(names) >= 8
+  for key in names:
+    targets = md_flux.convert_key(key[len("grad/") :])
+    for target in [targets] if isinstance(targets, md_core.Target) else targets:
+      got = flat[target.path] if target.layer is None else flat[target.path][target.layer]
+      want = md_core.convert(ref[key], target)
+      assert np.abs(want).max() > 0, key
+      chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
+  # Without txt_ids the loss uses the pipeline's zeros (the fixture's are zeros too).
+  no_ids = {k: v for k, v in batch.items() if k != "txt_ids"}
+  again, _ = loss_fn(params, no_ids, jax.random.key(0))
+  np.testing.assert_allclose(float(again), float(loss), atol=1e-6, rtol=0)
 
 
 def test_odd_batch_with_prior_preservation_is_refused():
@@ -155,22 +189,37 @@ def _variant(name, **overrides):
   return ml_collections.ConfigDict(dict(seed=0, recipe_options=options))
 
 
-def test_dreambooth_lora_recipe_generates_class_images_and_trains(tmp_path):
+# variant -> (recipe, the LoRA file's key prefix, the text conditioning in each batch)
+DREAMBOOTH_LORA = {
+  "dreambooth-lora-tiny": ("dreambooth_sd", "unet.", {"encoder_hidden_states"}),
+  "dreambooth-sdxl-lora-tiny": (
+    "dreambooth_sd", "unet.", {"encoder_hidden_states", "text_embeds", "time_ids"}
+  ),
+  "dreambooth-flux-lora-tiny": (
+    "dreambooth_flux", "transformer.", {"encoder_hidden_states", "pooled_projections"}
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", list(DREAMBOOTH_LORA))
+def test_dreambooth_lora_recipe_generates_class_images_and_trains(variant, tmp_path):
   from md_train import recipes
 
-  config = _variant(
-    "dreambooth-lora-tiny", class_dir=str(tmp_path / "class"), num_class_images=2, class_steps=1
-  )
-  recipe = recipes.dreambooth_sd(config)
+  name, prefix, text = DREAMBOOTH_LORA[variant]
+  config = _variant(variant, class_dir=str(tmp_path / "class"), num_class_images=2, class_steps=1)
+  recipe = getattr(recipes, name)(config)
   assert len(mdt.image_files(tmp_path / "class", what="class_dir")) == 2
   batch = next(iter(recipe.batches))
   chex.assert_shape(batch["latents"], (2, 4, 4, 4))  # 1 instance + 1 class, 32 px
+  assert set(batch) == {"latents", *text}
+  for k in text:  # the instance prompt's row, then the class prompt's
+    assert not np.array_equal(batch[k][0], batch[k][1]) or k == "time_ids", k
   recipe.batches.restore({"step": 0})
   state = mdt.fit(recipe, steps=2)
   assert int(state.step) == 2
   file = recipe.export(state, tmp_path / "export")
   assert file.name == "pytorch_lora_weights.safetensors"
-  assert all(k.startswith("unet.") for k in md_core.SafetensorsFile(file))
+  assert all(k.startswith(prefix) for k in md_core.SafetensorsFile(file))
 
 
 def test_dreambooth_recipe_option_errors(tmp_path):
@@ -182,3 +231,8 @@ def test_dreambooth_recipe_option_errors(tmp_path):
     recipes.dreambooth_sd(_variant("dreambooth-tiny", class_dir=""))
   with pytest.raises(ValueError, match="recipe_options.instance_prompt is required"):
     recipes.dreambooth_sd(_variant("dreambooth-tiny", instance_prompt=""))
+  with pytest.raises(ValueError, match="instance_prompt is required for dreambooth_flux"):
+    recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", instance_prompt=""))
+  klein = str(fixture_path("flux2_pipeline") / "klein")
+  with pytest.raises(ValueError, match="is a Flux2KleinPipeline folder; dreambooth_flux trains"):
+    recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", model=klein))

@@ -22,6 +22,8 @@ the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
 targets, init, seed), exported as a PEFT file; wan22-high-tiny, wan22-low-tiny: one expert of the tiny
 Wan 2.2 A14B pipeline (`recipe_options.expert`), on the timesteps it samples; dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with
 prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
+dreambooth-sdxl-lora-tiny, dreambooth-flux-lora-tiny: Dreambooth-LoRA on the tiny SDXL and Flux.1
+pipelines (`dreambooth_sd`, `dreambooth_flux`);
 sd15-records, wan21-records: the SD / Wan denoiser trained on the cached latents an apps/prepare_data run
 wrote (MaxDiffusion's way: prepare once, train on the records): `recipe_options.records` is that run's
 --workdir; train/ is read shuffled from `seed` (its position checkpointed), the eval loss (every
@@ -176,6 +178,29 @@ VARIANTS["dreambooth-tiny"] = (
 VARIANTS["dreambooth-lora-tiny"] = (
   "md_train.recipes:dreambooth_sd",
   dict(VARIANTS["dreambooth-tiny"][1], learning_rate=1e-2, lora=dict(_LORA)),
+)
+# Dreambooth-LoRA for SDXL (train_dreambooth_lora_sdxl.py) and Flux.1 (train_dreambooth_lora_flux.py) on
+# their tiny pipelines, the same instance images; class images generated into their own class_dir.
+VARIANTS["dreambooth-sdxl-lora-tiny"] = (
+  "md_train.recipes:dreambooth_sd",
+  dict(
+    VARIANTS["dreambooth-lora-tiny"][1],
+    model="tests/fixtures/sd_pipeline/sdxl",
+    class_dir="runs/dreambooth-sdxl-lora-tiny/class_images",
+  ),
+)
+_DB_FLUX = {k: v for k, v in VARIANTS["dreambooth-lora-tiny"][1].items() if k != "snr_gamma"}
+VARIANTS["dreambooth-flux-lora-tiny"] = (
+  "md_train.recipes:dreambooth_flux",
+  dict(
+    _DB_FLUX,
+    model="tests/fixtures/flux_pipeline/dev",
+    class_dir="runs/dreambooth-flux-lora-tiny/class_images",
+    class_guidance=3.5,
+    guidance=3.5,
+    max_sequence_length=64,
+    lora=dict(_LORA, targets=_FLUX_TARGETS),
+  ),
 )
 
 # Training on an apps/prepare_data workdir (`records`, required): the denoiser of the model the records

@@ -108,21 +108,28 @@ def sd_loss(
     weights = None
     if snr_gamma is not None:
       weights = min_snr_weights(acp, t, snr_gamma, prediction_type)
-    if prior_loss_weight is None:
-      return diffusion_loss(pred, target, weights), {}
-    b = latents.shape[0]
-    if b % 2:
-      raise ValueError(
-        f"prior_loss_weight={prior_loss_weight}: the batch of {b} must be instance + class halves "
-        "(an even size)"
-      )
-    h = b // 2
-    instance = diffusion_loss(pred[:h], target[:h], None if weights is None else weights[:h])
-    prior = diffusion_loss(pred[h:], target[h:])
-    loss = instance + jnp.float32(prior_loss_weight) * prior
-    return loss, {"instance_loss": instance, "prior_loss": prior}
+    return _prior_preserving(pred, target, weights, prior_loss_weight)
 
   return loss_fn
+
+
+def _prior_preserving(pred, target, weights, prior_loss_weight: float | None):
+  """`(loss, aux)`: the plain (weighted) loss, or Dreambooth's with prior preservation: the batch's
+  first half (instance examples) weighted, plus `prior_loss_weight` times the second half's (class
+  examples) plain MSE, as train_dreambooth.py / train_dreambooth_flux.py split `model_pred`."""
+  if prior_loss_weight is None:
+    return diffusion_loss(pred, target, weights), {}
+  b = pred.shape[0]
+  if b % 2:
+    raise ValueError(
+      f"prior_loss_weight={prior_loss_weight}: the batch of {b} must be instance + class halves "
+      "(an even size)"
+    )
+  h = b // 2
+  instance = diffusion_loss(pred[:h], target[:h], None if weights is None else weights[:h])
+  prior = diffusion_loss(pred[h:], target[h:])
+  loss = instance + jnp.float32(prior_loss_weight) * prior
+  return loss, {"instance_loss": instance, "prior_loss": prior}
 
 
 def flux_loss(
@@ -130,19 +137,24 @@ def flux_loss(
   *,
   guidance: float | None = None,
   sampler: str = "logit_normal",
+  prior_loss_weight: float | None = None,
   **sampler_options: Any,
 ) -> LossFn:
   """The Flux.1 flow-matching loss of diffusers' train_dreambooth_flux.py (weighting `none`).
 
   Batch: `latents [B, h, w, C]` (channels-last, VAE-normalised, h and w even), `encoder_hidden_states
-  [B, S, D]`, `pooled_projections [B, P]`, `txt_ids [S, 3]`, optional `noise [B, h, w, C]` and `sigmas
-  [B]` in (0, 1]. The noisy latents are packed 2x2 as the pipeline packs them; the model sees timestep σ
-  (×1000 inside) and, for guidance-distilled (dev) models, `guidance` per example.
+  [B, S, D]`, `pooled_projections [B, P]`, optional `txt_ids [S, 3]` or `[B, S, 3]` (default: zeros, as
+  the pipeline's), `noise [B, h, w, C]` and `sigmas [B]` in (0, 1]. The noisy latents are packed 2x2 as
+  the pipeline packs them; the model sees timestep σ (×1000 inside) and, for guidance-distilled (dev)
+  models, `guidance` per example.
 
   Args:
     transformer: the transformer's frozen part.
     guidance: the embedded guidance scale for dev-style models (None for schnell-style ones).
     sampler, sampler_options: how σ is drawn when absent (`flow_sigmas`).
+    prior_loss_weight: Dreambooth's prior preservation (`--with_prior_preservation`): the batch's first
+      half instance, second half class examples; the loss is the instance half's plus this times the
+      class half's (aux: `instance_loss`, `prior_loss`). None: one loss over the batch.
   """
 
   def loss_fn(params, batch, key):
@@ -160,12 +172,16 @@ def flux_loss(
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
     g = None if guidance is None else jnp.full((b,), guidance, jnp.float32)
     img_ids = jnp.asarray(md_flux.image_ids(h // 2, w // 2))
+    context = batch["encoder_hidden_states"]
+    txt_ids = batch.get("txt_ids")
+    if txt_ids is None:
+      txt_ids = jnp.zeros((context.shape[1], 3), jnp.float32)
     model = transformer.merge(params)
     pred = model(
-      md_flux.pack_latents(noisy), batch["encoder_hidden_states"], batch["pooled_projections"],
-      sigmas, img_ids, batch["txt_ids"], g,
-    )  # fmt: skip
-    return diffusion_loss(md_flux.unpack_latents(pred, h, w), target), {}
+      md_flux.pack_latents(noisy), context, batch["pooled_projections"], sigmas, img_ids, txt_ids, g
+    )
+    pred = md_flux.unpack_latents(pred, h, w)
+    return _prior_preserving(pred, target, None, prior_loss_weight)
 
   return loss_fn
 

@@ -1089,14 +1089,62 @@ def ltx_tiny(config: Any) -> Recipe:
   )  # fmt: skip
 
 
+def _dreambooth_options(opts: Mapping[str, Any], recipe: str) -> bool:
+  """Checks the options every Dreambooth recipe needs; returns whether prior preservation is on."""
+  for key in ("instance_dir", "instance_prompt"):
+    if not opts.get(key):
+      raise ValueError(f"recipe_options.{key} is required for {recipe}")
+  prior = bool(opts.get("with_prior_preservation", True))
+  if prior and not (opts.get("class_dir") and opts.get("class_prompt")):
+    raise ValueError(
+      "with_prior_preservation needs recipe_options.class_dir and recipe_options.class_prompt"
+    )
+  return prior
+
+
+def _dreambooth_batches(
+  opts: Mapping[str, Any],
+  config: Any,
+  *,
+  prior: bool,
+  generate: Callable[[list[str], int], np.ndarray],
+  encode_pixels: Callable[[np.ndarray], jax.Array],
+  encode_prompt: Callable[[str], Mapping[str, np.ndarray]],
+  sharding: Any,
+) -> _dreambooth.DreamboothBatches:
+  """The instance images (and, with `prior`, the class images, the missing ones made by `generate`),
+  each encoded once (8 at a time), with their prompts' conditioning: train_dreambooth*.py's batches."""
+  size = int(opts.get("size", 32))
+  files = _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
+  instance = _dreambooth.load_images(files, size, what="instance_dir")
+  klass = None
+  if prior:
+    class_files = _dreambooth.class_images(
+      generate, _path(opts["class_dir"]), opts["class_prompt"],
+      int(opts.get("num_class_images", 100)), seed=int(config.seed),
+    )  # fmt: skip
+    klass = _dreambooth.load_images(class_files, size, what="class_dir")
+
+  def encode(x):
+    return np.concatenate([np.asarray(encode_pixels(x[i : i + 8])) for i in range(0, len(x), 8)])
+
+  return _dreambooth.DreamboothBatches(
+    encode(instance), None if klass is None else encode(klass),
+    encode_prompt(opts["instance_prompt"]), encode_prompt(opts["class_prompt"]) if prior else None,
+    batch_size=int(opts["batch_size"]), seed=int(config.seed), sharding=sharding,
+  )  # fmt: skip
+
+
 def dreambooth_sd(config: Any) -> Recipe:
-  """Dreambooth for the SD 1.x UNet (default: the tiny tests/fixtures/sd_pipeline/sd), diffusers'
-  train_dreambooth.py: the instance images of `instance_dir` with `instance_prompt`; with
-  `with_prior_preservation`, `num_class_images` images of `class_prompt` in `class_dir` (the missing
-  ones generated first by md's SD pipeline, `class_steps` steps at guidance `class_guidance`) fill the
-  second half of every batch, and the loss adds `prior_loss_weight` times their MSE. Images are
-  center-cropped and resized to `size`, encoded once (posterior mean, scaled); the prompts are encoded
-  once. With a `lora` option only a LoRA trains (train_dreambooth_lora.py), exported as a PEFT file.
+  """Dreambooth for the SD 1.x / 2.x / XL UNet (default: the tiny tests/fixtures/sd_pipeline/sd),
+  diffusers' train_dreambooth.py (SDXL: train_dreambooth_lora_sdxl.py, its added conditioning: the
+  pooled embedding and `time_ids` = (size, size, 0, 0, size, size)): the instance images of
+  `instance_dir` with `instance_prompt`; with `with_prior_preservation`, `num_class_images` images of
+  `class_prompt` in `class_dir` (the missing ones generated first by md's SD pipeline, `class_steps`
+  steps at guidance `class_guidance`) fill the second half of every batch, and the loss adds
+  `prior_loss_weight` times their MSE. Images are center-cropped and resized to `size`, encoded once
+  (posterior mean, scaled); the prompts are encoded once. With a `lora` option only a LoRA trains
+  (train_dreambooth_lora.py / _sdxl.py), exported as a PEFT file.
 
   `config.recipe_options`: `model`, `instance_dir`, `instance_prompt`, `class_dir`, `class_prompt`,
   `with_prior_preservation`, `prior_loss_weight`, `num_class_images`, `class_steps`,
@@ -1111,47 +1159,39 @@ def dreambooth_sd(config: Any) -> Recipe:
   import md_sd
 
   opts = _options(config)
-  for key in ("instance_dir", "instance_prompt"):
-    if not opts.get(key):
-      raise ValueError(f"recipe_options.{key} is required for dreambooth_sd")
-  prior = bool(opts.get("with_prior_preservation", True))
-  if prior and not (opts.get("class_dir") and opts.get("class_prompt")):
-    raise ValueError(
-      "with_prior_preservation needs recipe_options.class_dir and recipe_options.class_prompt"
-    )
+  prior = _dreambooth_options(opts, "dreambooth_sd")
   size = int(opts.get("size", 32))
-  instance_files = _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
-  instance_pixels = _dreambooth.load_images(instance_files, size, what="instance_dir")
+  _dreambooth.image_files(
+    _path(opts["instance_dir"]), what="instance_dir"
+  )  # before the model loads
   model = _fixture(config, _SD)
   mesh = _mesh(config)
   batch = int(opts["batch_size"])
   sharding = batch_sharding(mesh, 2 * batch if prior else batch)
   pipe = md_sd.load_pipeline(model, mesh=mesh)
-  class_pixels = None
-  if prior:
 
-    def generate(prompts, seed):
-      return pipe(
-        prompts, height=size, width=size, num_inference_steps=int(opts.get("class_steps", 25)),
-        guidance_scale=float(opts.get("class_guidance", 7.5)), seed=seed, progress=False,
-      )  # fmt: skip
-
-    class_files = _dreambooth.class_images(
-      generate, _path(opts["class_dir"]), opts["class_prompt"],
-      int(opts.get("num_class_images", 100)), seed=int(config.seed),
+  def generate(prompts, seed):
+    return pipe(
+      prompts, height=size, width=size, num_inference_steps=int(opts.get("class_steps", 25)),
+      guidance_scale=float(opts.get("class_guidance", 7.5)), seed=seed, progress=False,
     )  # fmt: skip
-    class_pixels = _dreambooth.load_images(class_files, size, what="class_dir")
+
+  def encode_prompt(prompt):
+    embeds, pooled = pipe.encode_prompt([prompt])
+    out = {"encoder_hidden_states": np.asarray(embeds[0])}
+    if pipe.kind == "sdxl":
+      out["text_embeds"] = np.asarray(pooled[0])
+      out["time_ids"] = np.asarray([size, size, 0, 0, size, size], np.float32)
+    return out
+
   sched = pipe.scheduler_config
   keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
   acp = mdsch.ddpm(**{k: sched[k] for k in keys if k in sched}).alphas_cumprod
   factor = float(pipe.vae.config.scaling_factor)
   pixels = _image_latents(pipe.vae, lambda m, z: z * factor)
-  encode = lambda x: np.concatenate([np.asarray(pixels(x[i : i + 8])) for i in range(0, len(x), 8)])  # noqa: E731
-  states = lambda p: {"encoder_hidden_states": np.asarray(pipe.encode_prompt([p])[0][0])}  # noqa: E731
-  batches = _dreambooth.DreamboothBatches(
-    encode(instance_pixels), None if class_pixels is None else encode(class_pixels),
-    states(opts["instance_prompt"]), states(opts["class_prompt"]) if prior else None,
-    batch_size=batch, seed=int(config.seed), sharding=sharding,
+  batches = _dreambooth_batches(
+    opts, config, prior=prior, generate=generate, encode_pixels=pixels,
+    encode_prompt=encode_prompt, sharding=sharding,
   )  # fmt: skip
   key_map = pipe.lora_key_map("unet")
   frozen, params, lora = _trainable(
@@ -1167,6 +1207,72 @@ def dreambooth_sd(config: Any) -> Recipe:
     "dreambooth-sd", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn,
     pixels=pixels, captions=None, sharding=sharding, frames=None, component="unet",
     convert_key=md_sd.unet_key_map(pipe.unet.cfg), eval_key="timesteps", eval_scale=1.0, lora=lora,
+    lora_key_map=key_map, batches=batches, evaluate=False,
+  )  # fmt: skip
+
+
+def dreambooth_flux(config: Any) -> Recipe:
+  """Dreambooth for the Flux.1 transformer (default: the tiny tests/fixtures/flux_pipeline/dev),
+  diffusers' train_dreambooth_flux.py / train_dreambooth_lora_flux.py: the instance images with
+  `instance_prompt`, with prior preservation the class images (generated by md's Flux pipeline when
+  missing: `class_steps` steps at guidance `class_guidance`) as the batch's second half and
+  `prior_loss_weight` times their loss; `families.flux_loss` (logit-normal sigmas, the embedded
+  `guidance` for dev-style models). With a `lora` option only a LoRA trains (the script's twelve
+  default targets unless named), exported as a PEFT file.
+
+  `config.recipe_options`: those of `dreambooth_sd` (without `snr_gamma`) plus `guidance` and
+  `max_sequence_length`.
+  """
+  import md_flux
+
+  opts = _options(config)
+  prior = _dreambooth_options(opts, "dreambooth_flux")
+  size = int(opts.get("size", 32))
+  _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
+  model = _fixture(config, _FLUX)
+  mesh = _mesh(config)
+  batch = int(opts["batch_size"])
+  sharding = batch_sharding(mesh, 2 * batch if prior else batch)
+  pipe = md_flux.load_pipeline(model, mesh=mesh)
+  if not isinstance(pipe, md_flux.FluxPipeline):
+    raise ValueError(
+      f"recipe_options.model={str(model)!r} is a {type(pipe).__name__} folder; dreambooth_flux "
+      "trains a Flux.1 transformer"
+    )
+  length = int(opts.get("max_sequence_length", 64))
+
+  def generate(prompts, seed):
+    return pipe(
+      prompts, height=size, width=size, num_inference_steps=int(opts.get("class_steps", 28)),
+      guidance_scale=float(opts.get("class_guidance", 3.5)), seed=seed,
+      max_sequence_length=length, progress=False,
+    )  # fmt: skip
+
+  def encode_prompt(prompt):
+    t5, pooled = pipe.encode_prompt([prompt], max_sequence_length=length)
+    return {
+      "encoder_hidden_states": np.asarray(t5[0]),
+      "pooled_projections": np.asarray(pooled[0]),
+    }
+
+  pixels = _image_latents(pipe.vae, lambda m, z: m.scale_latents(z))
+  batches = _dreambooth_batches(
+    opts, config, prior=prior, generate=generate, encode_pixels=pixels,
+    encode_prompt=encode_prompt, sharding=sharding,
+  )  # fmt: skip
+  key_map = pipe.lora_key_map("transformer")
+  frozen, params, lora = _trainable(
+    config, pipe.transformer, family="flux", source=model / "transformer", key_map=key_map
+  )
+  guided = bool(pipe.transformer.cfg.guidance_embeds)
+  loss_fn = families.flux_loss(
+    frozen, guidance=float(opts.get("guidance", 3.5)) if guided else None,
+    prior_loss_weight=float(opts.get("prior_loss_weight", 1.0)) if prior else None,
+  )  # fmt: skip
+  return _denoiser_recipe(
+    "dreambooth-flux", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn,
+    pixels=pixels, captions=None, sharding=sharding, frames=None, component="transformer",
+    convert_key=md_flux.convert_key, eval_key="sigmas", eval_scale=1e-3, lora=lora,
     lora_key_map=key_map, batches=batches, evaluate=False,
   )  # fmt: skip
 

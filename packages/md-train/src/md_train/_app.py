@@ -1,0 +1,124 @@
+"""The body of the training apps (`apps/train`, `apps/dreambooth_train`): check the config, build the
+recipe, `fit` it in the workdir (resuming from its checkpoints), export, write settings.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+# Test hook: "N:path" makes the run write `path` and wait there while step N runs (a test then kills
+# the process in the middle of that step).
+HOLD_ENV = "MD_TRAIN_HOLD_AT_STEP"
+
+
+def check(config: Any, workdir: str) -> tuple[Callable, Any]:
+  """`(recipe function, mesh)`, or one `md_core.apps.UsageError` listing every bad setting."""
+  from md_core import apps
+  from md_train import recipes
+
+  problems = apps.Problems(config)
+  for key in ("steps", "checkpoint_every", "eval_every", "log_every"):
+    problems.at_least(key, 0)
+  problems.positive("keep")
+  problems.at_least("seed", 0)
+  problems.positive("peak_flops", optional=True)
+  path = pathlib.Path(workdir).expanduser()
+  existing = next((p for p in (path, *path.parents) if p.exists()), None)
+  if existing is not None and not existing.is_dir():
+    problems.add(f"--workdir={workdir!r} is (inside) a file; give a folder")
+  fn = problems.call(recipes.import_recipe, config.recipe, prefix="--config.")
+  mesh = problems.call(apps.start, config, prefix="--config.mesh: ")
+  problems.raise_if_any()
+  return fn, mesh
+
+
+def _hold(spec: str):
+  step, _, marker = spec.partition(":")
+
+  def on_step(n):
+    if n == int(step):
+      pathlib.Path(marker).write_text(f"holding at step {n}\n")
+      while True:
+        time.sleep(1)
+
+  return on_step
+
+
+def train(
+  config: Any, workdir: str, *, describe: Callable[[Any], list[str]] | None = None
+) -> dict[str, Any]:
+  """Runs the app: the checks, the recipe, `fit`, the export and settings.json; prints a summary.
+
+  Args:
+    config: the app config (`apps/configs/train.py` keys).
+    workdir: the run's folder.
+    describe: lines printed about the built recipe before training (e.g. Dreambooth's image counts).
+
+  Returns:
+    The settings written to `<workdir>/settings.json`.
+  """
+  import md_train
+  from md_core import apps
+  from md_core import progress as md_progress
+
+  path = pathlib.Path(workdir).expanduser()
+  with md_progress.phase("checking"):
+    make_recipe, mesh = check(config, workdir)
+  print(apps.describe_mesh(mesh))
+  start = time.perf_counter()
+  with md_progress.phase("building the recipe", announce=True):
+    try:
+      recipe = make_recipe(config)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+      raise apps.UsageError(f"--config.recipe={config.recipe}: {e}") from None
+    if not isinstance(recipe, md_train.Recipe):
+      raise apps.UsageError(
+        f"--config.recipe={config.recipe} returned {type(recipe).__name__}, not an md_train.Recipe"
+      )
+  built = time.perf_counter() - start
+  for line in describe(recipe) if describe else ():
+    print(line)
+  hold = os.environ.get(HOLD_ENV)
+  start = time.perf_counter()
+  with md_progress.phase("training"):
+    try:
+      state = md_train.fit(
+        recipe,
+        steps=config.steps,
+        workdir=path,
+        checkpoint_every=config.checkpoint_every,
+        keep=config.keep,
+        eval_every=config.eval_every,
+        log_every=config.log_every,
+        peak_flops=config.peak_flops,
+        on_step=_hold(hold) if hold else None,
+      )
+    except ValueError as e:
+      raise apps.UsageError(str(e).splitlines()) from None
+  seconds = time.perf_counter() - start
+  exported = None
+  if config.export and recipe.export is not None:
+    with md_progress.phase("exporting"):
+      exported = path / "export"
+      recipe.export(state, exported)
+  settings = apps.settings_of(
+    config,
+    final_step=int(state.step),
+    fingerprint=dict(recipe.fingerprint),
+    build_seconds=round(built, 2),
+    train_seconds=round(seconds, 2),
+    export=None if exported is None else str(exported.name),
+  )
+  tmp = path / ".settings.json.tmp"
+  tmp.write_text(json.dumps(settings, indent=2, default=str) + "\n")
+  tmp.replace(path / "settings.json")
+  print(
+    f"trained to step {int(state.step)} in {seconds:.1f}s (recipe built in {built:.1f}s); "
+    f"checkpoints, metrics.jsonl and tb/ in {path}"
+    + (f"; the model in {exported}" if exported else "")
+  )
+  return settings
