@@ -26,6 +26,7 @@ from md_data._grammar import (
   vocabulary,
 )
 from md_data._prepare import ShardReport, shard_name, write_latent_shards
+from md_data._render import render_shape
 from md_data._shapes import ShapesBatch, ShapesConfig, ShapesIterator, ShapesSample, shapes_sample
 from md_data._sources import (
   ArrayRecordSource,
@@ -98,6 +99,7 @@ __all__ = [
   "score",
   "serialize_tensor",
   "shapes_sample",
+  "render_shape",
   "shard_name",
   "split",
   "stack_batch",

@@ -65,3 +65,27 @@ def compose(alpha: np.ndarray, colour: str, background: str) -> np.ndarray:
   fg = np.asarray(COLOURS[colour], np.float32)
   bg = np.asarray(BACKGROUNDS[background], np.float32)
   return bg + alpha[..., None] * (fg - bg)
+
+
+def render_shape(
+  colour: str,
+  shape: str,
+  background: str,
+  *,
+  center: tuple[float, float],
+  extent: float,
+  size: int,
+) -> np.ndarray:
+  """One still of the shapes kind drawn as the dataset draws it: `shape` in `colour` over `background`,
+  its bounding box `extent` pixels wide centred at `center` (x, y) on a `size`² image; `[size, size, 3]`
+  float32 in [0, 1]. For instance images of one subject (Dreambooth) or hand-made test inputs.
+
+  Raises:
+    ValueError: an unknown colour, shape or background (the known ones named).
+  """
+  for what, name, known in (
+    ("colour", colour, COLOURS), ("shape", shape, SHAPES), ("background", background, BACKGROUNDS),
+  ):  # fmt: skip
+    if name not in known:
+      raise ValueError(f"{what}={name!r}; expected one of {', '.join(known)}")
+  return compose(coverage(shape, center, float(extent), int(size)), colour, background)
