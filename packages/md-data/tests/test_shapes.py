@@ -122,3 +122,21 @@ def test_bad_seed_index_and_batch():
     mdd.ShapesIterator(mdd.ShapesConfig(), seed=0, batch_size=0)
   with pytest.raises(ValueError, match="seed=-3 must be a non-negative int"):
     mdd.ShapesIterator(mdd.ShapesConfig(), seed=-3, batch_size=1)
+
+
+@pytest.mark.parametrize("shape", list(mdd.SHAPES))
+def test_render_shape_is_read_back_by_the_analyser(shape):
+  """A hand-drawn still reads back as drawn: colour, shape, background and grid cell."""
+  image = mdd.render_shape("blue", shape, "white", center=(53.0, 10.0), extent=16.0, size=64)
+  assert image.shape == (64, 64, 3) and image.dtype == np.float32
+  got = mdd.analyse(image)
+  assert (got.colour, got.shape, got.background, got.position) == (
+    "blue", shape, "white", "top right"
+  )  # fmt: skip
+
+
+def test_render_shape_names_unknown_words():
+  with pytest.raises(ValueError, match="shape='hexagon'; expected one of circle, square"):
+    mdd.render_shape("red", "hexagon", "black", center=(8, 8), extent=8, size=16)
+  with pytest.raises(ValueError, match="background='pink'; expected one of black"):
+    mdd.render_shape("red", "star", "pink", center=(8, 8), extent=8, size=16)
