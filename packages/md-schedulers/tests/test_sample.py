@@ -168,6 +168,24 @@ def test_step_cache_hook_skips_the_denoiser_on_odd_steps():
   chex.assert_trees_all_close(out.latents, want, atol=1e-5, rtol=1e-6)
 
 
+def test_a_step_cache_never_reuses_across_an_expert_switch():
+  """Experts switch at step 3, which the toy cache would reuse (odd): the loop runs the second
+  expert there instead of taking the first expert's step-2 prediction; other odd steps are reused."""
+  sched, st, x = _setup(6)
+  cond = jnp.asarray([1.0, 2.0])
+  experts = [mdsch.Expert(_denoise, 0.5, 3, None), mdsch.Expert(_denoise, -0.25, 6, None)]
+  out = jax.jit(
+    lambda x, st: mdsch.sample(None, sched, x, st, cond, experts=experts, cache=_reuse_odd_steps())
+  )(x, st)
+  want, calls = _python_loop(
+    sched, st, x,
+    lambda i, xin, t: _denoise(0.5 if i < 3 else -0.25, xin, jnp.full((B,), t), cond, step=i),
+    reuse=lambda i: i % 2 == 1 and i != 3,
+  )  # fmt: skip
+  assert int(out.calls) == calls == 4  # steps 0, 2, 3, 4
+  chex.assert_trees_all_close(out.latents, want, atol=1e-5, rtol=1e-6)
+
+
 def test_part_way_start_and_stop():
   sched, st, x = _setup(8)
   cond = jnp.asarray([1.0, 2.0])

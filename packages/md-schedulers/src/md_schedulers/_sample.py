@@ -194,7 +194,11 @@ def run_steps(
     if e.scales is None and missing:
       raise ValueError(f"guidance {guidance} needs per-step scales {missing}")
 
-  def body(expert: Expert):
+  def body(expert: Expert, first_step=None):
+    """The loop body of one expert; `first_step` (the step where it takes over from the previous
+    expert, None for the first expert) always runs the denoiser: a step cache's reference prediction
+    is the other expert's there, so reusing it would mix the two models (MaxDiffusion's SenCache
+    forces that step too)."""
     step_scales = scales if expert.scales is None else expert.scales
 
     def step(i, c: SampleState) -> SampleState:
@@ -234,6 +238,8 @@ def run_steps(
       else:
         reused, candidate = cache.decide(cache_state, i, t, x)
         reused = jnp.asarray(reused, bool)
+        if first_step is not None:
+          reused = reused & (i != first_step)
         pred = jax.lax.cond(reused, lambda: candidate, compute)
       calls = calls + jnp.where(reused, 0, 1).astype(jnp.int32)
       if cache is not None:
@@ -246,8 +252,10 @@ def run_steps(
 
     return step
 
+  switch = None
   for expert, begin, end in _segments(experts, lo, hi):
-    carry = jax.lax.fori_loop(begin, end, body(expert), carry)
+    carry = jax.lax.fori_loop(begin, end, body(expert, switch), carry)
+    switch = expert.until
   return carry
 
 
