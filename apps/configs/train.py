@@ -89,6 +89,8 @@ VARIANTS = {
     ),
   ),
 }
+# The tiny variants' optimizer settings.
+_OPTIMIZER = dict(learning_rate=1e-3, warmup_steps=2, max_grad_norm=1.0, weight_decay=1e-2)
 # SDXL (train_text_to_image_sdxl.py), Flux.2 Klein (train_dreambooth_lora_flux2_klein.py) and LTX-Video
 # (LTX-Video-Trainer) on their tiny pipelines.
 VARIANTS["sdxl-tiny"] = (
@@ -102,11 +104,8 @@ VARIANTS["klein-tiny"] = (
     text_encoder_out_layers="1,2,3",  # the tiny Qwen3 has 3 layers (Klein's own: 9, 18, 27)
     batch_size=2,
     size=32,
-    learning_rate=1e-3,
-    warmup_steps=2,
-    max_grad_norm=1.0,
-    weight_decay=1e-2,
     max_sequence_length=96,  # the chat template adds ~30 tokens to a shapes caption
+    **_OPTIMIZER,
   ),
 )
 VARIANTS["ltx-tiny"] = (
@@ -119,10 +118,7 @@ VARIANTS["ltx-tiny"] = (
     max_sequence_length=64,
     frame_rate=25.0,
     first_frame_conditioning_p=0.0,
-    learning_rate=1e-3,
-    warmup_steps=2,
-    max_grad_norm=1.0,
-    weight_decay=1e-2,
+    **_OPTIMIZER,
   ),
 )
 # LoRA variants: only the adapter trains (diffusers' train_text_to_image_lora.py: r 4, alpha = r, the
