@@ -233,6 +233,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       log_every=1,
       export=True,
       peak_flops=placeholder(float),
+      # A jax.profiler trace of steps profile_start + 1 .. profile_start + profile_steps, in
+      # <workdir>/profile (0 steps: none).
+      profile_start=2,
+      profile_steps=0,
       recipe_options=ml_collections.ConfigDict(options),
     )
   )

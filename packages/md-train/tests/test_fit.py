@@ -178,6 +178,23 @@ def test_log_every(tmp_path):
   assert [m["step"] for m in mdt.read_metrics(tmp_path)] == [2, 4, 5]
 
 
+def test_profile_window_writes_a_trace(tmp_path):
+  """Steps 3-4 of 5 traced into <workdir>/profile (an .xplane.pb TensorBoard's profile plugin reads);
+  the run's results are those of an untraced run."""
+  recipe, _ = _recipe()
+  traced = mdt.fit(recipe, steps=5, workdir=tmp_path / "a", profile_start=2, profile_steps=2)
+  traces = list((tmp_path / "a" / mdt.PROFILE_DIR).rglob("*.xplane.pb"))
+  assert len(traces) == 1 and traces[0].stat().st_size > 0
+  plain = mdt.fit(_recipe()[0], steps=5, workdir=tmp_path / "b")
+  assert not (tmp_path / "b" / mdt.PROFILE_DIR).exists()
+  for a, b in zip(jax.tree.leaves(traced.params), jax.tree.leaves(plain.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="profile_steps needs a profile_dir"):
+    mdt.fit(_recipe()[0], steps=2, profile_steps=1)
+  with pytest.raises(ValueError, match="profile_start=-1 must be an int >= 0"):
+    mdt.fit(_recipe()[0], steps=2, workdir=tmp_path / "c", profile_start=-1)
+
+
 def test_resume_with_another_fingerprint_fails(straight, tmp_path):
   """The error names the differing keys (nested ones dotted) and both values."""
   workdir, _, _ = straight

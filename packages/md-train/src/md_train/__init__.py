@@ -13,7 +13,7 @@ from md_train._dreambooth import (
   load_images,
 )
 from md_train._eval import eval_loss
-from md_train._loop import CHECKPOINTS_DIR, Recipe, batch_sharding, fit
+from md_train._loop import CHECKPOINTS_DIR, PROFILE_DIR, Recipe, batch_sharding, fit
 from md_train._lora import (
   DEFAULT_TARGETS,
   LORA_INITS,
@@ -75,6 +75,7 @@ from md_train._step import (
 
 __all__ = [
   "CHECKPOINTS_DIR",
+  "PROFILE_DIR",
   "DEFAULT_TARGETS",
   "FLOW_SAMPLERS",
   "IMAGE_SUFFIXES",

@@ -23,6 +23,9 @@ def check(config: Any, workdir: str) -> tuple[Callable, Any]:
   problems = apps.Problems(config)
   for key in ("steps", "checkpoint_every", "eval_every", "log_every"):
     problems.at_least(key, 0)
+  for key in ("profile_start", "profile_steps"):  # optional keys (configs without them: no trace)
+    if key in config:
+      problems.at_least(key, 0)
   problems.positive("keep")
   problems.at_least("seed", 0)
   problems.positive("peak_flops", optional=True)
@@ -96,6 +99,8 @@ def train(
         log_every=config.log_every,
         peak_flops=config.peak_flops,
         on_step=_hold(hold) if hold else None,
+        profile_start=config.get("profile_start", 0),
+        profile_steps=config.get("profile_steps", 0),
       )
     except ValueError as e:
       raise apps.UsageError(str(e).splitlines()) from None

@@ -27,6 +27,7 @@ from md_train._metrics import MetricsWriter, compiled_flops, peak_flops_per_seco
 from md_train._step import TrainState
 
 CHECKPOINTS_DIR = "checkpoints"
+PROFILE_DIR = "profile"  # fit's jax.profiler traces, under the workdir
 
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Mapping[str, jax.Array]]]
 
@@ -94,6 +95,9 @@ def fit(
   progress: bool = True,
   peak_flops: float | None = None,
   on_step: Callable[[int], None] | None = None,
+  profile_start: int = 0,
+  profile_steps: int = 0,
+  profile_dir: str | pathlib.Path | None = None,
 ) -> TrainState:
   """Trains `recipe` until its state reaches step `steps`.
 
@@ -119,6 +123,10 @@ def fit(
     peak_flops: FLOP/s per device for MFU.
     on_step: called with each step number after that step is dispatched and before anything is
       written for it (tests use it to stop a run in the middle of a step).
+    profile_start, profile_steps: a `jax.profiler` trace of steps `profile_start + 1` ..
+      `profile_start + profile_steps` (MaxDiffusion's `skip_first_n_steps_for_profiler` /
+      `profiler_steps`; the first steps compile and warm up), written to `profile_dir` (default
+      `<workdir>/profile`), readable by TensorBoard's profile plugin or Perfetto; 0 steps: no trace.
 
   Returns:
     The final state.
@@ -136,6 +144,14 @@ def fit(
       raise ValueError(f"{name}={value!r} must be an int >= 0 (0: {zero})")
   if not isinstance(steps, int) or steps < 0:
     raise ValueError(f"steps={steps!r} must be an int >= 0")
+  for name, value in (("profile_start", profile_start), ("profile_steps", profile_steps)):
+    if not isinstance(value, int) or value < 0:
+      raise ValueError(f"{name}={value!r} must be an int >= 0")
+  if profile_steps and profile_dir is None and workdir is None:
+    raise ValueError("profile_steps needs a profile_dir (or a workdir: <workdir>/profile)")
+  trace_dir = None
+  if profile_steps:
+    trace_dir = pathlib.Path(profile_dir or pathlib.Path(workdir) / PROFILE_DIR)
   from md_core import progress as md_progress
 
   state, batches = recipe.state, recipe.batches
@@ -174,13 +190,21 @@ def fit(
 
     bar = tqdm.tqdm(total=steps, initial=start, desc="training", unit="step")
   last_time, last_step = time.perf_counter(), start
+  tracing = False
   try:
     for n in range(start + 1, steps + 1):
       if first is not None:
         batch, first = first, None
       else:
         batch = _next_batch(batches, n)
+      if trace_dir is not None and n == profile_start + 1:
+        jax.profiler.start_trace(str(trace_dir))
+        tracing = True
       state, metrics = step_fn(state, batch)
+      if tracing and (n == profile_start + profile_steps or n == steps):
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        tracing = False
       if on_step is not None:
         on_step(n)
       md_progress.report_step(n, steps, "training")
@@ -214,6 +238,8 @@ def fit(
       data = _json_safe(batches.state()) if resumable else None
       ckpt.save(state, data=data, fingerprint=fingerprint, force=True)
   finally:
+    if tracing:  # stopped early (an error, Ctrl-C): keep what was traced
+      jax.profiler.stop_trace()
     if bar is not None:
       bar.close()
     if ckpt is not None:
