@@ -20,8 +20,9 @@ tests/fixtures (Wan 2.1 T2V, SD 1.5, SDXL, Flux.1 dev, Flux.2 Klein, LTX-Video T
 shapes clips / images (`md_train.recipes`); <family>-lora-tiny (sd15, sdxl, wan21, flux1, klein, ltx):
 the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
 targets, init, seed), exported as a PEFT file; wan22-high-tiny, wan22-low-tiny: one expert of the tiny
-Wan 2.2 A14B pipeline (`recipe_options.expert`), on the timesteps it samples; dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with
-prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
+Wan 2.2 A14B pipeline (`recipe_options.expert`), on the timesteps it samples; wan21-i2v-tiny,
+wan22-i2v-high-tiny, wan22-ti2v-tiny: image-to-video training (each clip's first frame the condition);
+dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
 dreambooth-sdxl-lora-tiny, dreambooth-flux-lora-tiny: Dreambooth-LoRA on the tiny SDXL and Flux.1
 pipelines (`dreambooth_sd`, `dreambooth_flux`);
 sd15-records, wan21-records: the SD / Wan denoiser trained on the cached latents an apps/prepare_data run
@@ -146,6 +147,22 @@ for _expert in ("high", "low"):
     "md_train.recipes:wan21_tiny",
     dict(VARIANTS["wan21-tiny"][1], model="tests/fixtures/wan_pipeline/t2v_a14b", expert=_expert),
   )
+
+# Image-conditioned Wan, as DiffSynth trains it: each clip's first frame is the condition. I2V (Wan 2.1 with
+# its CLIP tokens; Wan 2.2 A14B, one expert) concatenates the frame mask and the first frame's latents to the
+# noisy latents; TI2V (Wan 2.2 5B) keeps the first latent frame clean at timestep 0, out of the loss.
+VARIANTS["wan21-i2v-tiny"] = (
+  "md_train.recipes:wan21_tiny",
+  dict(VARIANTS["wan21-tiny"][1], model="tests/fixtures/wan_pipeline/i2v"),
+)
+VARIANTS["wan22-i2v-high-tiny"] = (
+  "md_train.recipes:wan21_tiny",
+  dict(VARIANTS["wan21-tiny"][1], model="tests/fixtures/wan_pipeline/i2v_a14b", expert="high"),
+)
+VARIANTS["wan22-ti2v-tiny"] = (
+  "md_train.recipes:wan21_tiny",
+  dict(VARIANTS["wan21-tiny"][1], model="tests/fixtures/wan_pipeline/ti2v"),
+)
 
 # Dreambooth (train_dreambooth.py) on the tiny SD pipeline: three 32x32 instance images of a red disc,
 # prior preservation with 4 class images the pipeline generates into class_dir at the first run.

@@ -155,6 +155,44 @@ def test_wan_loss_and_grads_match_torch(wan):
   _check_grads(grads, ref, "grad/", md_wan.convert_key)
 
 
+def _bfhwc(x):
+  return jnp.asarray(x).transpose(0, 2, 3, 4, 1)
+
+
+@pytest.mark.parametrize("case", ["i2v", "ti2v"])
+def test_conditioned_wan_loss_and_grads_match_torch(case):
+  """DiffSynth's image-conditioned Wan losses (tools/fixtures/train_step_wan_cond.py): I2V's condition
+  channels and CLIP tokens; TI2V's clean first frame at timestep 0, left out of the loss."""
+  ref = load_arrays(fixture_path("train_step_wan_cond") / f"{case}.npz")
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / case)
+  frozen, params = mdt.split_trainable(model)
+  batch = {
+    "latents": _bfhwc(ref["latents"]),
+    "noise": _bfhwc(ref["noise"]),
+    "sigmas": jnp.asarray(ref["sigmas"]),
+    "encoder_hidden_states": jnp.asarray(ref["encoder_hidden_states"]),
+  }
+  if case == "i2v":
+    batch["condition"] = _bfhwc(ref["condition"])
+    batch["encoder_hidden_states_image"] = jnp.asarray(ref["encoder_hidden_states_image"])
+  loss_fn = mtf.wan_loss(frozen, clean_first_frame=case == "ti2v")
+  (loss, _), grads = mdt.loss_and_grads(loss_fn, params, batch)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  _check_grads(grads, ref, "grad/", md_wan.convert_key)
+
+
+def test_conditioned_wan_loss_errors():
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / "ti2v")
+  frozen, params = mdt.split_trainable(model)
+  one = {"latents": jnp.zeros((1, 1, 4, 4, 6)), "encoder_hidden_states": jnp.zeros((1, 9, 16))}
+  with pytest.raises(ValueError, match="clean_first_frame: latents .* have one frame"):
+    mtf.wan_loss(frozen, clean_first_frame=True)(params, one, jax.random.key(0))
+  bad = dict(one, latents=jnp.zeros((1, 3, 4, 4, 6)), condition=jnp.zeros((1, 2, 4, 4, 2)))
+  with pytest.raises(ValueError, match=r"condition has shape \(1, 2, 4, 4, 2\); it must match"):
+    mtf.wan_loss(frozen)(params, bad, jax.random.key(0))
+
+
 @pytest.fixture(scope="module")
 def ltx():
   model = md_ltx.load_transformer(fixture_path("ltx_transformer") / "transformer", subfolder=None)

@@ -195,13 +195,19 @@ def wan_loss(
   table_range: tuple[int, int] | None = None,
   weighting: str | None = None,
   num_train_timesteps: int = 1000,
+  clean_first_frame: bool = False,
   **sampler_options: Any,
 ) -> LossFn:
-  """The Wan 2.1 text-to-video flow-matching loss (and either Wan 2.2 expert's, with `table_range`).
+  """The Wan 2.1 text-to-video flow-matching loss (and either Wan 2.2 expert's, with `table_range`), and
+  the image-conditioned ones as DiffSynth-Studio trains them.
 
   Batch: `latents [B, F, H, W, C]` (channels-last, VAE-normalised), `encoder_hidden_states [B, S, D]`,
   optional `noise` like the latents, `sigmas [B]` and `loss_map [B, F, H, W, 1]` (weights of the latent
   pixels' squared errors, `diffusion_loss`'s `element_weights`). The model sees timestep 1000 σ.
+  Image to video (Wan 2.1 I2V, Wan 2.2 I2V A14B): `condition [B, F, H, W, Cy]` (the pipelines' `y`: the
+  frame mask and the image's latents) is concatenated after the noisy latents on the channels, and
+  `encoder_hidden_states_image [B, T, D_img]` (Wan 2.1 I2V's CLIP tokens) goes to the image branch; the
+  loss covers every frame.
 
   Args:
     transformer: the transformer's frozen part.
@@ -218,6 +224,9 @@ def wan_loss(
       equal timesteps). Not with `table`, whose weights are absolute. None: the table's weights, else
       the plain MSE.
     num_train_timesteps: the N of `weighting="batch_bell"`.
+    clean_first_frame: Wan 2.2 TI2V (`expand_timesteps` models, DiffSynth's
+      `fuse_vae_embedding_in_latents`): the first latent frame enters clean (its latents, not noised),
+      its tokens get timestep 0 (per-token timesteps), and the loss covers the frames after it.
   """
   if weighting not in WAN_WEIGHTINGS:
     raise ValueError(f"wan_loss: weighting={weighting!r}; expected one of {WAN_WEIGHTINGS}")
@@ -257,8 +266,33 @@ def wan_loss(
       weights = batch_bell_weights(sigmas * 1000, num_train_timesteps)
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
     model = transformer.merge(params)
-    pred = model(noisy, sigmas * 1000, batch["encoder_hidden_states"], None, layout="BFHWC")
-    return diffusion_loss(pred, target, weights, batch.get("loss_map")), {}
+    timestep = sigmas * 1000
+    loss_map = batch.get("loss_map")
+    if clean_first_frame:
+      if latents.shape[1] < 2:
+        raise ValueError(
+          f"clean_first_frame: latents {latents.shape} have one frame; nothing would be left to learn"
+        )
+      noisy = noisy.at[:, 0].set(latents[:, 0])
+      _, ph, pw = model.cfg.patch_size
+      per_frame = (latents.shape[2] // ph) * (latents.shape[3] // pw)
+      tokens = per_frame * (latents.shape[1] // model.cfg.patch_size[0])
+      timestep = jnp.where(jnp.arange(tokens) < per_frame, 0.0, timestep[:, None])
+    x = noisy
+    if "condition" in batch:
+      condition = batch["condition"]
+      if condition.shape[:4] != latents.shape[:4]:
+        raise ValueError(
+          f"condition has shape {condition.shape}; it must match the latents {latents.shape} on every "
+          "axis but the channels"
+        )
+      x = jnp.concatenate([noisy, condition.astype(noisy.dtype)], axis=-1)
+    image = batch.get("encoder_hidden_states_image")
+    pred = model(x, timestep, batch["encoder_hidden_states"], image, layout="BFHWC")
+    if clean_first_frame:
+      pred, target = pred[:, 1:], target[:, 1:]
+      loss_map = None if loss_map is None else loss_map[:, 1:]
+    return diffusion_loss(pred, target, weights, loss_map), {}
 
   return loss_fn
 

@@ -67,7 +67,10 @@ class EncodedBatches:
 
   def __next__(self) -> dict[str, jax.Array]:
     batch = next(self.shapes)
-    out = {"latents": self.encode_pixels(batch.pixels), **self.encode_captions(batch.captions)}
+    out = {
+      **_pixel_inputs(self.encode_pixels, batch.pixels),
+      **self.encode_captions(batch.captions),
+    }
     if self.sharding is not None:
       out = {
         k: jax.device_put(v, self.sharding) if v.shape[:1] == (len(batch.captions),) else v
@@ -80,6 +83,13 @@ class EncodedBatches:
 
   def restore(self, state: Mapping[str, Any]) -> None:
     self.shapes.restore(dict(state))
+
+
+def _pixel_inputs(encode_pixels: Callable, pixels: np.ndarray) -> dict[str, Any]:
+  """`encode_pixels(pixels)` as loss inputs: its dict (latents and, e.g., an image condition), or
+  `{"latents": it}`."""
+  out = encode_pixels(pixels)
+  return dict(out) if isinstance(out, Mapping) else {"latents": out}
 
 
 class CaptionCache:
@@ -548,7 +558,7 @@ def _eval_batches(opts, config, frames, encode_pixels, encode_captions, count=2)
   out = []
   for _ in range(count):
     b = next(it)
-    out.append({"latents": encode_pixels(b.pixels), **encode_captions(b.captions)})
+    out.append({**_pixel_inputs(encode_pixels, b.pixels), **encode_captions(b.captions)})
   return out
 
 
@@ -820,6 +830,7 @@ def wan21_tiny(config: Any) -> Recipe:
   mesh = _mesh(config)
   sharding = batch_sharding(mesh, int(opts["batch_size"]))
   pixels = captions = None
+  clean_first_frame = False
   if records is None:
     frames = int(opts.get("frames", 5))
     pipe = md_wan.load_pipeline(model, mesh=mesh)
@@ -831,6 +842,9 @@ def wan21_tiny(config: Any) -> Recipe:
     pixels = _split_jit(
       pipe.vae, lambda vae, x: vae.normalize_latents(vae.encode(x * 2 - 1).mode())
     )
+    clean_first_frame = bool(pipe.expand_timesteps)
+    if pipe.image_to_video and not pipe.expand_timesteps:
+      pixels = _wan_i2v_inputs(pipe, pixels)
   else:
     frames = None
     cfg = md_wan.WanConfig.from_json(model / component)
@@ -846,17 +860,49 @@ def wan21_tiny(config: Any) -> Recipe:
   )
   shift = float(opts.get("shift", 5.0))
   if expert is None:
-    loss_fn = families.wan_loss(frozen, shift=shift)
+    loss_fn = families.wan_loss(frozen, shift=shift, clean_first_frame=clean_first_frame)
   else:
     table = flow_training_table(1000, shift=shift)
     loss_fn = families.wan_loss(
-      frozen, table=table, table_range=expert_range(table, boundary, expert)
-    )
+      frozen, table=table, table_range=expert_range(table, boundary, expert),
+      clean_first_frame=clean_first_frame,
+    )  # fmt: skip
   return _denoiser_recipe(
     "wan21-tiny", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn, pixels=pixels,
     captions=captions, sharding=sharding, frames=frames, component=component, convert_key=md_wan.convert_key,
     eval_key="sigmas", eval_scale=1e-3, lora=lora, lora_key_map=key_map, records=records,
   )  # fmt: skip
+
+
+def _wan_i2v_inputs(pipe: Any, latents: Callable) -> Callable[[np.ndarray], dict[str, jax.Array]]:
+  """Clips `[B, F, H, W, 3]` → the I2V loss inputs, as md_wan's pipeline conditions on a first frame
+  (DiffSynth trains so): `latents`, `condition` = the frame mask (1 on the first latent frame, `t`
+  channels for the VAE's temporal factor `t`) and the normalised posterior mode of the first frame
+  followed by black frames, and, for Wan 2.1 I2V, the first frames' CLIP tokens
+  (`encoder_hidden_states_image`)."""
+  vae, t = pipe._vae, pipe.vae_scale_factor_temporal
+
+  def condition(state, x):
+    model = vae.merge(state)
+    first = x[:, :1] * 2 - 1
+    video = jnp.concatenate([first, jnp.zeros_like(x[:, 1:])], axis=1)
+    z = model.normalize_latents(model.encode(video).mode())  # [B, f, h, w, z]
+    b, f, h, w, _ = z.shape
+    mask = jnp.zeros((f, t), z.dtype).at[0].set(1.0)
+    mask = jnp.broadcast_to(mask[None, :, None, None, :], (b, f, h, w, t))
+    return jnp.concatenate([mask, z], axis=-1)
+
+  fn = jax.jit(condition)
+
+  def inputs(pixels):
+    x = jnp.asarray(pixels)
+    with pipe.context():
+      out = {"latents": latents(x), "condition": fn(pipe._vae.state, x)}
+    if pipe.transformer.cfg.image_dim is not None:
+      out["encoder_hidden_states_image"] = pipe.encode_image(np.asarray(pixels)[:, 0])
+    return out
+
+  return inputs
 
 
 def _image_latents(vae: nnx.Module, scale: Callable) -> Callable[[np.ndarray], jax.Array]:
