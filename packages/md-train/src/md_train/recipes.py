@@ -880,10 +880,9 @@ def _wan_i2v_inputs(pipe: Any, latents: Callable) -> Callable[[np.ndarray], dict
   channels for the VAE's temporal factor `t`) and the normalised posterior mode of the first frame
   followed by black frames, and, for Wan 2.1 I2V, the first frames' CLIP tokens
   (`encoder_hidden_states_image`)."""
-  vae, t = pipe._vae, pipe.vae_scale_factor_temporal
+  t = pipe.vae_scale_factor_temporal
 
-  def condition(state, x):
-    model = vae.merge(state)
+  def condition(model, x):
     first = x[:, :1] * 2 - 1
     video = jnp.concatenate([first, jnp.zeros_like(x[:, 1:])], axis=1)
     z = model.normalize_latents(model.encode(video).mode())  # [B, f, h, w, z]
@@ -892,12 +891,10 @@ def _wan_i2v_inputs(pipe: Any, latents: Callable) -> Callable[[np.ndarray], dict
     mask = jnp.broadcast_to(mask[None, :, None, None, :], (b, f, h, w, t))
     return jnp.concatenate([mask, z], axis=-1)
 
-  fn = jax.jit(condition)
+  fn = _split_jit(pipe.vae, condition)
 
   def inputs(pixels):
-    x = jnp.asarray(pixels)
-    with pipe.context():
-      out = {"latents": latents(x), "condition": fn(pipe._vae.state, x)}
+    out = {"latents": latents(pixels), "condition": fn(pixels)}
     if pipe.transformer.cfg.image_dim is not None:
       out["encoder_hidden_states_image"] = pipe.encode_image(np.asarray(pixels)[:, 0])
     return out
