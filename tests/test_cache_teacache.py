@@ -82,3 +82,64 @@ def test_zero_threshold_is_uncached_and_huge_computes_first_and_last(pipe):
 def test_unknown_coefficients_list_the_names():
   with pytest.raises(ValueError, match="unknown coefficients 'fluxx'.*'flux'"):
     md_cache.teacache(0.2, "fluxx")
+
+
+def _probe_of(model, static=None, **inputs):
+  """`run.probe(carry)` of the model's first hooked block stack, under jit (`static`: keyword
+  arguments passed as Python values)."""
+  from flax import nnx
+
+  import md_core
+
+  graphdef, state = nnx.split(model)
+
+  def call(state, inputs):
+    seen = {}
+
+    def hook(run, carry, *, num_layers, index):
+      if index == 0:
+        seen["probe"] = run.probe(carry)
+      return run(carry, 0, num_layers)
+
+    with md_core.block_hook(hook):
+      nnx.merge(graphdef, state)(**inputs, **(static or {}))
+    return seen["probe"]
+
+  return np.asarray(jax.jit(call)(state, inputs))
+
+
+def test_what_teacache_measures_is_the_references_modulated_input():
+  """Flux.1: block 0's modulated image input; LTX-Video: block 0's modulated input; Wan: the timestep
+  projection (TeaCache4Wan's `e0`); each against the PyTorch model's (tools/fixtures/teacache_probe.py)."""
+  import jax.numpy as jnp
+
+  import md_ltx
+  import md_wan
+
+  io = testing.load_arrays(testing.fixture_path("flux_transformer") / "io.npz")
+  flux = md_flux.load_flux(testing.fixture_path("flux_transformer") / "dev")
+  names = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids")
+  got = _probe_of(flux, **{k: jnp.asarray(io[k]) for k in (*names, "txt_ids", "guidance")})
+  ref = testing.load_arrays(testing.fixture_path("teacache_probe") / "flux.npz")["modulated"]
+  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+  io = testing.load_arrays(testing.fixture_path("wan_transformer") / "t2v.npz")
+  wan = md_wan.load_transformer(testing.fixture_path("wan_transformer") / "t2v")
+  got = _probe_of(
+    wan, hidden_states=jnp.asarray(io["hidden_states"]), timestep=jnp.asarray(io["timestep"]),
+    encoder_hidden_states=jnp.asarray(io["encoder_hidden_states"]),
+  )  # fmt: skip
+  ref = testing.load_arrays(testing.fixture_path("teacache_probe") / "wan.npz")["modulated"]
+  np.testing.assert_allclose(got[:, 0], ref, atol=1e-5, rtol=0)
+  io = testing.load_arrays(testing.fixture_path("ltx_transformer") / "t2v.npz")
+  ltx = md_ltx.load_transformer(testing.fixture_path("ltx_transformer"))
+  f, h, w = (int(n) for n in io["grid"])
+  scale = tuple(float(x) for x in io["rope_interpolation_scale"])
+  got = _probe_of(
+    ltx, static=dict(num_frames=f, height=h, width=w, rope_interpolation_scale=scale),
+    hidden_states=jnp.asarray(io["hidden_states"]),
+    encoder_hidden_states=jnp.asarray(io["encoder_hidden_states"]),
+    timestep=jnp.asarray(io["timestep"]),
+    encoder_attention_mask=jnp.asarray(io["encoder_attention_mask"]),
+  )  # fmt: skip
+  ref = testing.load_arrays(testing.fixture_path("teacache_probe") / "ltx.npz")["modulated"]
+  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)

@@ -71,15 +71,6 @@ def test_mag_ratios_json_round_trip(tmp_path):
   np.testing.assert_allclose(st.mag_ratios, [1.0, 0.9, 1.05], rtol=1e-7)
 
 
-def test_teacache_default_threshold_depends_on_the_polynomial():
-  """0.25 (published) with a fitted polynomial, TEACACHE_IDENTITY_THRESHOLD (0.1, measured) without."""
-  threshold = lambda p: float(p.init(jnp.zeros((1, 4)), 4).threshold)  # noqa: E731
-  assert threshold(md_cache.teacache()) == pytest.approx(md_cache.TEACACHE_IDENTITY_THRESHOLD)
-  assert md_cache.TEACACHE_IDENTITY_THRESHOLD == pytest.approx(0.1)
-  assert threshold(md_cache.teacache(coefficients="flux")) == pytest.approx(0.25)
-  assert threshold(md_cache.teacache(0.4)) == pytest.approx(0.4)
-
-
 def test_taylorseer_and_teacache_identity_and_errors():
   assert md_cache.taylorseer(5) == md_cache.taylorseer(2, warmup_steps=1, stop_step=3)
   assert md_cache.taylorseer(max_order=1) != md_cache.taylorseer(max_order=2)

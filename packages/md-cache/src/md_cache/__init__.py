@@ -19,12 +19,7 @@ from md_cache._magcache import (
 from md_cache._report import computed_steps
 from md_cache._sencache import SenCacheState, sencache
 from md_cache._taylorseer import TaylorSeerState, taylorseer
-from md_cache._teacache import (
-  TEACACHE_COEFFICIENTS,
-  TEACACHE_IDENTITY_THRESHOLD,
-  TeaCacheState,
-  teacache,
-)
+from md_cache._teacache import TEACACHE_COEFFICIENTS, TeaCacheState, teacache
 
 __all__ = [
   "DeepCacheState",
@@ -32,7 +27,6 @@ __all__ = [
   "FirstBlockCacheState",
   "MagCacheState",
   "TEACACHE_COEFFICIENTS",
-  "TEACACHE_IDENTITY_THRESHOLD",
   "SenCacheState",
   "TaylorSeerState",
   "TeaCacheState",

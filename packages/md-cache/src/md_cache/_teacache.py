@@ -1,5 +1,6 @@
 """TeaCache: skip the block stacks while the accumulated, polynomially rescaled relative L1 change of
-block 0's input stays under a threshold, adding the stacks' residual of the last computed step."""
+block 0's modulated input (the model's `scan_layers` probe; else the block's input) stays under a
+threshold, adding the stacks' residual of the last computed step."""
 
 from __future__ import annotations
 
@@ -55,40 +56,30 @@ class TeaCacheState(NamedTuple):
   slots: Any
 
 
-# The default threshold without a fitted polynomial (coefficients "identity"): measured on md's default
-# video model (models/shapes-wan, 20 steps; bench/cache.py), where 0.25 computed 7 of 20 steps and lost
-# 9.3 quality points, 0.1 lost 1.4.
-TEACACHE_IDENTITY_THRESHOLD = 0.1
-
-
 def teacache(
-  threshold: float | None = None, coefficients: str | Sequence[float] = "identity"
+  threshold: float = 0.25, coefficients: str | Sequence[float] = "identity"
 ) -> mdsch.StepCache:
-  """At every step, measures the relative L1 change of block 0's input since the previous step
-  (`mean|x - x_prev| / mean|x_prev|`), rescales it with a polynomial (clamped at 0) and accumulates
+  """At every step, measures the relative L1 change of block 0's modulated input (see below) since the
+  previous step (`mean|x - x_prev| / mean|x_prev|`), rescales it with a polynomial (clamped at 0) and accumulates
   it; while the sum stays under `threshold` the block stacks are skipped (each adds its residual of the
   last computed step), otherwise they run and the sum restarts at 0. The first and the last step always
   run. Guidance branches decide separately.
 
   Published defaults: `threshold=0.25` with the model's polynomial (`TEACACHE_COEFFICIENTS`: "flux",
-  "ltx-video", "wan2.1-…"; 0.4 / 0.6 / 0.8 trade more quality for speed on Flux). Without a polynomial
-  (`"identity"`, the default: the raw relative change) there is no published value; the default is then
-  `TEACACHE_IDENTITY_THRESHOLD` = 0.1, the largest of the measured ones that keeps md's default video model within
-  2 quality points. TeaCache measures the
-  *modulated* input of block 0 (its norm with the timestep's shift and scale); md's block hook sees the
-  block's input hidden states, so the change is measured there and the published polynomials are only
-  an approximation until md_core's scan_layers hands the hook block 0's modulated input.
+  "ltx-video", "wan2.1-…"; 0.4 / 0.6 / 0.8 trade more quality for speed on Flux). What is measured is
+  what TeaCache measures where the model says so (`md_core.scan_layers(probe=)`, handed to the hook as
+  `run.probe`): Flux.1's first double block's modulated image input, LTX-Video's first block's
+  modulated input, Wan's timestep projection (its "ret_steps" mode), each equal to the PyTorch model's
+  (tests/test_cache_teacache.py). LTX-2 and Flux.2 give none yet (no published polynomial either): there
+  the first block's input hidden states are measured.
 
   Args:
-    threshold: the accumulated-distance threshold (traced: changing it never recompiles); None: 0.25
-      with a named fitted polynomial, `TEACACHE_IDENTITY_THRESHOLD` with "identity".
+    threshold: the accumulated-distance threshold (traced: changing it never recompiles).
     coefficients: a name in `TEACACHE_COEFFICIENTS` or the polynomial, highest power first.
 
   Returns:
     A block-level `md_schedulers.StepCache`.
   """
-  if threshold is None:
-    threshold = TEACACHE_IDENTITY_THRESHOLD if coefficients == "identity" else 0.25
   if isinstance(coefficients, str):
     if coefficients not in TEACACHE_COEFFICIENTS:
       raise ValueError(
@@ -134,6 +125,7 @@ class _Hook:
     self._shapes: dict[int, Any] = {}
     self._slots: dict[int, Any] = {}
     self._rows = self._any = self._distance = self._prev = None
+    self._head_shape = None
 
   def _decide(self, head: jax.Array) -> None:
     st = self._st
@@ -149,15 +141,24 @@ class _Hook:
     self._distance = c.per_row(jnp.where(recompute, 0.0, total), rows)
     self._prev = x
 
+  @staticmethod
+  def _head(run, carry):
+    """What is measured: the model's probe (block 0's modulated input; Wan: its timestep
+    projection) where the model gives one, else block 0's input hidden states."""
+    probe = getattr(run, "probe", None)
+    return c.first(carry) if probe is None else probe(carry)
+
   def __call__(self, run, carry, *, num_layers: int, index: int):
     st = self._st
     if st.slots is None:  # the slot probe
       self._shapes[index] = c.avals(carry)
+      if index == 0:
+        self._head_shape = jax.eval_shape(lambda x: self._head(run, x), carry)
       return run(carry, 0, num_layers)
     if index >= len(st.slots):
       raise ValueError(f"teacache: block stack {index} was not seen when the slots were sized")
     if index == 0:
-      self._decide(c.first(carry))
+      self._decide(self._head(run, carry))
     if self._rows is None:
       raise ValueError("teacache: the first hooked stack must be block stack 0")
     slot = st.slots[index]
@@ -175,7 +176,7 @@ class _Hook:
       if not self._shapes:
         raise c.no_stacks_error("teacache")
       shapes = [self._shapes[i] for i in sorted(self._shapes)]
-      head = c.first(shapes[0])
+      head = self._head_shape
 
       def fill(s):
         return s._replace(

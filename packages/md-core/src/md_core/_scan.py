@@ -11,7 +11,9 @@ stop)` runs blocks `[start, stop)` (static ints) and returns the carry, so a hoo
 block, decide (with `lax.cond`, on device) whether the rest is recomputed, and return a cached residual
 otherwise — what first-block caches and TeaCache need. `index` counts the hookable stacks traced since
 the hook was entered (Flux's double blocks are 0, its single blocks 1). A hook may keep traced values on
-itself between the call and the end of the `with` block: both run in the same trace.
+itself between the call and the end of the `with` block: both run in the same trace. `run.probe` is
+None, or, where the model passes `scan_layers(..., probe=)`, `run.probe(carry)`: what the model says a
+cache should measure for this stack (TeaCache's "modulated input" of the first block).
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def scan_layers(
   per_layer: Any = None,
   remat: str = "none",
   hookable: bool = True,
+  probe: Callable[..., Any] | None = None,
 ) -> tuple[Any, Any]:
   """Runs `body(block, carry, layer_input, *xs) -> (carry, out)` over every block of `stack`.
 
@@ -107,6 +110,9 @@ def scan_layers(
     remat: a name from `REMAT_POLICIES`.
     hookable: whether an active `block_hook` may take over this stack (denoiser stacks: yes; text
       encoders that return per-layer outputs pass False).
+    probe: `probe(block, carry, layer_input, *xs)` on the first block, handed to a block hook as
+      `run.probe(carry)` (e.g. the first block's modulated input, which TeaCache measures); never run
+      without a hook.
 
   Returns:
     `(carry, outs)`, `outs` stacked over layers as `jax.lax.scan` returns them (None when a hook ran).
@@ -134,6 +140,14 @@ def scan_layers(
     del outs
     return c
 
+  run.probe = None
+  if probe is not None:
+
+    def first_probe(c):
+      first = jax.tree.map(lambda a: a[0], (state, per_layer))
+      return probe(nnx.merge(graphdef, first[0]), c, first[1], *xs)
+
+    run.probe = first_probe
   index = active.count
   active.count += 1
   return active.hook(run, carry, num_layers=n, index=index), None

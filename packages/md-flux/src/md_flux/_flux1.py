@@ -80,6 +80,11 @@ class FluxDoubleBlock(nnx.Module):
     self.ff = nn.FeedForward(dim, **kw)
     self.ff_context = nn.FeedForward(dim, **kw)
 
+  def modulated_input(self, img, temb):
+    """The image stream's normalised, modulated input to attention (TeaCache's measure on Flux)."""
+    shift, scale = self.norm1(temb)[:2]
+    return cm.modulate(self.norm1.norm(img), shift, scale)
+
   def __call__(self, img, txt, temb, rope, attention):
     """`img [B, S_img, D]`, `txt [B, S_txt, D]`, `temb [B, D]` → new `(img, txt)` and `(k, v)`."""
     a = self.attn
@@ -272,8 +277,9 @@ class FluxTransformer(nnx.Module):
     # A block hook may take over the stacks unless their per-block keys and values are returned.
     hookable = not return_kv
     (x, c), double_kv = md_core.scan_layers(
-      self.transformer_blocks, double, (x, c), temb, rope, remat=cfg.remat, hookable=hookable
-    )
+      self.transformer_blocks, double, (x, c), temb, rope, remat=cfg.remat, hookable=hookable,
+      probe=lambda block, carry, _, temb, rope: block.modulated_input(carry[0], temb),
+    )  # fmt: skip
 
     def single(block, h, _, temb, rope):
       h, kv = block(h, temb, rope, attention)

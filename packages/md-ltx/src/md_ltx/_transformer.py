@@ -204,6 +204,11 @@ class LTXBlock(nnx.Module):
     table = jax.random.normal(rngs.params(), (6, dim), _F32) / math.sqrt(dim)
     self.scale_shift_table = nnx.Param(table, logical_axes=(None, "embed"))
 
+  def modulated_input(self, x, temb):
+    """The normalised, modulated input to self-attention (TeaCache's measure on LTX-Video)."""
+    ada = self.scale_shift_table[...].astype(_F32)[None, None] + temb
+    return self.norm1(x) * (1 + ada[:, :, 1].astype(x.dtype)) + ada[:, :, 0].astype(x.dtype)
+
   def __call__(self, x, context, mask, temb, rope, skip=None, skip_strategy=None):
     """`x [B, S, D]`; `temb [B, 1|S, 6, D]` float32 (the shared timestep projection)."""
     dtype = x.dtype
@@ -373,7 +378,10 @@ class LTXTransformer(nnx.Module):
       h = block(h, context, mask, temb, rope, skip, skip_layer_strategy)
       return mds.with_logical_constraint(h, _TOKENS), None
 
-    h, _ = md_core.scan_layers(self.blocks, body, h, per_layer=skip_layer_mask, remat=cfg.remat)
+    h, _ = md_core.scan_layers(
+      self.blocks, body, h, per_layer=skip_layer_mask, remat=cfg.remat,
+      probe=lambda block, h, _: block.modulated_input(h, temb),
+    )  # fmt: skip
 
     table = self.scale_shift_table[...].astype(_F32)  # [2, D]
     shift = (table[0][None, None] + emb.astype(_F32)).astype(dtype)  # [B, 1|S, D]

@@ -350,7 +350,10 @@ class WanTransformer(nnx.Module):
       h = block(h, context, image_tokens, modulation, rope)
       return mds.with_logical_constraint(h, _TOKENS), None
 
-    h, _ = md_core.scan_layers(self.blocks, body, h, remat=cfg.remat)
+    # TeaCache measures Wan's timestep projection (its "ret_steps" mode), not the hidden states.
+    h, _ = md_core.scan_layers(
+      self.blocks, body, h, remat=cfg.remat, probe=lambda *_: modulation.astype(_F32)
+    )
 
     table = self.scale_shift_table[...].astype(_F32)  # [1, 2, D]
     shift = table[:, 0][None] + temb.astype(_F32)  # [B, 1|S, D]
