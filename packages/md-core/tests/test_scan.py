@@ -85,6 +85,29 @@ def test_block_hook_runs_any_split_and_counts_stacks():
   chex.assert_trees_all_close(h, _by_hand(stack, x), atol=1e-6, rtol=0)
 
 
+def test_probe_is_the_first_block_on_the_carry_and_none_without_one():
+  """`run.probe(carry)` = `probe(block 0, carry, layer input 0, *xs)`; never run without a hook."""
+  stack, x = _stack(3), jnp.linspace(-1, 1, 8).reshape(2, 4)
+  seen = {}
+
+  def hook(run, carry, *, num_layers, index):
+    seen[index] = None if run.probe is None else run.probe(carry)
+    return run(carry, 0, num_layers)
+
+  probe = lambda block, h, layer_input, scale: block(h) * scale + layer_input  # noqa: E731
+  flags = jnp.asarray([5.0, 6.0, 7.0])
+  body = lambda block, h, f, scale: (jnp.tanh(block(h)) * scale, None)  # noqa: E731
+  with md_core.block_hook(hook):
+    md_core.scan_layers(stack, body, x, 2.0, per_layer=flags, probe=probe)
+    md_core.scan_layers(stack, body, x, 2.0, per_layer=flags)
+  k, b = stack.kernel[...], stack.bias[...]
+  chex.assert_trees_all_close(seen[0], (x @ k[0] + b[0].reshape(1, 4)) * 2.0 + 5.0, atol=1e-6)
+  assert seen[1] is None
+  calls = []
+  md_core.scan_layers(stack, body, x, 2.0, per_layer=flags, probe=lambda *a: calls.append(a))
+  assert calls == []
+
+
 def test_block_hook_bad_range_and_bad_policy():
   stack, x = _stack(2), jnp.ones((1, 4))
   with md_core.block_hook(lambda run, c, **kw: run(c, 1, 5)):
