@@ -3,13 +3,18 @@
 uv run --no-sync python bench/quant.py              # the bytes table (abstract models: no memory, ~1 min)
 uv run --no-sync python bench/quant.py --only=unet  # the rows whose name contains "unet"
 uv run --no-sync python bench/quant.py --psnr       # PSNR of every mode on every family's tiny fixture
+uv run --no-sync python bench/quant.py --defaults   # md's default models: PSNR and analyser quality, ~4 min
 
 Bytes: each denoiser is built abstractly from its real config (`nnx.eval_shape`) and quantized abstractly
 (`md_core.quantize` on shapes), so the table is the exact on-device footprint of the weights: bf16 counts
 every floating parameter at 2 bytes (a bfloat16 load), int8 / fp8 count the quantized Dense and Conv kernels
 at 1 byte plus their float32 scales, with every other parameter (norms, biases, embeddings) at 2 bytes.
 PSNR: against the PyTorch reference's float32 output of each fixture (tests/test_quantization.py's cases),
-peak = the reference's largest magnitude. Not part of the test suite.
+peak = the reference's largest magnitude. Defaults: md's shipped image and video models (models/shapes-sd,
+models/shapes-wan) loaded in float32, in bfloat16 and quantized in each mode, sampled on their evaluation
+prompts × seeds 0, 1 (20 steps, guidance 3); PSNR of the decoded pixels against the float32 run (peak 1)
+and md_data's analyser quality (the mean of the right-colour and right-shape rates, video also
+right-direction, in points). Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -102,14 +107,74 @@ def psnr_table() -> None:
     print(f"{family:12s} " + " ".join(f"{g:13.1f}" for g in got), flush=True)
 
 
+def defaults_table() -> None:
+  import numpy as np
+
+  import md_data
+  from md_train import shapes_models, shapes_sd
+
+  def quality(scores) -> float:
+    s = scores["all"]
+    rates = [s.colour, s.shape] + ([] if s.direction is None else [s.direction])
+    return 100.0 * float(np.mean(rates))
+
+  models = {
+    "shapes-sd (image)": (md_sd.load_pipeline, ROOT / "models" / "shapes-sd", shapes_sd.image_scores),
+    "shapes-wan (video)": (
+      md_wan.load_pipeline, ROOT / "models" / "shapes-wan", shapes_models.video_scores,
+    ),
+  }  # fmt: skip
+  print(
+    "| model | weights | PSNR vs float32 (dB) | quality (points) | colour | shape | direction |"
+  )
+  print("|---|---|---|---|---|---|---|")
+  for name, (load, folder, score) in models.items():
+    ref = None
+    for label, kw in (
+      ("float32", {}), ("bfloat16", dict(dtype=jnp.bfloat16)),
+      *((m, dict(quantization=m)) for m in md_core.quant.MODES),
+    ):  # fmt: skip
+      pipe = load(folder, **kw)
+      images = {}
+      original = md_data.score
+
+      def keep(samples, captions, _images=images, _score=original):
+        _images["x"] = np.asarray(samples, np.float32)  # the last call scores "all"
+        return _score(samples, captions)
+
+      md_data.score = keep
+      try:
+        scores = score(pipe)
+      finally:
+        md_data.score = original
+      x = images["x"]
+      if ref is None:
+        ref = x
+      mse = float(np.mean((x.astype(np.float64) - ref) ** 2))
+      db = "–" if label == "float32" else ("inf" if mse == 0 else f"{10 * np.log10(1 / mse):.1f}")
+      s = scores["all"]
+      direction = "–" if s.direction is None else f"{100 * s.direction:.0f}%"
+      print(
+        f"| {name} | {label} | {db} | {quality(scores):.1f} | {100 * s.colour:.0f}% | "
+        f"{100 * s.shape:.0f}% | {direction} |",
+        flush=True,
+      )
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     "--psnr", action="store_true", help="PSNR on the tiny fixtures instead of bytes"
   )
   parser.add_argument("--only", default="", help="only the models whose name contains this")
+  parser.add_argument(
+    "--defaults", action="store_true", help="md's default models: PSNR and analyser quality"
+  )
   args = parser.parse_args()
-  psnr_table() if args.psnr else bytes_table(args.only)
+  if args.defaults:
+    defaults_table()
+  else:
+    psnr_table() if args.psnr else bytes_table(args.only)
 
 
 if __name__ == "__main__":
