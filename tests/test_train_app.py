@@ -183,3 +183,20 @@ def test_empty_data_source_from_another_recipe_module(tmp_path, cache):
   done = _run([*ARGS, f"--workdir={tmp_path / 'run'}", "--config.recipe=empty_recipe:build"], env)
   assert done.returncode == 2, done.stderr[-2000:]
   assert "the data source ran out before step 1" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_shapes_variants_start_from_the_shipped_default_models():
+  """`sd15-shapes` / `wan21-shapes` run the default models' own stage recipes from models/ (the recipes
+  themselves are trained a step in tests/test_default_image_model.py and tests/test_default_models.py)."""
+  import importlib.util
+
+  from md_train import recipes
+
+  spec = importlib.util.spec_from_file_location("_train_cfg", ROOT / "apps/configs/train.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for name, folder in (("sd15-shapes", "models/shapes-sd"), ("wan21-shapes", "models/shapes-wan")):
+    recipe, options = module.VARIANTS[name]
+    assert callable(recipes.import_recipe(recipe))
+    assert options["base"] == folder and (ROOT / folder / "model_index.json").is_file()
+    assert options["warmup_steps"] < module.get_config(name).steps

@@ -25,6 +25,9 @@ wan22-i2v-high-tiny, wan22-ti2v-tiny: image-to-video training (each clip's first
 dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
 dreambooth-sdxl-lora-tiny, dreambooth-flux-lora-tiny: Dreambooth-LoRA on the tiny SDXL and Flux.1
 pipelines (`dreambooth_sd`, `dreambooth_flux`);
+sd15-shapes, wan21-shapes: md's default image / video model (models/shapes-sd, models/shapes-wan)
+trained further on fresh shapes data by its own stage's recipe (apps/configs/default_models.py trains them
+from random init);
 sd15-records, wan21-records: the SD / Wan denoiser trained on the cached latents an apps/prepare_data run
 wrote (MaxDiffusion's way: prepare once, train on the records): `recipe_options.records` is that run's
 --workdir; train/ is read shuffled from `seed` (its position checkpointed), the eval loss (every
@@ -214,6 +217,33 @@ VARIANTS["dreambooth-flux-lora-tiny"] = (
     max_sequence_length=64,
     lora=dict(_LORA, targets=_FLUX_TARGETS),
   ),
+)
+
+
+# Shapes variants: md's default models (apps/configs/default_models.py, trained from random init on the
+# shapes dataset) trained further by their own stages' recipes: the image model's UNet
+# (md_train.shapes_sd.sd_recipe) and the video model's transformer (md_train.shapes_models.wan_recipe), from
+# the shipped folders, on 256 fresh images / clips (raise num_images / num_clips for more).
+def _default_models():
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().with_name("default_models.py")
+  spec = importlib.util.spec_from_file_location("_md_default_models_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.VARIANTS
+
+
+_DM = _default_models()
+_MORE = dict(warmup_steps=2)  # the app's default run is 6 steps
+VARIANTS["sd15-shapes"] = (
+  _DM["sd"][0],
+  dict(_DM["sd"][2], base="models/shapes-sd", num_images=256, **_MORE),
+)
+VARIANTS["wan21-shapes"] = (
+  _DM["wan"][0],
+  dict(_DM["wan"][2], base="models/shapes-wan", num_clips=256, **_MORE),
 )
 
 # Training on an apps/prepare_data workdir (`records`, required): the denoiser of the model the records
