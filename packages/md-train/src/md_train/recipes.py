@@ -1035,6 +1035,18 @@ def flux1_tiny(config: Any) -> Recipe:
   )  # fmt: skip
 
 
+def _flux_pipeline(model: pathlib.Path, mesh: Any, cls: type, what: str) -> Any:
+  """The md_flux pipeline of `model`, which must be a `cls` folder (else an error saying `what`)."""
+  import md_flux
+
+  pipe = md_flux.load_pipeline(model, mesh=mesh)
+  if not isinstance(pipe, cls):
+    raise ValueError(
+      f"recipe_options.model={str(model)!r} is a {type(pipe).__name__} folder; {what}"
+    )
+  return pipe
+
+
 def klein_tiny(config: Any) -> Recipe:
   """The tiny Flux.2 Klein transformer (tests/fixtures/flux2_pipeline/klein) on shapes images: diffusers'
   train_dreambooth_lora_flux2_klein.py loss (`families.klein_loss`: logit-normal sigmas, no guidance;
@@ -1052,12 +1064,10 @@ def klein_tiny(config: Any) -> Recipe:
   model = _fixture(config, _KLEIN)
   mesh = _mesh(config)
   sharding = batch_sharding(mesh, int(opts["batch_size"]))
-  pipe = md_flux.load_pipeline(model, mesh=mesh)
-  if not isinstance(pipe, md_flux.Flux2KleinPipeline):
-    raise ValueError(
-      f"recipe_options.model={str(model)!r} is a {type(pipe).__name__} folder; klein_tiny trains a "
-      "Flux.2 Klein transformer (flux1_tiny trains Flux.1)"
-    )
+  pipe = _flux_pipeline(
+    model, mesh, md_flux.Flux2KleinPipeline,
+    "klein_tiny trains a Flux.2 Klein transformer (flux1_tiny trains Flux.1)",
+  )  # fmt: skip
   length = int(opts.get("max_sequence_length", 64))
   layers = opts.get("text_encoder_out_layers") or md_text.FLUX2_KLEIN_LAYERS
   layers = tuple(int(i) for i in (layers.split(",") if isinstance(layers, str) else layers))
@@ -1276,12 +1286,9 @@ def dreambooth_flux(config: Any) -> Recipe:
   mesh = _mesh(config)
   batch = int(opts["batch_size"])
   sharding = batch_sharding(mesh, 2 * batch if prior else batch)
-  pipe = md_flux.load_pipeline(model, mesh=mesh)
-  if not isinstance(pipe, md_flux.FluxPipeline):
-    raise ValueError(
-      f"recipe_options.model={str(model)!r} is a {type(pipe).__name__} folder; dreambooth_flux "
-      "trains a Flux.1 transformer"
-    )
+  pipe = _flux_pipeline(
+    model, mesh, md_flux.FluxPipeline, "dreambooth_flux trains a Flux.1 transformer"
+  )
   length = int(opts.get("max_sequence_length", 64))
 
   def generate(prompts, seed):
