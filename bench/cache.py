@@ -3,11 +3,13 @@
 uv run python bench/cache.py                     # SD (medium UNet) and Wan T2V (tiny fixture), 20 steps
 uv run python bench/cache.py --steps=30 --families=sd
 uv run python bench/cache.py --families=sd-default,wan-default   # md's default models, with quality
+uv run python bench/cache.py --families=flux,ltx    # the tiny Flux.1 dev and LTX-Video fixture pipelines
 
 Models: `sd` is bench/sd.py's "small" pipeline (random SD 1.x-layout UNet, 64-128-256 channels, built
 once with the reference's interpreter `tools/.venv/bin/python` into --workdir) at 128 px; `wan` is the
 tiny Wan 2.1 T2V fixture pipeline (tests/fixtures/wan_pipeline/t2v) at 64x64, 9 frames, whose
-transformer is small enough that per-step overheads weigh more than on a real model. Random weights:
+transformer is small enough that per-step overheads weigh more than on a real model; `flux` and `ltx` the
+tiny Flux.1 dev (64 px) and LTX-Video T2V (64x64x9) fixture pipelines, the same way. Random weights:
 PSNR / SSIM say how far a cached run moves from the uncached one on the same seed, not image quality.
 `sd-default` / `wan-default` are md's trained default models (models/shapes-sd at 64 px, models/shapes-wan at
 64x64, 9 frames), whose outputs md_data's analyser can score: their rows add the quality score (the mean
@@ -61,11 +63,13 @@ def policies(steps: int, family: str) -> dict:
     "sencache": md_cache.sencache(0.1),
     "faster_cache": md_cache.faster_cache(),
   }
+  if family == "flux":  # Flux.1 dev embeds its guidance: no negative branch for the CFG cache
+    del out["faster_cache"]
   if family.startswith("sd"):
     out["deepcache"] = md_cache.deepcache()
   else:  # block-level policies need transformer block stacks
     out["first_block_cache"] = md_cache.first_block_cache(0.1)
-    out["teacache"] = md_cache.teacache(0.2)
+    out["teacache"] = md_cache.teacache(0.2, "flux" if family == "flux" else "identity")
   return out
 
 
@@ -113,7 +117,33 @@ def _wan_default(workdir: pathlib.Path, steps: int):
   return pipe, dict(num_inference_steps=steps, seed=0, progress=False, **kw)
 
 
-FAMILIES = {"sd": _sd, "wan": _wan, "sd-default": _sd_default, "wan-default": _wan_default}
+def _flux(workdir: pathlib.Path, steps: int):
+  import md_flux
+
+  del workdir
+  pipe = md_flux.load_pipeline(testing.fixture_path("flux_pipeline") / "dev")
+  kw = dict(prompt=["a photo of a cat"], height=64, width=64, guidance_scale=3.5)
+  kw |= dict(max_sequence_length=16)
+  return pipe, dict(num_inference_steps=steps, seed=0, progress=False, **kw)
+
+
+def _ltx(workdir: pathlib.Path, steps: int):
+  import md_ltx
+
+  del workdir
+  pipe = md_ltx.load_pipeline(testing.fixture_path("ltx_pipeline") / "t2v")
+  kw = dict(prompt="a cat surfing", height=64, width=64, num_frames=9, guidance_scale=3.0)
+  return pipe, dict(num_inference_steps=steps, seed=0, progress=False, **kw)
+
+
+FAMILIES = {
+  "sd": _sd,
+  "wan": _wan,
+  "flux": _flux,
+  "ltx": _ltx,
+  "sd-default": _sd_default,
+  "wan-default": _wan_default,
+}
 
 
 def quality(family: str, pipe, kw, cache) -> float | None:
