@@ -357,9 +357,11 @@ def ltx_sigma_shift(
 ) -> float:
   """The mean of LTX-Video-Trainer's shifted logit-normal sampler for a sequence of `tokens` latent
   tokens: the straight line through `(min_tokens, min_shift)` and `(max_tokens, max_shift)` (not
-  clipped: shorter sequences get a smaller, possibly negative, mean)."""
-  slope = (max_shift - min_shift) / (max_tokens - min_tokens)
-  return float(min_shift + slope * (tokens - min_tokens))
+  clipped: shorter sequences get a smaller, possibly negative, mean) — `md_schedulers.calculate_shift`
+  with LTX's endpoints."""
+  import md_schedulers as mdsch
+
+  return float(mdsch.calculate_shift(tokens, min_tokens, max_tokens, min_shift, max_shift))
 
 
 def ltx_loss(
