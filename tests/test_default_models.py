@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import md_core
 import md_data
@@ -132,6 +133,27 @@ def test_wan_default_variant_is_the_shipped_model():
   assert pathlib.Path(config.model) == MODEL
   assert (config.height, config.width, config.num_frames) == (64, 64, 9)
   assert config.max_sequence_length == 16 and config.negative_prompt == ""
+
+
+def test_wan_recipe_with_ema_exports_the_average(tmp_path):
+  # ema_decay d: after steps with parameters p1, p2 (from p0) the export holds d²·p0 + d(1-d)·p1 + (1-d)·p2.
+  config = testing.app_config("default_models.py:wan")
+  config.steps = 30
+  config.recipe_options.update(base=str(MODEL), num_clips=4, batch_size=2, ema_decay=0.5)
+  recipe = sm.wan_recipe(config)
+  host = lambda params: jax.tree.map(np.array, params)  # noqa: E731  (the step donates the state)
+  seen, state = [host(recipe.state.params)], recipe.state
+  for _ in range(2):
+    state, _ = recipe.step(state, next(recipe.batches))
+    seen.append(host(state.params))
+  recipe.export(state, tmp_path / "out")
+  got = md_wan.load_pipeline(tmp_path / "out").transformer
+  want = jax.tree.map(lambda a, b, c: 0.25 * a + 0.25 * b + 0.5 * c, *seen)
+  name = "proj_out"  # a trained leaf that every step moves
+  got_leaf = np.asarray(nnx.state(got)[name]["kernel"].value)
+  want_leaf = np.asarray(want[name]["kernel"].value)
+  np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-7)
+  assert np.abs(got_leaf - np.asarray(seen[-1][name]["kernel"].value)).max() > 1e-6
 
 
 def test_quality_prompts_hold_out_the_unseen_pairs():

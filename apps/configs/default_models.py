@@ -76,6 +76,7 @@ VARIANTS = {
       drop_caption=0.1,
       max_sequence_length=16,
       foreground_weight=4.0,
+      ema_decay=None,  # e.g. 0.999: export an EMA of the weights (off for the shipped model)
     ),
   ),
   # md's default image model (models/shapes-sd): a tiny SD 1.5 pipeline, recipes in md_train.shapes_sd.

@@ -35,7 +35,7 @@ import md_vae
 import md_wan
 from md_train import families
 from md_train._loop import Recipe
-from md_train._optim import make_optimizer
+from md_train._optim import ema_of, make_optimizer
 from md_train._step import Frozen, LossFn, init_state, make_train_step, split_trainable
 
 # --- data --------------------------------------------------------------------------------------------------
@@ -192,7 +192,8 @@ def _copy_folder(src: str | os.PathLike, dst: pathlib.Path) -> None:
 
 def _optimizer(config: ml_collections.ConfigDict):
   """AdamW with warm-up and a cosine decay over `schedule_steps` (when the options set it; else over the
-  run's `steps`), so a run stopped early by `steps` is the start of the longer schedule, step for step."""
+  run's `steps`), so a run stopped early by `steps` is the start of the longer schedule, step for step;
+  with the option `ema_decay`, it also keeps an EMA of the parameters (what the exports then write)."""
   return make_optimizer(
     learning_rate=config.learning_rate,
     schedule="cosine",
@@ -201,7 +202,13 @@ def _optimizer(config: ml_collections.ConfigDict):
     end_learning_rate=config.learning_rate * 0.05,
     weight_decay=0.0,
     max_grad_norm=1.0,
+    ema_decay=config.get("ema_decay"),
   )
+
+
+def _trained(config: ml_collections.ConfigDict, state: Any) -> Any:
+  """The parameters a recipe exports: the EMA's when the options set `ema_decay`, else the state's."""
+  return ema_of(state.opt_state) if config.get("ema_decay") is not None else state.params
 
 
 def _options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -481,7 +488,7 @@ def cached_latents_recipe(
   def export(state, out: str | os.PathLike) -> pathlib.Path:
     out = pathlib.Path(out)
     _copy_folder(config.base, out)
-    save_component(out / component, frozen.merge(state.params), convert_key)
+    save_component(out / component, frozen.merge(_trained(config, state)), convert_key)
     return out
 
   return Recipe(
