@@ -97,6 +97,11 @@ class Flux2DoubleBlock(nnx.Module):
     self.ff = _SwiGLU(dim, cfg.mlp_hidden_dim, rngs=rngs)
     self.ff_context = _SwiGLU(dim, cfg.mlp_hidden_dim, rngs=rngs)
 
+  def modulated_input(self, img, mod_img):
+    """The image stream's normalised, modulated input to attention (TeaCache's measure on Flux.2)."""
+    shift, scale = jnp.split(mod_img, 6, axis=-1)[:2]
+    return cm.modulate(self.norm1(img), shift, scale)
+
   def __call__(self, img, txt, mod_img, mod_txt, rope, attention, ref=0, cached=None):
     """`img [B, S_img, D]`, `txt [B, S_txt, D]`, `mod_* [B, 6D]` (or per token `[B, S, 6D]`)."""
     a, hd = self.attn, self.attn.head_dim
@@ -342,6 +347,7 @@ class Flux2Transformer(nnx.Module):
     (x, c), kv_d = md_core.scan_layers(
       self.transformer_blocks, double, (x, c), mod_img, mod_txt, rope,
       per_layer=cache_d, remat=cfg.remat, hookable=hookable,
+      probe=lambda block, carry, _, mod, *shared: block.modulated_input(carry[0], mod),
     )  # fmt: skip
     h = jnp.concatenate([c, x], axis=1)
     h, kv_s = md_core.scan_layers(
