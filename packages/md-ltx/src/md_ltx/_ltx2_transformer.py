@@ -353,6 +353,12 @@ class LTX2Block(nnx.Module):
     ada = table[...].astype(_F32)[None, None] + temb
     return [ada[:, :, i].astype(dtype) for i in range(ada.shape[2])]
 
+  def modulated_input(self, v, temb):
+    """The video stream's normalised, modulated input to self-attention (TeaCache's measure on
+    LTX-2); `temb [B, T, n, D]` float32, the video timestep projection."""
+    shift_msa, scale_msa = self._mod(self.scale_shift_table[:2], temb[:, :, :2], v.dtype)
+    return self.norm1(v) * (1 + scale_msa) + shift_msa
+
   def __call__(self, v, a, inputs: _Inputs, *, cross_modal: bool):
     """`v [B, S_v, D]`, `a [B, S_a, D_a]` → both updated."""
     cfg, ins = self.cfg, inputs
@@ -743,8 +749,9 @@ class LTX2Transformer(nnx.Module):
       return (v, a), None
 
     (h, ha), _ = md_core.scan_layers(
-      self.blocks, body, (h, ha), per_layer=stg_flags, remat=cfg.remat
-    )
+      self.blocks, body, (h, ha), per_layer=stg_flags, remat=cfg.remat,
+      probe=lambda block, carry, _: block.modulated_input(carry[0], temb),
+    )  # fmt: skip
 
     def head(hidden, table, embedded, norm, proj):
       table = table[...].astype(_F32)  # [2, D]
