@@ -143,3 +143,56 @@ def test_what_teacache_measures_is_the_references_modulated_input():
   )  # fmt: skip
   ref = testing.load_arrays(testing.fixture_path("teacache_probe") / "ltx.npz")["modulated"]
   np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+
+
+def test_flux2_measures_the_references_modulated_input():
+  """Flux.2 Klein: block 0's modulated image input, plain and on a cached step of the KV edit (the
+  reference's own cache passed in), against the PyTorch model's (tools/fixtures/teacache_probe.py).
+  """
+  import jax.numpy as jnp
+
+  io = testing.load_arrays(testing.fixture_path("flux2_transformer") / "io.npz")
+  ref = testing.load_arrays(testing.fixture_path("teacache_probe") / "flux2.npz")
+  klein = md_flux.load_flux2(testing.fixture_path("flux2_transformer") / "klein")
+  base = {k: jnp.asarray(io[k]) for k in ("encoder_hidden_states", "txt_ids", "img_ids")}
+  got = _probe_of(
+    klein, hidden_states=jnp.asarray(io["hidden_states"]), timestep=jnp.asarray(io["timestep"]),
+    **base,
+  )  # fmt: skip
+  np.testing.assert_allclose(got, ref["modulated"], atol=1e-5, rtol=0)
+  cache = md_flux.BlockKV(*(jnp.asarray(io[f"cache_{n}"]) for n in md_flux.BlockKV._fields))
+  got = _probe_of(
+    klein, hidden_states=jnp.asarray(io["hidden_states_2"]),
+    timestep=jnp.asarray(io["timestep_2"]), kv_cache=cache, **base,
+  )  # fmt: skip
+  np.testing.assert_allclose(got, ref["modulated_cached"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["t2v", "i2v"])
+def test_ltx2_measures_the_references_modulated_video_input(case):
+  """LTX-2: block 0's modulated video input (i2v: per-token video timesteps, positions passed in),
+  against the PyTorch model's (tools/fixtures/teacache_probe.py)."""
+  import jax.numpy as jnp
+
+  import md_ltx
+
+  root = testing.fixture_path("ltx2_transformer")
+  io = testing.load_arrays(root / f"{case}.npz")
+  model = md_ltx.load_ltx2_transformer(root)
+  names = (
+    "hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio_encoder_hidden_states",
+    "timestep", "audio_timestep", "sigma", "encoder_attention_mask", "audio_encoder_attention_mask",
+  )  # fmt: skip
+  inputs = {k: jnp.asarray(io[k]) for k in names if k in io}
+  coords_given, isolate, cross = (bool(f) for f in io["flags"])  # sorted, as the fixture saves them
+  static = dict(isolate_modalities=isolate, use_cross_timestep=cross)
+  if coords_given:
+    inputs.update(
+      video_coords=jnp.asarray(io["video_coords"]), audio_coords=jnp.asarray(io["audio_coords"])
+    )
+  else:
+    f, h, w, fa = (int(n) for n in io["grid"])
+    static.update(num_frames=f, height=h, width=w, fps=float(io["fps"]), audio_num_frames=fa)
+  got = _probe_of(model, static=static, **inputs)
+  ref = testing.load_arrays(testing.fixture_path("teacache_probe") / "ltx2.npz")[case]
+  np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
