@@ -68,10 +68,11 @@ def teacache(
   Published defaults: `threshold=0.25` with the model's polynomial (`TEACACHE_COEFFICIENTS`: "flux",
   "ltx-video", "wan2.1-…"; 0.4 / 0.6 / 0.8 trade more quality for speed on Flux). What is measured is
   what TeaCache measures where the model says so (`md_core.scan_layers(probe=)`, handed to the hook as
-  `run.probe`): Flux.1's first double block's modulated image input, LTX-Video's first block's
-  modulated input, Wan's timestep projection (its "ret_steps" mode), each equal to the PyTorch model's
-  (tests/test_cache_teacache.py). LTX-2 and Flux.2 give none yet (no published polynomial either): there
-  the first block's input hidden states are measured.
+  `run.probe`): Flux.1's and Flux.2's first double block's modulated image input, LTX-Video's first
+  block's modulated input, LTX-2's first block's modulated video input, Wan's timestep projection (its
+  "ret_steps" mode), each equal to the PyTorch model's (tests/test_cache_teacache.py); a model without
+  a probe has its first block's input hidden states measured. Flux.2 and LTX-2 have no published
+  polynomial: "identity" or the caller's own.
 
   Args:
     threshold: the accumulated-distance threshold (traced: changing it never recompiles).
