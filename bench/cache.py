@@ -4,6 +4,7 @@ uv run python bench/cache.py                     # SD (medium UNet) and Wan T2V 
 uv run python bench/cache.py --steps=30 --families=sd
 uv run python bench/cache.py --families=sd-default,wan-default   # md's default models, with quality
 uv run python bench/cache.py --families=flux,ltx    # the tiny Flux.1 dev and LTX-Video fixture pipelines
+uv run python bench/cache.py --families=sd-default --policies=taylorseer,deepcache   # only these rows
 
 Models: `sd` is bench/sd.py's "small" pipeline (random SD 1.x-layout UNet, 64-128-256 channels, built
 once with the reference's interpreter `tools/.venv/bin/python` into --workdir) at 128 px; `wan` is the
@@ -216,6 +217,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--families", default="sd,wan")
+  parser.add_argument("--policies", default="", help="comma-separated policy names (default: all)")
   parser.add_argument("--workdir", default="/tmp/md_bench_cache")
   args = parser.parse_args()
   workdir = pathlib.Path(args.workdir)
@@ -233,7 +235,13 @@ def main() -> None:
     base_q = quality(family, pipe, kw, None)
     q = "–" if base_q is None else f"{base_q:.1f}"
     print(f"| {family} | none | {calls} | {args.steps} | 1.00x | – | – | {q} |", flush=True)
-    for name, cache in policies(args.steps, family).items():
+    chosen = policies(args.steps, family)
+    if args.policies:
+      unknown = sorted(set(args.policies.split(",")) - set(chosen))
+      if unknown:
+        raise SystemExit(f"--policies: {unknown} not among {family}'s {sorted(chosen)}")
+      chosen = {k: v for k, v in chosen.items() if k in args.policies.split(",")}
+    for name, cache in chosen.items():
       out, t, base, state, calls = _timed(pipe, kw, cache, args.repeats)
       done = int(md_cache.computed_steps(state).sum())
       what = " (uncond.)" if name == "faster_cache" else ""

@@ -29,7 +29,7 @@ def _sample(cache):
   "cache", [md_cache.first_block_cache(), md_cache.magcache([1.0, 1.0])], ids=["fbc", "mag"]
 )
 def test_block_policy_without_hookable_stacks_names_what_applies(cache):
-  with pytest.raises(ValueError, match="no hookable block stack.*DeepCache"):
+  with pytest.raises(ValueError, match="no hookable block stack.*md_cache.deepcache applies"):
     _sample(cache)
 
 
@@ -81,6 +81,26 @@ def test_taylorseer_and_teacache_identity_and_errors():
     md_cache.taylorseer(factors_dtype="int8")
   st = md_cache.taylorseer(3, max_order=2).init({"v": jnp.zeros((1, 4)), "a": jnp.zeros((1, 2))}, 6)
   assert st.factors["v"].shape == (3, 1, 4) and st.factors["a"].shape == (3, 1, 2)
+
+
+def test_taylorseer_default_interval_follows_the_schedule():
+  from md_cache import _taylorseer
+
+  lat = jnp.zeros((1, 4))
+  # The published 5 from 35 steps on; about one step in 7 below (20 steps: 3), never under 2.
+  got = {n: int(md_cache.taylorseer().init(lat, n).interval) for n in (4, 14, 20, 28, 35, 50, 100)}
+  assert got == {4: 2, 14: 2, 20: 3, 28: 4, 35: 5, 50: 5, 100: 5}
+  assert all(_taylorseer.default_interval(n) == v for n, v in got.items())
+  # A given interval is kept whatever the step count, and the default is one compiled policy.
+  assert int(md_cache.taylorseer(5).init(lat, 20).interval) == 5
+  assert md_cache.taylorseer() == md_cache.taylorseer(5)
+  # 20 steps at the default: warm-up 0-2, then steps warm-up + 1 + k·3 (diffusers' schedule).
+  st = md_cache.taylorseer().init(lat, 20)
+  runs = [
+    not bool(md_cache.taylorseer().decide(st._replace(orders=jnp.int32(1)), i, 0.0, lat)[0])
+    for i in range(20)
+  ]
+  assert [i for i, r in enumerate(runs) if r] == [0, 1, 2, *range(4, 20, 3)]
 
 
 def test_teacache_polynomial_is_horner_clamped():

@@ -50,7 +50,7 @@ def no_stacks_error(policy: str) -> ValueError:
   return ValueError(
     f"{policy} is a block-level cache: it needs a denoiser whose transformer blocks run through "
     "md_core.scan_layers (Flux.1, Flux.2, Wan, LTX-Video, LTX-2), and this one has no hookable block "
-    "stack (e.g. md-sd's UNet). For a UNet, DeepCache would apply (not built yet in md-cache); "
+    "stack (e.g. md-sd's UNet). For a UNet, md_cache.deepcache applies; "
     "these work with any denoiser: md_cache.taylorseer, md_cache.sencache (step-level) and "
     "md_cache.faster_cache (the CFG cache, with classifier-free guidance)."
   )

@@ -39,8 +39,21 @@ class TaylorSeerState(NamedTuple):
   factors: Any
 
 
+def default_interval(num_steps: int) -> int:
+  """TaylorSeer's `interval` when none is given: the published 5 on schedules of 35 steps or more, and
+  about one full step in 7 on shorter ones, at least every other step (20 steps: 3; 14: 2).
+
+  At 20 steps the published 5 computes 7 of 20 steps and lowers md's default models' quality scores
+  by 13.1 (image) and 5.6 (video) points; 3 keeps both within 2 points (md-cache README).
+
+  >>> [default_interval(n) for n in (8, 14, 20, 28, 35, 50)]
+  [2, 2, 3, 4, 5, 5]
+  """
+  return max(2, min(5, round(num_steps / 7)))
+
+
 def taylorseer(
-  interval: int = 5,
+  interval: int | None = None,
   *,
   warmup_steps: int = 3,
   stop_step: int | None = None,
@@ -55,12 +68,14 @@ def taylorseer(
   together (the guided prediction), which equals extrapolating each branch for fixed linear guidance.
 
   Published defaults (diffusers' TaylorSeerCacheConfig): `interval=5`, `warmup_steps=3`, `max_order=1`;
-  diffusers keeps the factors in bfloat16 by default, md in float32 (`factors_dtype="bfloat16"` for
+  md's default interval is that 5 from 35 steps on and shorter on shorter schedules
+  (`default_interval`). diffusers keeps the factors in bfloat16 by default, md in float32 (`factors_dtype="bfloat16"` for
   diffusers' default numerics). The schedule follows diffusers' lite mode (the model output is
   extrapolated); diffusers' default mode extrapolates each attention output instead.
 
   Args:
-    interval: steps between full computations after the warm-up (traced).
+    interval: steps between full computations after the warm-up (traced; None: `default_interval` of
+      the run's step count).
     warmup_steps: leading steps that always run (traced); a step with no computed step before it
       always runs.
     stop_step: steps from this one on always run (traced; None: none).
@@ -70,14 +85,14 @@ def taylorseer(
   Returns:
     A step-level `md_schedulers.StepCache`.
   """
-  if int(interval) < 1:
+  if interval is not None and int(interval) < 1:
     raise ValueError(f"taylorseer: interval={interval} must be at least 1")
   if int(max_order) < 0:
     raise ValueError(f"taylorseer: max_order={max_order} must be at least 0")
   if factors_dtype not in _DTYPES:
     raise ValueError(f"taylorseer: factors_dtype={factors_dtype!r}, expected one of {_DTYPES}")
   values = dict(
-    interval=int(interval), warmup_steps=int(warmup_steps),
+    interval=None if interval is None else int(interval), warmup_steps=int(warmup_steps),
     stop_step=-1 if stop_step is None else int(stop_step),
   )  # fmt: skip
   static = (int(max_order), factors_dtype)
@@ -89,7 +104,9 @@ def _init(max_order: int, factors_dtype: str):
   def make(values, latents, num_steps: int) -> TaylorSeerState:
     factors = jax.tree.map(lambda a: jnp.zeros((max_order + 1,) + a.shape, factors_dtype), latents)
     return TaylorSeerState(
-      interval=jnp.int32(values["interval"]),
+      interval=jnp.int32(
+        default_interval(num_steps) if values["interval"] is None else values["interval"]
+      ),
       warmup_steps=jnp.int32(values["warmup_steps"]),
       stop_step=jnp.int32(values["stop_step"]),
       orders=jnp.int32(0),
