@@ -1,6 +1,7 @@
-"""Every md-cache policy on every family's tiny pipeline (few steps): the steps computed are the ones the
-setting implies, a setting that computes every step equals the uncached run, and block-level policies on
-md-sd's UNet raise an error naming the step-level ones that apply."""
+"""Every md-cache policy on every family's tiny pipeline (SD, SDXL, Flux.1, Klein, the Klein KV edit,
+Wan 2.2 experts, Wan I2V, LTX-Video, LTX-2; few steps): the steps computed are the ones the setting
+implies, a setting that computes every step equals the uncached run, and block-level policies on md-sd's
+UNets raise an error naming the step-level ones that apply."""
 
 import functools
 
@@ -31,8 +32,8 @@ def _load(family: str):
   import md_sd
   import md_wan
 
-  if family == "sd":
-    return md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd"), dict(
+  if family in UNETS:
+    return md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / family), dict(
       height=32, width=32, guidance_scale=5.0
     )
   if family == "flux":
@@ -56,7 +57,8 @@ def _load(family: str):
   return pipe, dict(spatio_temporal_guidance_blocks=(1,), **kw)
 
 
-FAMILIES = ("sd", "flux", "klein", "klein_kv_edit", "wan22_experts", "wan_i2v", "ltx", "ltx2")
+UNETS = ("sd", "sdxl")
+FAMILIES = UNETS + ("flux", "klein", "klein_kv_edit", "wan22_experts", "wan_i2v", "ltx", "ltx2")
 # Per policy: (a setting that computes every step, a setting and the steps it computes).
 POLICIES = {
   "first_block_cache": (
@@ -92,6 +94,9 @@ STEP_LEVEL = ("taylorseer", "sencache")
 # family; here on a UNet and on a two-leaf sample (LTX-2's video + audio) only, to keep the test short.
 # The CFG cache on SD is tested against diffusers in tests/test_cache_faster.py.
 ONLY = {"sencache": ("sd", "ltx2"), "faster_cache": tuple(f for f in FAMILIES if f != "sd")}
+# SDXL (the UNet with added text-time conditioning): the UNet policies and one block-level refusal.
+ONLY |= {p: FAMILIES for p in POLICIES if p not in ONLY}
+ONLY |= {p: tuple(f for f in ONLY[p] if f != "sdxl") for p in ("magcache", "teacache", "sencache")}
 # The CFG cache needs classifier-free guidance alone: refused (with the reason) where a family's call
 # here runs none (guidance-distilled Flux.1 dev, the Klein KV edit) or adds STG / modality rows (LTX-2).
 NO_CFG_CACHE = {
@@ -130,17 +135,17 @@ SLOW = {
     pytest.param(f, p, marks=[pytest.mark.slow] if (f, p) in SLOW else [])
     for f in FAMILIES
     for p in sorted(POLICIES)
-    if f in ONLY.get(p, FAMILIES)
+    if f in ONLY[p]
   ],
 )
 def test_policy_on_family(family, policy):
   pipe, kw, plain = _family(family)
   every, some, want = POLICIES[policy]
-  if family == "sd" and policy not in STEP_LEVEL + ("faster_cache", "deepcache"):
+  if family in UNETS and policy not in STEP_LEVEL + ("faster_cache", "deepcache"):
     with pytest.raises(ValueError, match="no hookable block stack.*step-level"):
       pipe(**kw, cache=every())
     return
-  if policy == "deepcache" and family != "sd":
+  if policy == "deepcache" and family not in UNETS:
     with pytest.raises(
       ValueError, match="deepcache caches a UNet's deep branch.*first_block_cache"
     ):
