@@ -20,20 +20,12 @@ import time
 import jax
 
 import md_wan
+from md_core import testing
 from md_train import shapes_models as sm
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(run: dict, base: str):
-  import importlib.util
-
-  spec = importlib.util.spec_from_file_location(
-    "default_models", ROOT / "apps" / "configs" / "default_models.py"
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config("wan")
+  config = testing.app_config("default_models.py:wan")  # the app's own config loader
   run = dict(run)
   config.steps = int(run.pop("steps"))
   config.seed = int(run.pop("seed", 0))
