@@ -7,7 +7,8 @@ Each run is the `wan` variant of apps/configs/default_models.py (`md_train.shape
 the run's keys as `recipe_options` overrides (`steps` and `seed` are the run's own; `base` may name another
 starting folder, e.g. a wider transformer's template). It trains, exports to `<out>/<name>`, and scores the
 export with `md_train.shapes_models.video_scores` (the model card's 72 videos). One JSON line per run goes to
-`<out>/results.jsonl` and to stdout. The settings this explored and what they scored are in
+`<out>/results.jsonl` and to stdout. A run's `guidance` (a list, default [3]) scores the export at each
+of those guidance scales (the groups of scales other than 3 are keyed `group@scale`). The settings this explored and what they scored are in
 models/shapes-wan/README.md; it runs on any JAX backend (the card's sweeps ran on a TPU, the shipped
 model's recipe on the CPU).
 """
@@ -30,6 +31,7 @@ def _config(run: dict, base: str):
   config.steps = int(run.pop("steps"))
   config.seed = int(run.pop("seed", 0))
   run.pop("name")
+  run.pop("guidance", None)
   options = config.recipe_options.to_dict() | {"base": base} | run
   config.recipe_options = options
   return config
@@ -49,18 +51,17 @@ def train_and_score(run: dict, *, base: str, out: pathlib.Path, log_every: int) 
   trained = time.perf_counter()
   folder = out / run["name"]
   recipe.export(state, folder)
-  scores = sm.video_scores(md_wan.load_pipeline(folder))
-  row = dict(
-    run=run,
-    setup_s=round(ready - start, 1),
-    train_s=round(trained - ready, 1),
-    score_s=round(time.perf_counter() - trained, 1),
-    losses=losses,
-  )
-  for group, s in scores.items():
-    row[group] = {
-      k: round(getattr(s, k), 3) for k in ("colour", "shape", "direction", "background")
-    }
+  pipe = md_wan.load_pipeline(folder)
+  row = dict(run=run, setup_s=round(ready - start, 1), train_s=round(trained - ready, 1))
+  for guidance in run.get("guidance", [3.0]):
+    scores = sm.video_scores(pipe, guidance_scale=float(guidance))
+    key = "" if guidance == 3.0 else f"@{guidance:g}"
+    for group, s in scores.items():
+      row[group + key] = {
+        k: round(getattr(s, k), 3) for k in ("colour", "shape", "direction", "background")
+      }
+  row["score_s"] = round(time.perf_counter() - trained, 1)
+  row["losses"] = losses
   return row
 
 

@@ -181,7 +181,9 @@ def save_component(folder: pathlib.Path, module: nnx.Module, convert_key: Callab
 
 
 def _shapes_config(config: ml_collections.ConfigDict, split: str = "train") -> md_data.ShapesConfig:
-  return md_data.ShapesConfig(size=config.size, frames=config.frames, split=split)
+  """The recipe's shapes data; the options `extent` and `travel`, when set, replace md_data's ranges."""
+  ranges = {k: tuple(config[k]) for k in ("extent", "travel") if config.get(k) is not None}
+  return md_data.ShapesConfig(size=config.size, frames=config.frames, split=split, **ranges)
 
 
 def _copy_folder(src: str | os.PathLike, dst: pathlib.Path) -> None:
@@ -426,7 +428,8 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   `recipe_options`: `base`, `size`, `frames`, `num_clips`, `batch_size`, `learning_rate`, `warmup_steps`,
   `shift` (the training sigmas' shift), `drop_caption`, `max_sequence_length` (text tokens; generate
   with the same), `foreground_weight` (the latent pixels on and next to the shape weigh
-  `1 + foreground_weight` in the loss, `latent_masks`; 0, the default: the plain MSE).
+  `1 + foreground_weight` in the loss, `latent_masks`; 0, the default: the plain MSE), and optionally
+  `extent` and `travel` (the clips' shape sizes and travel distances, `md_data.ShapesConfig`'s ranges).
   """
   config = _options(app_config)
   pipe = md_wan.load_pipeline(config.base)
