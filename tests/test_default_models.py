@@ -356,3 +356,17 @@ def test_wan_vae_still_stage_exports_the_inflated_vae(tmp_path):
   for k in range(3):
     still = vae.encode(clip[:, 4 * k : 4 * k + 1]).mean
     np.testing.assert_allclose(latents[:, k : k + 1], still, atol=1e-5)
+
+
+def test_recipe_data_options_set_the_clips_travel_and_extent():
+  import ml_collections
+
+  opts = ml_collections.ConfigDict(dict(size=64, frames=9, travel=[0.55, 0.6], extent=None))
+  data = sm._shapes_config(opts)
+  assert data.travel == (0.55, 0.6) and data.extent == md_data.ShapesConfig().extent
+  # The clips really cross most of the frame: a rightward clip starts in the left third.
+  sample = md_data.shapes_sample(data, 0, 0)
+  track = md_data.analyse(sample.pixels).track
+  assert abs(track[-1] - track[0]).max() >= 0.5 * 64
+  with pytest.raises(ValueError, match="travel"):
+    sm._shapes_config(ml_collections.ConfigDict(dict(size=64, frames=9, travel=[0.5, 0.9])))
