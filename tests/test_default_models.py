@@ -364,7 +364,7 @@ def test_recipe_data_options_set_the_clips_travel_and_extent():
   opts = ml_collections.ConfigDict(dict(size=64, frames=9, travel=[0.55, 0.6], extent=None))
   data = sm._shapes_config(opts)
   assert data.travel == (0.55, 0.6) and data.extent == md_data.ShapesConfig().extent
-  # The clips really cross most of the frame: a rightward clip starts in the left third.
+  # The clip really crosses most of the frame (the analyser's track, first frame to last).
   sample = md_data.shapes_sample(data, 0, 0)
   track = md_data.analyse(sample.pixels).track
   assert abs(track[-1] - track[0]).max() >= 0.5 * 64

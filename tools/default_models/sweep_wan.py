@@ -8,8 +8,8 @@ the run's keys as `recipe_options` overrides (`steps` and `seed` are the run's o
 starting folder, e.g. a wider transformer's template). It trains, exports to `<out>/<name>`, and scores the
 export with `md_train.shapes_models.video_scores` (the model card's 72 videos). One JSON line per run goes to
 `<out>/results.jsonl` and to stdout. A run's `guidance` (a list, default [3]) scores the export at each
-of those guidance scales (the groups of scales other than 3 are keyed `group@scale`). The settings this explored and what they scored are in
-models/shapes-wan/README.md; it runs on any JAX backend (the card's sweeps ran on a TPU, the shipped
+of those guidance scales (the groups of scales other than 3 are keyed `group@scale`). The settings this
+explored and what they scored are in models/shapes-wan/README.md; it runs on any JAX backend (the card's sweeps ran on a TPU, the shipped
 model's recipe on the CPU).
 """
 
