@@ -370,3 +370,5 @@ def test_recipe_data_options_set_the_clips_travel_and_extent():
   assert abs(track[-1] - track[0]).max() >= 0.5 * 64
   with pytest.raises(ValueError, match="travel"):
     sm._shapes_config(ml_collections.ConfigDict(dict(size=64, frames=9, travel=[0.5, 0.9])))
+  with pytest.raises(ValueError, match=r"recipe option travel=0.5 must be a \[low, high\] pair"):
+    sm._shapes_config(ml_collections.ConfigDict(dict(size=64, frames=9, travel=0.5)))

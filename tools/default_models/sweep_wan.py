@@ -76,6 +76,10 @@ def main() -> None:
   names = [r.get("name") for r in runs]
   if None in names or len(set(names)) != len(names) or any("steps" not in r for r in runs):
     raise SystemExit("--runs: every run needs a unique 'name' and its 'steps'")
+  for r in runs:
+    g = r.get("guidance", [3.0])
+    if not isinstance(g, list) or not g or not all(isinstance(x, (int, float)) for x in g):
+      raise SystemExit(f"--runs: run {r['name']!r} has guidance={g!r}; expected a list of numbers")
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   print(f"backend {jax.default_backend()}: {jax.devices()}", flush=True)

@@ -182,7 +182,14 @@ def save_component(folder: pathlib.Path, module: nnx.Module, convert_key: Callab
 
 def _shapes_config(config: ml_collections.ConfigDict, split: str = "train") -> md_data.ShapesConfig:
   """The recipe's shapes data; the options `extent` and `travel`, when set, replace md_data's ranges."""
-  ranges = {k: tuple(config[k]) for k in ("extent", "travel") if config.get(k) is not None}
+  ranges = {}
+  for key in ("extent", "travel"):
+    value = config.get(key)
+    if value is None:
+      continue
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+      raise ValueError(f"recipe option {key}={value!r} must be a [low, high] pair")
+    ranges[key] = tuple(float(v) for v in value)
   return md_data.ShapesConfig(size=config.size, frames=config.frames, split=split, **ranges)
 
 
