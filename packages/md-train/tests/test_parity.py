@@ -193,6 +193,61 @@ def test_conditioned_wan_loss_errors():
     mtf.wan_loss(frozen)(params, bad, jax.random.key(0))
 
 
+def test_wan_frame_sigmas_equal_to_the_clip_sigma_give_the_torch_loss(wan):
+  """Per-frame noise levels (`frame_sigmas`, what `frame_noise` draws) all equal to the clip's σ are the
+  plain loss, which matches the torch reference step."""
+  frozen, params, ref, batch = wan
+  frames = batch["latents"].shape[1] // frozen.merge(params).cfg.patch_size[0]
+  same = dict(batch, frame_sigmas=jnp.repeat(batch["sigmas"][:, None], frames, axis=1))
+  (loss, _), grads = mdt.loss_and_grads(mtf.wan_loss(frozen), params, same)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+
+
+def test_wan_frame_sigmas_noise_each_frame_at_its_own_level(wan):
+  """Distinct per-frame σ: the loss is the model's MSE on frames noised one by one, each frame's tokens
+  at that frame's timestep (built here frame by frame, independently of the loss's own code)."""
+  frozen, params, _, batch = wan
+  model = frozen.merge(params)
+  x0, noise, text = (np.asarray(batch[k]) for k in ("latents", "noise", "encoder_hidden_states"))
+  b, f, h, w, _ = x0.shape
+  assert model.cfg.patch_size[0] == 1 and f >= 2
+  per_frame = np.linspace(0.1, 0.9, b * f, dtype=np.float32).reshape(b, f)
+  noisy = np.empty_like(x0)
+  for i in range(b):
+    for j in range(f):
+      noisy[i, j] = (1 - per_frame[i, j]) * x0[i, j] + per_frame[i, j] * noise[i, j]
+  per_frame_tokens = (h // model.cfg.patch_size[1]) * (w // model.cfg.patch_size[2])
+  timestep = np.stack(
+    [np.concatenate([[1000 * s] * per_frame_tokens for s in row]) for row in per_frame]
+  )
+  pred = np.asarray(
+    model(jnp.asarray(noisy), jnp.asarray(timestep), jnp.asarray(text), layout="BFHWC")
+  )
+  expected = np.mean((pred - (noise - x0)) ** 2)
+  loss, _ = mtf.wan_loss(frozen)(
+    params, dict(batch, frame_sigmas=jnp.asarray(per_frame)), jax.random.key(0)
+  )
+  np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+  # frame_noise=1 draws distinct levels per frame, so the loss differs from the shared-σ one
+  drawn, _ = mtf.wan_loss(frozen, frame_noise=1.0)(params, batch, jax.random.key(3))
+  shared, _ = mtf.wan_loss(frozen)(params, batch, jax.random.key(3))
+  assert abs(float(drawn) - float(shared)) > 1e-3
+
+
+def test_wan_frame_noise_errors(wan):
+  frozen, params, _, batch = wan
+  with pytest.raises(ValueError, match=r"frame_noise=1.5 is not a fraction"):
+    mtf.wan_loss(frozen, frame_noise=1.5)
+  with pytest.raises(ValueError, match="does not combine with a table, a weighting"):
+    mtf.wan_loss(frozen, frame_noise=0.5, weighting="batch_bell")
+  bad = dict(batch, frame_sigmas=jnp.zeros((batch["latents"].shape[0], 99)))
+  with pytest.raises(
+    ValueError, match=r"frame_sigmas has shape \(\d+, 99\); expected one σ per latent"
+  ):
+    mtf.wan_loss(frozen)(params, bad, jax.random.key(0))
+
+
 @pytest.fixture(scope="module")
 def ltx():
   model = md_ltx.load_transformer(fixture_path("ltx_transformer") / "transformer", subfolder=None)

@@ -186,6 +186,16 @@ def flux_loss(
   return loss_fn
 
 
+def _frame_noise(patch, latents, noise, per_group):
+  """Per-token timesteps and noisy latents for one σ per latent frame group (`per_group [B, F / pt]`)."""
+  _, _, h, w = latents.shape[:4]
+  pt, ph, pw = patch
+  s = jnp.repeat(per_group, pt, axis=1)[:, :, None, None, None]  # [B, F, 1, 1, 1]
+  noisy = (1 - s) * latents + s * noise
+  timestep = jnp.repeat(per_group * 1000, (h // ph) * (w // pw), axis=1)  # frame-major tokens
+  return timestep, noisy.astype(latents.dtype)
+
+
 def wan_loss(
   transformer: Frozen,
   *,
@@ -196,6 +206,7 @@ def wan_loss(
   weighting: str | None = None,
   num_train_timesteps: int = 1000,
   clean_first_frame: bool = False,
+  frame_noise: float = 0.0,
   **sampler_options: Any,
 ) -> LossFn:
   """The Wan 2.1 text-to-video flow-matching loss (and either Wan 2.2 expert's, with `table_range`), and
@@ -227,7 +238,21 @@ def wan_loss(
     clean_first_frame: Wan 2.2 TI2V (`expand_timesteps` models, DiffSynth's
       `fuse_vae_embedding_in_latents`): the first latent frame enters clean (its latents, not noised),
       its tokens get timestep 0 (per-token timesteps), and the loss covers the frames after it.
+    frame_noise: the fraction of examples whose latent frames (each `patch_size[0]` frames) are noised
+      at independently drawn σ (the same sampler), the tokens of each at its own timestep (diffusion
+      forcing's per-frame noise levels; the transformer takes per-token timesteps). The rest share one
+      σ, as at sampling. A partly clean clip makes the caption's motion the thing to predict from the
+      cleaner frames. A batch's `frame_sigmas [B, F / pt]` sets every example's per-frame σ instead.
+      Neither combines with `table`, `weighting` or `clean_first_frame`.
   """
+  if not 0.0 <= frame_noise <= 1.0:
+    raise ValueError(f"wan_loss: frame_noise={frame_noise} is not a fraction in [0, 1]")
+  per_frame_ok = table is None and weighting is None and not clean_first_frame
+  if frame_noise and not per_frame_ok:
+    raise ValueError(
+      "wan_loss: frame_noise draws its own per-frame sigmas with the sampler; it does not combine with "
+      "a table, a weighting or clean_first_frame"
+    )
   if weighting not in WAN_WEIGHTINGS:
     raise ValueError(f"wan_loss: weighting={weighting!r}; expected one of {WAN_WEIGHTINGS}")
   if table_range is not None:
@@ -267,6 +292,25 @@ def wan_loss(
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
     model = transformer.merge(params)
     timestep = sigmas * 1000
+    if "frame_sigmas" in batch or frame_noise:
+      if not per_frame_ok:
+        raise ValueError(
+          "wan_loss: per-frame sigmas do not combine with a table, a weighting or clean_first_frame"
+        )
+      groups = latents.shape[1] // model.cfg.patch_size[0]
+      if "frame_sigmas" in batch:
+        per_group = batch["frame_sigmas"]
+        if per_group.shape != (b, groups):
+          raise ValueError(
+            f"frame_sigmas has shape {per_group.shape}; expected one σ per latent frame group "
+            f"{(b, groups)}"
+          )
+      else:
+        k_own, k_pick = jax.random.split(jax.random.fold_in(k_t, 1))
+        own = flow_sigmas(k_own, b * groups, sampler=sampler, shift=shift, **sampler_options)
+        pick = jax.random.uniform(k_pick, (b,)) < frame_noise
+        per_group = jnp.where(pick[:, None], own.reshape(b, groups), sigmas[:, None])
+      timestep, noisy = _frame_noise(model.cfg.patch_size, latents, noise, per_group)
     loss_map = batch.get("loss_map")
     if clean_first_frame:
       if latents.shape[1] < 2:

@@ -436,7 +436,8 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   `shift` (the training sigmas' shift), `drop_caption`, `max_sequence_length` (text tokens; generate
   with the same), `foreground_weight` (the latent pixels on and next to the shape weigh
   `1 + foreground_weight` in the loss, `latent_masks`; 0, the default: the plain MSE), and optionally
-  `extent` and `travel` (the clips' shape sizes and travel distances, `md_data.ShapesConfig`'s ranges).
+  `extent` and `travel` (the clips' shape sizes and travel distances, `md_data.ShapesConfig`'s ranges)
+  and `frame_noise` (`families.wan_loss`'s fraction of clips noised frame by frame).
   """
   config = _options(app_config)
   pipe = md_wan.load_pipeline(config.base)
@@ -459,7 +460,10 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   frozen, params = split_trainable(pipe.transformer)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
-  step = make_train_step(families.wan_loss(frozen, shift=config.shift), optimizer)
+  loss = families.wan_loss(
+    frozen, shift=config.shift, frame_noise=float(config.get("frame_noise", 0.0))
+  )
+  step = make_train_step(loss, optimizer)
   return cached_latents_recipe(
     config, state, step, frozen, latents, ids, embeds, "transformer", md_wan.convert_key, maps=maps
   )
