@@ -3,6 +3,7 @@
 uv run --no-sync python bench/load.py --make               # once: random-init folders under --root (~9 GB)
 uv run --no-sync python bench/load.py                      # SD 1.5 UNet and Wan 2.1 1.3B, side by side
 uv run --no-sync python bench/load.py --models=wan --devices=8   # md on 8 virtual CPU devices (fsdp mesh)
+uv run --no-sync python bench/load.py --device_path     # one CPU device through the accelerators' path
 
 `--make` runs tools/bench/make_load_folders.py in the PyTorch reference's virtualenv (tools/.venv): diffusers
 builds the real-size models from the configs in tools/configs/ with random weights and saves them (float32,
@@ -89,8 +90,13 @@ def _measure(load) -> dict:
   }
 
 
-def _md_worker(model: str, folder: str, devices: int, dtype: str) -> dict:
+def _md_worker(model: str, folder: str, devices: int, dtype: str, device_path: bool) -> dict:
   import jax
+
+  if device_path:  # what a single CPU device did before its host path: md's device programs
+    from md_core import _stream
+
+    _stream._on_host_device = lambda sharding: False
 
   if model == "sd":
     import md_sd
@@ -160,6 +166,11 @@ def main() -> None:
     help="load dtype on both sides (bfloat16 makes diffusers cast, so it touches every weight)",
   )
   parser.add_argument(
+    "--device_path",
+    action="store_true",
+    help="md through its device programs even on one CPU device (the accelerator path)",
+  )
+  parser.add_argument(
     "--worker", nargs=3, metavar=("WHO", "MODEL", "FOLDER"), help=argparse.SUPPRESS
   )
   args = parser.parse_args()
@@ -167,7 +178,7 @@ def main() -> None:
   if args.worker:
     who, model, folder = args.worker
     if who == "md":
-      result = _md_worker(model, folder, args.devices, args.dtype)
+      result = _md_worker(model, folder, args.devices, args.dtype, args.device_path)
     else:
       result = _diffusers_worker(model, folder, args.dtype)
     print(json.dumps(result))
@@ -187,6 +198,7 @@ def main() -> None:
   print(
     f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()},"
     f" {os.cpu_count()} CPUs, md on {args.devices} CPU device(s), {args.dtype}"
+    + (", md through its device programs" if args.device_path else "")
   )
   print(
     "| model | weights GB | md s (CPU s) | diffusers s (CPU s) | md / diffusers | "
@@ -201,7 +213,10 @@ def main() -> None:
     _read_once(folder)
     dtype = f"--dtype={args.dtype}"
     md = _run_worker(
-      sys.executable, ["md", model, str(folder), f"--devices={args.devices}", dtype], env
+      sys.executable,
+      ["md", model, str(folder), f"--devices={args.devices}", dtype]
+      + ["--device_path"] * args.device_path,
+      env,
     )
     ref = _run_worker(str(TORCH_PYTHON), ["diffusers", model, str(folder), dtype])
     excess = md["peak_anon"] - md["weights"]

@@ -76,6 +76,7 @@ VARIANTS = {
       drop_caption=0.1,
       max_sequence_length=16,
       foreground_weight=4.0,
+      frame_noise=0.5,  # half the clips noised frame by frame (wan_loss): what teaches the direction
       ema_decay=None,  # e.g. 0.999: export an EMA of the weights (off for the shipped model)
     ),
   ),

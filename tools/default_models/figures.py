@@ -1,6 +1,9 @@
 """The model card's figures: loss curves (PNG, drawn with PIL from the runs' metrics.jsonl) and a sample grid.
 
-uv run python tools/default_models/figures.py runs/shapes-wan-vae-still runs/shapes-wan-vae runs/shapes-wan models/shapes-wan
+uv run python tools/default_models/figures.py runs/shapes-wan-vae-still runs/shapes-wan models/shapes-wan
+
+A stage may be given as a PNG panel instead of its run folder (e.g. models/shapes-wan/loss-vae.png, the
+shipped VAE stage's curve, whose run folder only exists where that stage was trained); it is pasted as is.
 
 Writes models/shapes-wan/loss.png (each stage's training loss against its step, log scale) and
 models/shapes-wan/samples.png (one row per prompt: the 9 frames of a 20-step, guidance-3 video, seed 0).
@@ -29,6 +32,9 @@ def loss_plot(runs: list[pathlib.Path], out: pathlib.Path) -> None:
   img = Image.new("RGB", (w, h * len(runs)), "white")
   draw = ImageDraw.Draw(img)
   for r, run in enumerate(runs):
+    if run.suffix == ".png":  # a stage's panel drawn earlier (its run folder is gone), pasted as it is
+      img.paste(Image.open(run).convert("RGB").crop((0, 0, w, h)), (0, r * h))
+      continue
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
     rows = [x for x in rows if "loss" in x]
     steps = np.array([x["step"] for x in rows], float)

@@ -59,6 +59,7 @@ def test_stacked_split_and_cast_on_meshes(tmp_path, monkeypatch, dtype, mesh_axe
   tensor converted on the devices (layers written in place); "host": small ones converted on the host."""
   if path == "devices":
     monkeypatch.setattr(_stream, "HOST_BYTES", 0)
+    monkeypatch.setattr(_stream, "_on_host_device", lambda sharding: False)
   layers, d_in, d_out = 3, 16, 8
   tensors = _write(tmp_path, layers, d_in, d_out, dtype)
   mesh = None if mesh_axes is None else mds.make_mesh(mds.MeshConfig(**mesh_axes))
@@ -93,6 +94,8 @@ def test_stacked_split_and_cast_on_meshes(tmp_path, monkeypatch, dtype, mesh_axe
 def test_cast_to_bfloat16_matches_numpy(tmp_path, monkeypatch, host_bytes):
   """dtype=bfloat16 from a float32 file: the device-side (and the host) cast rounds as ml_dtypes does."""
   monkeypatch.setattr(_stream, "HOST_BYTES", host_bytes)
+  if host_bytes == 0:  # every tensor through the device programs, also on one CPU device
+    monkeypatch.setattr(_stream, "_on_host_device", lambda sharding: False)
   tensors = _write(tmp_path, 2, 16, 8, np.float32)
   model = md_core.load_weights(
     lambda: Scanned(2, 16, 8, nnx.Rngs(0)),
@@ -110,6 +113,8 @@ def test_cast_to_bfloat16_matches_numpy(tmp_path, monkeypatch, host_bytes):
 def test_loaded_weights_do_not_alias_the_file(tmp_path, monkeypatch, host_bytes):
   """The placed parameters are copies: overwriting the memory-mapped file afterwards changes nothing."""
   monkeypatch.setattr(_stream, "HOST_BYTES", host_bytes)
+  if host_bytes == 0:  # every tensor through the device programs, also on one CPU device
+    monkeypatch.setattr(_stream, "_on_host_device", lambda sharding: False)
   tensors = _write(tmp_path, 2, 16, 8, np.float32)
   path = tmp_path / "model.safetensors"
   model = md_core.load_weights(
@@ -122,6 +127,32 @@ def test_loaded_weights_do_not_alias_the_file(tmp_path, monkeypatch, host_bytes)
   want = np.stack([tensors[f"blocks.{i}.weight"].T for i in range(2)])
   np.testing.assert_array_equal(np.asarray(model.w[...]), want)
   np.testing.assert_array_equal(np.asarray(model.k[...]), tensors["qk.weight"][8:].T)
+
+
+def test_one_cpu_device_fills_stacks_on_the_host_without_device_programs(tmp_path, monkeypatch):
+  """On one CPU device a stacked parameter, however large, is written by NumPy into a page-aligned buffer
+  that jax takes without a copy: the zero-fill and per-layer device programs never run, and the values are
+  NumPy's (the single tensors, above HOST_BYTES here, still go through the device conversion)."""
+  monkeypatch.setattr(_stream, "HOST_BYTES", 0)
+
+  def refuse(*args):
+    raise AssertionError("a device program ran on the single-CPU-device path")
+
+  for name in ("_allocator", "_layer_writer"):
+    monkeypatch.setattr(_stream, name, refuse)
+  tensors = _write(tmp_path, 3, 16, 8, np.float32)
+  model = md_core.load_weights(
+    lambda: Scanned(3, 16, 8, nnx.Rngs(0)),
+    md_core.open_checkpoint(tmp_path),
+    _convert,
+    dtype=jnp.bfloat16,
+    progress=False,
+  )
+  want = np.stack([tensors[f"blocks.{i}.weight"].T for i in range(3)]).astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(np.asarray(model.w[...]), want)
+  qk = tensors["qk.weight"].astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(np.asarray(model.k[...]), qk[8:].T)
+  assert model.w[...].unsafe_buffer_pointer() % _stream._ALIGN == 0
 
 
 def _rss_anon() -> int:

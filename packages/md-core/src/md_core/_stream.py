@@ -5,11 +5,16 @@ parameter) is placed on the devices in its stored dtype and layout, each device 
 memory-mapped file; one jitted program per (layout, dtype, sharding) then permutes and casts it on the
 devices. A stacked parameter is allocated once on the devices and filled layer by layer in place (a donated
 `dynamic_update_slice`), so host memory beyond the placed weights stays at about one layer.
+
+On a single CPU device (the placed weights live in host memory anyway) a stacked parameter is instead
+written straight into one page-aligned host buffer, each layer permuted and cast by NumPy in one pass, and
+handed to jax without a copy: no zero-fill, no second buffer and no per-layer programs.
 """
 
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Sequence
 
 import jax
@@ -25,6 +30,8 @@ Sharding = jax.sharding.Sharding | None
 # Parameters up to this size are converted on the host and placed in one transfer: the host copy is
 # small, and the devices would otherwise compile one conversion program per distinct small shape.
 HOST_BYTES = 16 * 2**20
+_ALIGN = mmap.PAGESIZE
+_BLOCK_BYTES = 256 * 2**10
 
 
 def source_view(array: np.ndarray, target: Target) -> np.ndarray:
@@ -70,6 +77,41 @@ def _layer_sharding(sharding: Sharding, ndim: int) -> Sharding:
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
 
 
+def _on_host_device(sharding: Sharding) -> bool:
+  """Whether the parameter lands on one CPU device, whose buffers jax can alias from host memory."""
+  if sharding is None:
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return getattr(device, "platform", None) == "cpu"
+  devices = sharding.device_set
+  return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """An uninitialised host array in its own anonymous mapping: page-aligned, so jax's CPU client takes it
+  without a copy, and on huge pages where the kernel allows (fewer page faults while it is filled)."""
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  if nbytes == 0:
+    return np.empty(shape, dtype)
+  block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+  if hasattr(mmap, "MADV_HUGEPAGE"):
+    block.madvise(mmap.MADV_HUGEPAGE)
+  return np.frombuffer(block, dtype=dtype).reshape(shape)
+
+
+def _copy_permuted(dst: np.ndarray, src: np.ndarray, perm: tuple[int, ...]) -> None:
+  """`dst[...] = src.transpose(perm)` (cast as needed), a block of the source's leading rows at a time:
+  NumPy's whole-array strided transpose misses the cache on every element of large matrices."""
+  if perm == tuple(range(src.ndim)) or src.ndim == 0:
+    np.copyto(dst, src, casting="unsafe")
+    return
+  axis = perm.index(0)  # where the source's leading axis lands
+  row = max(1, src[0].nbytes if src.shape[0] else 1)
+  block = max(1, _BLOCK_BYTES // row)
+  for start in range(0, src.shape[0], block):
+    where = (slice(None),) * axis + (slice(start, start + block),)
+    np.copyto(dst[where], np.transpose(src[start : start + block], perm), casting="unsafe")
+
+
 def _put(view: np.ndarray, dtype: np.dtype, sharding: Sharding) -> jax.Array:
   """Places a (memory-mapped) host view; each device reads and copies only its own slice."""
 
@@ -87,7 +129,7 @@ def _put(view: np.ndarray, dtype: np.dtype, sharding: Sharding) -> jax.Array:
 
 
 def _place_host(value: np.ndarray, sharding: Sharding) -> jax.Array:
-  out = jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+  out = jax.device_put(value, sharding, may_alias=True)
   return out.block_until_ready()
 
 
@@ -124,8 +166,13 @@ def place_tensor(
   """One reference tensor → the parameter `target` names: split, permuted, cast to `dtype`, placed."""
   view = source_view(array, target)
   perm = _permutation(target, view.ndim)
+  # (On one CPU device a large single tensor still goes through the device program: XLA's permute and
+  # cast use every core and beat NumPy's, 5.6 s against 11.0 s for the SD 1.5 UNet; bench/README.md.)
   if view.size * max(view.dtype.itemsize, np.dtype(dtype).itemsize) <= HOST_BYTES:
-    return _place_host(np.array(np.transpose(view, perm), dtype=dtype, order="C"), sharding)
+    shape = tuple(view.shape[i] for i in perm)
+    value = _aligned_empty(shape, np.dtype(dtype))
+    _copy_permuted(value, view, perm)
+    return _place_host(value, sharding)
   raw = _put(view, _device_dtype(view.dtype, dtype), _source_sharding(sharding, perm))
   return _converter(perm, np.dtype(dtype), sharding)(raw).block_until_ready()
 
@@ -138,11 +185,11 @@ def place_stacked(
 ) -> jax.Array:
   """A stacked parameter of `shape` (layers first) from one reference tensor per layer, filled in place."""
   dtype = np.dtype(dtype)
-  if int(np.prod(shape)) * dtype.itemsize <= HOST_BYTES:
-    value = np.empty(shape, dtype)
+  if int(np.prod(shape)) * dtype.itemsize <= HOST_BYTES or _on_host_device(sharding):
+    value = _aligned_empty(tuple(shape), dtype)
     for array, target in pieces:
       view = source_view(array, target)
-      value[target.layer] = np.transpose(view, _permutation(target, view.ndim))
+      _copy_permuted(value[target.layer], view, _permutation(target, view.ndim))
     return _place_host(value, sharding)
   stack = _allocator(tuple(shape), dtype, sharding)()
   layer_sharding = _layer_sharding(sharding, len(shape))
