@@ -32,7 +32,8 @@ def loss_plot(runs: list[pathlib.Path], out: pathlib.Path) -> None:
   img = Image.new("RGB", (w, h * len(runs)), "white")
   draw = ImageDraw.Draw(img)
   for r, run in enumerate(runs):
-    if run.suffix == ".png":  # a stage's panel drawn earlier (its run folder is gone), pasted as it is
+    # A stage's panel drawn earlier (its run folder is gone): pasted as it is.
+    if run.suffix == ".png":
       img.paste(Image.open(run).convert("RGB").crop((0, 0, w, h)), (0, r * h))
       continue
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
