@@ -90,20 +90,26 @@ def test_stacked_split_and_cast_on_meshes(tmp_path, monkeypatch, dtype, mesh_axe
     assert sizes == {w.size // np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(spec))])}
 
 
+def _load_bfloat16(tmp_path, layers):
+  """A float32 file of `layers` 16 -> 8 layers written and loaded as bfloat16: (tensors, model)."""
+  tensors = _write(tmp_path, layers, 16, 8, np.float32)
+  model = md_core.load_weights(
+    lambda: Scanned(layers, 16, 8, nnx.Rngs(0)),
+    md_core.open_checkpoint(tmp_path),
+    _convert,
+    dtype=jnp.bfloat16,
+    progress=False,
+  )
+  return tensors, model
+
+
 @pytest.mark.parametrize("host_bytes", [0, _stream.HOST_BYTES])
 def test_cast_to_bfloat16_matches_numpy(tmp_path, monkeypatch, host_bytes):
   """dtype=bfloat16 from a float32 file: the device-side (and the host) cast rounds as ml_dtypes does."""
   monkeypatch.setattr(_stream, "HOST_BYTES", host_bytes)
   if host_bytes == 0:  # every tensor through the device programs, also on one CPU device
     monkeypatch.setattr(_stream, "_on_host_device", lambda sharding: False)
-  tensors = _write(tmp_path, 2, 16, 8, np.float32)
-  model = md_core.load_weights(
-    lambda: Scanned(2, 16, 8, nnx.Rngs(0)),
-    md_core.open_checkpoint(tmp_path),
-    _convert,
-    dtype=jnp.bfloat16,
-    progress=False,
-  )
+  tensors, model = _load_bfloat16(tmp_path, 2)
   want = np.stack([tensors[f"blocks.{i}.weight"].T for i in range(2)]).astype(ml_dtypes.bfloat16)
   assert model.w[...].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(model.w[...]), want)
@@ -140,19 +146,33 @@ def test_one_cpu_device_fills_stacks_on_the_host_without_device_programs(tmp_pat
 
   for name in ("_allocator", "_layer_writer"):
     monkeypatch.setattr(_stream, name, refuse)
-  tensors = _write(tmp_path, 3, 16, 8, np.float32)
-  model = md_core.load_weights(
-    lambda: Scanned(3, 16, 8, nnx.Rngs(0)),
-    md_core.open_checkpoint(tmp_path),
-    _convert,
-    dtype=jnp.bfloat16,
-    progress=False,
-  )
+  tensors, model = _load_bfloat16(tmp_path, 3)
   want = np.stack([tensors[f"blocks.{i}.weight"].T for i in range(3)]).astype(ml_dtypes.bfloat16)
   np.testing.assert_array_equal(np.asarray(model.w[...]), want)
   qk = tensors["qk.weight"].astype(ml_dtypes.bfloat16)
   np.testing.assert_array_equal(np.asarray(model.k[...]), qk[8:].T)
   assert model.w[...].unsafe_buffer_pointer() % _stream._ALIGN == 0
+
+
+@pytest.mark.parametrize(
+  ("shape", "perm"),
+  [
+    ((37, 11), (1, 0)),
+    ((9, 5, 3, 3), (2, 3, 1, 0)),
+    ((6, 4, 3, 2, 2), (2, 3, 4, 1, 0)),
+    ((7, 5), (0, 1)),
+  ],
+)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_blocked_permute_equals_numpy_transpose(monkeypatch, shape, perm, dtype):
+  """The host path's blocked copy (blocks of a few source rows, here 2-3) equals NumPy's whole-array
+  transpose and cast: linear, conv2d (OIHW -> HWIO) and conv3d layouts, and the identity."""
+  src = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+  monkeypatch.setattr(_stream, "_BLOCK_BYTES", 2 * src[0].nbytes + 1)
+  dst = _stream._aligned_empty(tuple(shape[i] for i in perm), np.dtype(dtype))
+  _stream._copy_permuted(dst, src, perm)
+  np.testing.assert_array_equal(dst, np.transpose(src, perm).astype(dtype))
+  assert dst.ctypes.data % _stream._ALIGN == 0
 
 
 def _rss_anon() -> int:

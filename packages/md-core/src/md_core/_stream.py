@@ -85,7 +85,8 @@ def _on_host_device(sharding: Sharding) -> bool:
   """Whether the parameter lands on one CPU device, whose buffers jax can alias from host memory."""
   if sharding is None:
     device = jax.config.jax_default_device or jax.devices()[0]
-    return getattr(device, "platform", None) == "cpu"
+    platform = device if isinstance(device, str) else getattr(device, "platform", None)
+    return platform == "cpu"
   devices = sharding.device_set
   return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
@@ -105,12 +106,11 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def _copy_permuted(dst: np.ndarray, src: np.ndarray, perm: tuple[int, ...]) -> None:
   """`dst[...] = src.transpose(perm)` (cast as needed), a block of the source's leading rows at a time:
   NumPy's whole-array strided transpose misses the cache on every element of large matrices."""
-  if perm == tuple(range(src.ndim)) or src.ndim == 0:
-    np.copyto(dst, src, casting="unsafe")
+  if perm == tuple(range(src.ndim)) or src.size == 0:
+    np.copyto(dst, np.transpose(src, perm), casting="unsafe")
     return
   axis = perm.index(0)  # where the source's leading axis lands
-  row = max(1, src[0].nbytes if src.shape[0] else 1)
-  block = max(1, _BLOCK_BYTES // row)
+  block = max(1, _BLOCK_BYTES // src[0].nbytes)
   for start in range(0, src.shape[0], block):
     where = (slice(None),) * axis + (slice(start, start + block),)
     np.copyto(dst[where], np.transpose(src[start : start + block], perm), casting="unsafe")
