@@ -41,6 +41,11 @@ def _args(argv=None):
   p.add_argument("--refs", type=int, default=2, help="Flux.2 reference images (each image_tokens)")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+  p.add_argument(
+    "--stacked",
+    action="store_true",
+    help="md: pass the stacked per-layer parameters as they are (scanned), not per layer as the pipelines do",
+  )
   p.add_argument("--torch", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--folder", default="", help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -176,6 +181,7 @@ def _md_side(a, folder: pathlib.Path) -> dict:
   import numpy as np
   from flax import nnx
 
+  import md_core
   import md_flux
 
   io = dict(np.load(folder / "inputs.npz"))
@@ -194,6 +200,8 @@ def _md_side(a, folder: pathlib.Path) -> dict:
   results = {}
   m1 = md_flux.load_flux(folder / "flux1")
   g1, st1 = nnx.split(m1)
+  views = (lambda st: st) if a.stacked else md_core.layer_views  # the pipelines' Split.jit_state
+  st1 = views(st1)
   f1 = jax.jit(
     lambda st, x, c, p, i, t: nnx.merge(g1, st)(x, c, p, jnp.full((1,), 0.7), i, t, guidance=3.5)
   )
@@ -203,6 +211,7 @@ def _md_side(a, folder: pathlib.Path) -> dict:
 
   m2 = md_flux.load_flux2(folder / "flux2")
   g2, st2 = nnx.split(m2)
+  st2 = views(st2)
   t = jnp.full((1,), 0.7)
   img_ids, ref_ids = io["img2"][:s], io["img2"][s:]
 
@@ -244,7 +253,7 @@ def main(argv=None) -> int:
     return 0
   python = ROOT / "tools" / ".venv" / "bin" / "python"
   with tempfile.TemporaryDirectory() as tmp:
-    flags = [f"--{k}={v}" for k, v in vars(a).items() if k not in ("torch", "folder")]
+    flags = [f"--{k}={v}" for k, v in vars(a).items() if k not in ("torch", "folder", "stacked")]
     subprocess.run(
       [str(python), __file__, "--torch", f"--folder={tmp}", *flags],
       check=True,
@@ -257,7 +266,7 @@ def main(argv=None) -> int:
   print(
     f"# {datetime.date.today()} {platform.node()} {os.cpu_count()} CPUs, {jax.devices()[0].platform},"
     f" jax {jax.__version__}, torch {ref['torch']} ({ref['threads']} threads); layers={a.layers} "
-    f"dim={a.dim} image_tokens={a.image_tokens} text_tokens={a.text_tokens} refs={a.refs}, float32"
+    f"dim={a.dim} image_tokens={a.image_tokens} text_tokens={a.text_tokens} refs={a.refs}, float32, md parameters {'stacked (scan)' if a.stacked else 'per layer (as the pipelines)'}"
   )
   print("| step | md (ms) | diffusers (ms) | diffusers / md |")
   print("|---|---|---|---|")

@@ -115,3 +115,116 @@ def test_block_hook_bad_range_and_bad_policy():
       md_core.scan_layers(stack, _body, x, 1.0)
   with pytest.raises(ValueError, match="unknown remat policy 'dot'"):
     md_core.scan_layers(stack, _body, x, 1.0, remat="dot")
+
+
+def _views_of(stack):
+  graphdef, state = nnx.split(stack)
+  return graphdef, state, md_core.layer_views(state, min_bytes=0)
+
+
+def test_layer_views_alias_the_stacked_buffer_and_copy_only_unaligned_layers():
+  make = lambda r: nn.Dense(64, 48, axes=("embed", "mlp"), rngs=r)  # noqa: E731
+  stack = md_core.stack_layers(make, 3, nnx.Rngs(0))
+  _, state, views = _views_of(stack)
+  kernel, kviews = state["kernel"].get_value(), views["kernel"].get_value()
+  assert isinstance(kviews, md_core.LayerViews)
+  assert kviews.shape == (3, 64, 48) and kviews.dtype == jnp.float32 and kviews.ndim == 3
+  assert len(kviews[1:]) == 2 and "3 x (64, 48)" in repr(kviews)
+  base = kernel.unsafe_buffer_pointer()
+  for i in range(3):
+    # 64 * 48 * 4 bytes per layer: every layer starts aligned, so each view is the stack's own memory.
+    assert kviews[i].unsafe_buffer_pointer() == base + i * 64 * 48 * 4
+    chex.assert_trees_all_equal(kviews[i], kernel[i])
+  # A 5-float bias is 20 bytes a layer: layers 1 and 2 start unaligned and are copied, with equal values.
+  odd = md_core.stack_layers(
+    lambda r: nn.Dense(4, 5, axes=("embed", "mlp"), rngs=r), 3, nnx.Rngs(1)
+  )
+  _, ostate, oviews = _views_of(odd)
+  for i in range(3):
+    chex.assert_trees_all_equal(oviews["bias"].get_value()[i], ostate["bias"].get_value()[i])
+  # Layers under `min_bytes` (default 4 MiB) stay stacked; nothing converted: the same state back.
+  assert md_core.layer_views(state) is state
+  assert not isinstance(
+    md_core.layer_views(state, min_bytes=48 * 4 + 1)["bias"].get_value(), md_core.LayerViews
+  )
+  assert isinstance(
+    md_core.layer_views(state, min_bytes=48 * 4 + 1)["kernel"].get_value(), md_core.LayerViews
+  )
+  plain_state = nnx.state(nn.Dense(4, 4, axes=("embed", "mlp"), rngs=nnx.Rngs(0)))
+  assert md_core.layer_views(plain_state) is plain_state
+
+
+def test_layer_views_run_the_same_blocks_with_hooks_per_layer_inputs_and_gradients():
+  stack, x = _stack(4), jnp.linspace(-1, 1, 8).reshape(2, 4)
+  graphdef, state, views = _views_of(stack)
+  flags = jnp.asarray([1.0, 0.0, 1.0, 1.0])
+
+  def body(block, h, flag, scale):
+    out = jnp.where(flag > 0, jnp.tanh(block(h)) * scale, h)
+    return out, jnp.sum(out)
+
+  def run(st, x):
+    return md_core.scan_layers(nnx.merge(graphdef, st), body, x, 1.5, per_layer=flags)
+
+  (h_views, sums_views), (h_scan, sums_scan) = jax.jit(run)(views, x), jax.jit(run)(state, x)
+  chex.assert_trees_all_close(h_views, h_scan, atol=1e-6, rtol=0)
+  chex.assert_trees_all_close(sums_views, sums_scan, atol=1e-6, rtol=0)
+  chex.assert_shape(sums_views, (4,))
+  # The per-layer program reads each layer's own arguments: no loop, no slice of a stacked weight (the
+  # only slices are of the 1-D per-layer flags).
+  eqns = jax.make_jaxpr(run)(views, x).jaxpr.eqns
+  assert not {e.primitive.name for e in eqns} & {"scan", "while"}
+  sliced = [e.invars[0].aval.shape for e in eqns if e.primitive.name in ("slice", "dynamic_slice")]
+  assert sliced and all(shape == (4,) for shape in sliced), sliced
+
+  loss = lambda st, x: jnp.sum(run(st, x)[0] ** 2)  # noqa: E731
+  gx_views, gx_scan = jax.grad(loss, 1)(views, x), jax.grad(loss, 1)(state, x)
+  chex.assert_trees_all_close(gx_views, gx_scan, atol=1e-6, rtol=0)
+
+  def split(run_blocks, carry, *, num_layers, index):
+    seen.append(run_blocks.probe(carry))
+    return run_blocks(run_blocks(carry, 0, 1), 1, num_layers)
+
+  probe = lambda block, h, flag, scale: block(h) * scale + flag  # noqa: E731
+  for st in (views, state):
+    seen = []
+    with md_core.block_hook(split):
+      h = md_core.scan_layers(nnx.merge(graphdef, st), body, x, 1.5, per_layer=flags, probe=probe)[
+        0
+      ]
+    chex.assert_trees_all_close(h, h_scan, atol=1e-6, rtol=0)
+    k, b = stack.kernel[...], stack.bias[...]
+    chex.assert_trees_all_close(seen[0], (x @ k[0] + b[0].reshape(1, 4)) * 1.5 + 1.0, atol=1e-6)
+  assert md_core.num_layers_of(nnx.merge(graphdef, views)) == 4
+
+
+def test_layer_views_leave_arrays_spread_over_devices_alone():
+  stack = _stack(4)
+  mesh = jax.sharding.Mesh(jax.devices()[:2], ("x",))
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
+  state = nnx.state(stack)
+  sharded = jax.tree.map(lambda a: jax.device_put(a, spec) if a.ndim == 3 else a, state)
+  views = md_core.layer_views(sharded, min_bytes=0)
+  assert not isinstance(views["kernel"].get_value(), md_core.LayerViews)
+  assert isinstance(views["bias"].get_value(), md_core.LayerViews)  # on one device: viewed
+
+
+def test_split_jit_state_is_cached_and_rebuilt_when_the_state_changes():
+  from md_core.pipeline import Split
+
+  # 1024 x 1024 float32 kernels: 4 MiB a layer, the default threshold.
+  make = lambda r: nn.Dense(1024, 1024, axes=("embed", "mlp"), rngs=r)  # noqa: E731
+  split = Split.of(md_core.stack_layers(make, 3, nnx.Rngs(0)))
+  first = split.jit_state()
+  assert split.jit_state() is first
+  assert isinstance(first["kernel"].get_value(), md_core.LayerViews)
+  assert not isinstance(
+    first["bias"].get_value(), md_core.LayerViews
+  )  # 4 KB a layer: stays stacked
+  split.state = jax.tree.map(lambda a: a * 2, split.state)
+  second = split.jit_state()
+  assert second is not first
+  chex.assert_trees_all_close(
+    second["kernel"].get_value()[2], split.state["kernel"].get_value()[2], atol=0, rtol=0
+  )
+  assert jax.tree.structure(second) == jax.tree.structure(first)

@@ -3,6 +3,7 @@
 steps, frames within 1e-3 (measured: below 1e-6). The flf2v/ case is Wan 2.1 FLF2V (first and last frame)."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -86,6 +87,22 @@ def test_matches_reference(ref, case):
     image = np.asarray(ref["i2v/image"], np.float32)[None] / 255.0
     tokens = pipe.encode_image(image)
     np.testing.assert_allclose(np.asarray(tokens), ref["i2v/image_embeds"], atol=1e-4, rtol=0)
+
+
+def test_per_layer_views_match_reference(ref, monkeypatch):
+  """The pipeline's CPU path with every stacked transformer parameter passed per layer
+  (`md_core.layer_views`, on here for the tiny weights too): the two-expert video stays within the
+  reference tolerance."""
+  import md_core._scan
+
+  every = functools.partial(md_core._scan.layer_views, min_bytes=0)
+  monkeypatch.setattr(md_core._scan, "layer_views", every)
+  pipe = md_wan.load_pipeline(ROOT / CASES["t2v_a14b"][0])
+  out = _run(pipe, ref, "t2v_a14b")
+  np.testing.assert_allclose(np.asarray(out), ref["t2v_a14b/frames"], atol=1e-3, rtol=0)
+  for split in (pipe._t1, pipe._t2):
+    kernel = split.jit_state()["blocks"]["ffn"]["proj_in"]["kernel"].get_value()
+    assert isinstance(kernel, md_core.LayerViews)
 
 
 @pytest.mark.slow

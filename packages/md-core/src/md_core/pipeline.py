@@ -43,6 +43,19 @@ class Split:
     """Splits the module again (after its graph changed, e.g. LoRA slots were added)."""
     self.graphdef, self.state = nnx.split(self.module)
 
+  def jit_state(self) -> Any:
+    """The state to pass to jitted programs: on one CPU device every stacked parameter as per-layer
+    views of it (`md_core.layer_views`: XLA's CPU matmuls would copy each layer's weights out of the
+    stack on every call), elsewhere `state` itself. Rebuilt (without copying) when `state` changes,
+    e.g. after a LoRA swap: same tree, same shapes, so compiled programs are reused."""
+    from md_core._scan import layer_views  # noqa: PLC0415
+
+    cached = self.__dict__.get("_views")
+    if cached is None or cached[0] is not self.state:
+      cached = (self.state, layer_views(self.state))
+      self.__dict__["_views"] = cached
+    return cached[1]
+
   def merge(self, state: Any | None = None) -> nnx.Module:
     """The module with `state` (a traced copy inside jit; default: the stored state)."""
     return nnx.merge(self.graphdef, self.state if state is None else state)

@@ -293,7 +293,7 @@ class FluxPipeline(mdp.Pipeline):
       ("loop", repr(sorted(sched.config.items())), guide, cache),
       lambda: pc.run_fn(self._denoiser(), sched, guide, cache),
     )
-    params = self._tr.state
+    params = self._tr.jit_state()
     # Under the mesh, context-parallel attention (ring / Ulysses) finds its `context` axis.
     carry = pc.run_loop(
       self, run, x, st, args=(params, cond, scales),

@@ -528,7 +528,7 @@ class Flux2KleinPipeline(mdp.Pipeline):
       ("loop", sched_key, guide, mode, s_img, cache),
       lambda: pc.run_fn(self._denoiser(mode, s_img), sched, guide, cache),
     )
-    params = self._tr.state
+    params = self._tr.jit_state()
     if kv:
       first = self.jit(("first", sched_key, cache), lambda: self._first_step_fn(sched, cache))
       first_cond = dict(

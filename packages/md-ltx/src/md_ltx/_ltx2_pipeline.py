@@ -729,7 +729,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
       carry = mdsch.init_state(self.place((xg, a)), st, cache=cache)
       cond_in = self.place(cond_in)
       carry = mdsch.drive(
-        run, carry, 0, total, args=(self._tr.state, cond_in, scales),
+        run, carry, 0, total, args=(self._tr.jit_state(), cond_in, scales),
         chunk=chunk, callback=report, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
     self.last_calls, self.last_cache = int(carry.calls), carry.cache

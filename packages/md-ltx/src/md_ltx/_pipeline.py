@@ -870,7 +870,7 @@ class LTXVideoPipeline(mdp.Pipeline):
     run = self.jit(
       key, lambda: self._run_fn(sched, mode=mode, guide=guide, stg_mode=stg_mode, cache=cache)
     )
-    params = self._tr.state
+    params = self._tr.jit_state()
     with self.context():
       carry = mdsch.init_state(self.place(x), state, cache=cache)
       carry = mdsch.drive(

@@ -541,7 +541,7 @@ class WanVideoPipeline(mdp.Pipeline):
       key,
       lambda: self._run_fn(sched, switch=switch, total=total, guide=guide, mode=mode, cache=cache),
     )
-    s1, s2 = self._t1.state, None if self._t2 is None else self._t2.state
+    s1, s2 = self._t1.jit_state(), None if self._t2 is None else self._t2.jit_state()
     with self.context():
       carry = mdsch.init_state(self.place(x), state, cache=cache)
       cond, scales = self.place(cond), [jax.tree.map(jnp.asarray, g) for g in scales]
