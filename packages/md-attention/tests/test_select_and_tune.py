@@ -11,6 +11,7 @@ import pytest
 
 import md_attention as mda
 import md_attention._attention as mda_attention
+import md_attention._select as mda_select
 import md_attention.testing as mdat
 
 
@@ -26,6 +27,35 @@ def test_auto_selection(mesh_shape, heads, s, want):
   got = mda.select_implementation((2, s, heads, 16), (2, s, heads, 16), jnp.float32, mesh,
                                   mda.AttentionConfig())  # fmt: skip
   assert got == want
+
+
+def test_auto_on_cpu_chunks_queries_past_the_score_budget(monkeypatch):
+  """On CPU `auto` keeps `dot_product` while the float32 scores fit `CPU_SCORES_BYTES`, then runs
+  blockwise over query chunks with every key in one block (up to `CPU_MAX_KV_BLOCK` keys); explicit
+  settings are left alone. Same values as `dot_product` either way."""
+  assert jax.default_backend() == "cpu"
+  monkeypatch.setattr(mda_select, "CPU_SCORES_BYTES", 2 * 96 * 96 * 4 - 1)
+  calls = _record_local(monkeypatch)
+  q, k, v, keep, _ = mdat.random_inputs(1, 96, 96, 2, 16, mask=True)
+  small = mdat.random_inputs(1, 48, 96, 2, 16, mask=True)
+  monkeypatch.setattr(mda_select, "CPU_QUERY_CHUNK", 32)
+  got = mda.attention(q, k, v, mask=keep)
+  want = mda.attention(q, k, v, mask=keep, implementation="dot_product")
+  assert float(jnp.abs(got - want).max()) < 1e-5
+  mda.attention(*small[:3], mask=small[3])  # 48 x 96 scores per head: under the budget
+  mda.attention(q, k, v, mask=keep, implementation="blockwise")  # explicit: the config's blocks
+  config = mda.AttentionConfig(block_q=16, block_kv=16)
+  mda.attention(q, k, v, config=config)  # auto with other block sizes in the config: still chunks
+  assert calls == [
+    ("blockwise", 32, 96, (1, 96, 2, 16)),
+    ("dot_product", 512, 512, (1, 96, 2, 16)),
+    ("dot_product", 512, 512, (1, 48, 2, 16)),
+    ("blockwise", 512, 512, (1, 96, 2, 16)),
+    ("blockwise", 32, 96, (1, 96, 2, 16)),
+  ]
+  # More keys than one block takes: the config's blocks.
+  monkeypatch.setattr(mda_select, "CPU_MAX_KV_BLOCK", 64)
+  assert mda_select.cpu_blocks(96, 96, config) == (16, 16)
 
 
 def test_auto_runs_and_logs_once(caplog):

@@ -20,7 +20,7 @@ from md_attention._config import (
 from md_attention._context_parallel import context_parallel_attention
 from md_attention._cudnn import cudnn_attention
 from md_attention._dot_product import dot_product_attention, normalize_window
-from md_attention._select import select_implementation
+from md_attention._select import cpu_blocks, select_implementation
 from md_attention._splash import splash_attention
 from md_attention._tuner import tuned_blocks
 
@@ -135,7 +135,8 @@ def attention(
   scale = float(d) ** -0.5 if scale is None else float(scale)
   window = normalize_window(window, causal)
   mesh = shd.context_mesh() if mesh is None else mesh
-  if implementation == "auto":
+  auto = implementation == "auto"
+  if auto:
     implementation = select_implementation(q.shape, k.shape, q.dtype, mesh, config)
 
   backend = jax.default_backend()
@@ -150,6 +151,8 @@ def attention(
     )
 
   block_q, block_kv = config.block_q, config.block_kv
+  if auto and implementation == "blockwise" and backend == "cpu" and not config.tune:
+    block_q, block_kv = cpu_blocks(s_q, s_kv, config)
   if config.tune and implementation != "dot_product" and implementation != "cudnn":
     # Under a trace a cache lookup only (a miss warns); eagerly a miss is measured.
     block_q, block_kv = tuned_blocks(

@@ -13,6 +13,23 @@ from md_attention._config import AttentionConfig
 logger = logging.getLogger("md_attention")
 _logged: set[tuple] = set()
 
+# On CPU, XLA writes a materialised score matrix to memory and reads it back in every softmax pass;
+# past this size `auto` runs exact attention over chunks of queries instead (blockwise with one key
+# block up to CPU_MAX_KV_BLOCK keys: no online-softmax merges). Measured on a 2-core x86 CPU, float32,
+# 2026-12-05: Flux.2 edit shapes (8 heads x 64, 1664 tokens) 131 -> 45 ms; LTX-Video (32 heads x 64,
+# 768 tokens) 112 -> 56 ms; 8 heads x 4096 tokens 288 (512 x 512 blocks) -> 277 ms.
+CPU_SCORES_BYTES = 16 << 20
+CPU_QUERY_CHUNK = 128
+CPU_MAX_KV_BLOCK = 4096
+
+
+def cpu_blocks(s_q: int, s_kv: int, config: AttentionConfig) -> tuple[int, int]:
+  """`(block_q, block_kv)` of `auto`'s blockwise choice on CPU: query chunks of `CPU_QUERY_CHUNK` over
+  all keys when there are at most `CPU_MAX_KV_BLOCK`, else the config's blocks."""
+  if s_kv > CPU_MAX_KV_BLOCK:
+    return config.block_q, config.block_kv
+  return min(CPU_QUERY_CHUNK, s_q), s_kv
+
 
 def select_implementation(q_shape, kv_shape, dtype, mesh, config: AttentionConfig) -> str:
   """The implementation `auto` runs for these shapes, dtype and mesh.
@@ -21,7 +38,8 @@ def select_implementation(q_shape, kv_shape, dtype, mesh, config: AttentionConfi
   when the heads per device divide by it, else `ulysses_ring` with the largest Ulysses part that
   works, else `ring`); then the accelerator's flash kernel (`cudnn` on NVIDIA GPUs for bf16/fp16 and
   head dims up to 256, `splash` on TPU) from `min_seq_length` on; then `blockwise` from
-  `min_seq_length` on, `dot_product` below.
+  `min_seq_length` on, `dot_product` below — except on CPU, where a score matrix over
+  `CPU_SCORES_BYTES` (float32) takes `blockwise` too, in the blocks `cpu_blocks` gives.
   """
   backend = jax.default_backend()
   b, s_q, h, d = q_shape
@@ -47,6 +65,9 @@ def select_implementation(q_shape, kv_shape, dtype, mesh, config: AttentionConfi
     choice, reason = "splash", "TPU"
   elif long:
     choice, reason = "blockwise", f"sequence length >= min_seq_length={config.min_seq_length}"
+  elif backend == "cpu" and b * h * s_q * s_kv * 4 > CPU_SCORES_BYTES:
+    choice = "blockwise"
+    reason = f"CPU, query chunks: the scores would take {b * h * s_q * s_kv * 4 / 2**20:.0f} MiB"
   else:
     choice, reason = "dot_product", f"sequence length < min_seq_length={config.min_seq_length}"
   key = (choice, backend, s_q, s_kv, context)
