@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _flops import count_flops
+from _profile import print_profile
 
 import md_core
 import md_wan
@@ -97,6 +98,9 @@ def main() -> None:
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--peak_size", type=int, default=2048)
+  parser.add_argument(
+    "--profile", action="store_true", help="also print md's time per XLA op kind (jax.profiler)"
+  )
   parser.add_argument(
     "--stacked",
     action="store_true",
@@ -191,6 +195,8 @@ def main() -> None:
     f"md FLOPs/step {flops / 1e9:.2f} G -> {flops / md_seconds / 1e9:.1f} GFLOP/s; measured matmul peak "
     f"({args.peak_size}^3) {peak / 1e9:.1f} GFLOP/s -> {100 * flops / md_seconds / peak:.0f}% of peak"
   )
+  if args.profile:
+    print_profile(fwd, state, *inputs)
 
 
 if __name__ == "__main__":
