@@ -191,3 +191,29 @@ def test_conv3d_names_too_few_frames():
   conv = nn.Conv(3, 2, (3, 3, 3), padding=((0, 0), (1, 1), (1, 1)), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="2 frames \\(padded\\) are fewer than the kernel's 3"):
     conv(jnp.zeros((1, 2, 4, 4, 3)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_matmul_rounds_a_float32_product_once(dtype):
+  """`nn.matmul` (and so `Dense`): low-precision operands give the float32 product of their values
+  rounded once to their dtype (NumPy in float64 as the reference); float32 stays a plain matmul."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3, 5, 64)), dtype)
+  w = jnp.asarray(rng.standard_normal((64, 24)) / 8, dtype)
+  got = nn.matmul(x, w)
+  assert got.dtype == dtype
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  want = np.asarray(jnp.asarray(exact.astype(np.float32)).astype(dtype), np.float64)
+  # Low precision: at most one rounding step of the output dtype away from the exactly rounded
+  # product. float32: its own accumulation error over 64 terms.
+  ulp = {jnp.bfloat16: 2**-7, jnp.float16: 2**-10, jnp.float32: 1e-5}[dtype]
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=ulp, atol=ulp)
+  eqn = next(
+    e for e in jax.make_jaxpr(nn.matmul)(x, w).jaxpr.eqns if e.primitive.name == "dot_general"
+  )
+  wide = jax.default_backend() == "cpu" and dtype != jnp.float32
+  assert eqn.params["preferred_element_type"] == (jnp.float32 if wide else dtype)
+  dense = nn.Dense(64, 24, axes=("embed", "mlp"), rngs=nnx.Rngs(0))
+  dense.kernel[...] = w
+  dense.bias[...] = jnp.zeros((24,), dtype)
+  np.testing.assert_array_equal(np.asarray(dense(x), np.float64), np.asarray(got, np.float64))
