@@ -193,15 +193,16 @@ def test_conv3d_names_too_few_frames():
     conv(jnp.zeros((1, 2, 4, 4, 3)))
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 64), (1, 1, 64), (64,)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-def test_matmul_rounds_a_float32_product_once(dtype):
+def test_matmul_rounds_a_float32_product_once(dtype, shape):
   """`nn.matmul` (and so `Dense`): low-precision operands give the float32 product of their values
   rounded once to their dtype (NumPy in float64 as the reference); float32 stays a plain matmul."""
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((3, 5, 64)), dtype)
+  x = jnp.asarray(rng.standard_normal(shape), dtype)
   w = jnp.asarray(rng.standard_normal((64, 24)) / 8, dtype)
   got = nn.matmul(x, w)
-  assert got.dtype == dtype
+  assert got.dtype == dtype and got.shape == (*shape[:-1], 24)
   exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   want = np.asarray(jnp.asarray(exact.astype(np.float32)).astype(dtype), np.float64)
   # Low precision: at most one rounding step of the output dtype away from the exactly rounded
