@@ -130,6 +130,8 @@ def test_layer_views_alias_the_stacked_buffer_and_copy_only_unaligned_layers():
   assert isinstance(kviews, md_core.LayerViews)
   assert kviews.shape == (3, 64, 48) and kviews.dtype == jnp.float32 and kviews.ndim == 3
   assert len(kviews[1:]) == 2 and "3 x (64, 48)" in repr(kviews)
+  chex.assert_trees_all_equal(kviews[...], kernel)  # model code reading the whole stack still can
+  chex.assert_trees_all_equal(kviews[1, 2], kernel[1, 2])
   base = kernel.unsafe_buffer_pointer()
   for i in range(3):
     # 64 * 48 * 4 bytes per layer: every layer starts aligned, so each view is the stack's own memory.

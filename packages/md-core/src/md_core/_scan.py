@@ -96,7 +96,7 @@ class LayerViews:
   """A stacked `[layers, ...]` parameter as one array per layer (a pytree whose children are the layers).
 
   `shape`, `dtype` and `ndim` describe the stacked parameter; `views[i]` is layer `i`, `views[a:b]` the
-  layers `a..b-1` as a `LayerViews`.
+  layers `a..b-1` as a `LayerViews`; any other index (`views[...]`) indexes the stacked array.
   """
 
   def __init__(self, parts):
@@ -130,7 +130,11 @@ class LayerViews:
   def __getitem__(self, index):
     if isinstance(index, slice):
       return LayerViews(self.parts[index])
-    return self.parts[index]
+    if isinstance(index, int):
+      return self.parts[index]
+    # Anything else (`views[...]`, a tuple index) reads the stacked array: built from the layers (under
+    # jit only if the result is used; reading its dtype or shape costs nothing).
+    return jnp.stack(self.parts)[index]
 
   def __repr__(self) -> str:
     return f"LayerViews({len(self.parts)} x {self.parts[0].shape} {self.dtype})"

@@ -121,7 +121,7 @@ class FluxPipeline(mdp.Pipeline):
 
     fn = self.jit("encode", make)
     with self.context():
-      return fn(self._te.state, self._te2.state, jnp.asarray(ids), jnp.asarray(ids2))
+      return fn(self._te.jit_state(), self._te2.jit_state(), jnp.asarray(ids), jnp.asarray(ids2))
 
   def _embeddings(self, prompt, prompt_embeds, pooled, max_sequence_length, what="prompt"):
     prompts = mdp.as_prompts(prompt, what)

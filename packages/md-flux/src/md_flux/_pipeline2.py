@@ -223,7 +223,7 @@ class Flux2KleinPipeline(mdp.Pipeline):
 
     fn = self.jit(("encode", layers), make)
     with self.context():
-      return fn(self._te.state, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
+      return fn(self._te.jit_state(), jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
 
   # --- images -------------------------------------------------------------------------------------------
   def encode_image(self, pixels: np.ndarray) -> jax.Array:

@@ -215,7 +215,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
     fn = self.jit(("gemma", max_sequence_length), lambda: jax.jit(encode))
     mask = jnp.asarray(tokens.mask, jnp.int32)
     with self.context():
-      return fn(self._text.state, jnp.asarray(tokens.ids), mask), mask
+      return fn(self._text.jit_state(), jnp.asarray(tokens.ids), mask), mask
 
   def connect(self, embeds: jax.Array, mask: jax.Array) -> md_text.LTX2TextEmbeds:
     """The feature extractor and connectors on packed Gemma states: video / audio text states + mask."""
@@ -227,7 +227,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
 
     fn = self.jit(("connectors", side), lambda: jax.jit(run))
     with self.context():
-      return fn(self._text.state, jnp.asarray(embeds, _F32), jnp.asarray(mask, jnp.int32))
+      return fn(self._text.jit_state(), jnp.asarray(embeds, _F32), jnp.asarray(mask, jnp.int32))
 
   # --- sizes ---------------------------------------------------------------------------------------------
   def check_size(self, height: int, width: int, num_frames: int) -> None:

@@ -222,7 +222,7 @@ class LTXVideoPipeline(mdp.Pipeline):
 
     fn = self.jit(("encode", max_sequence_length), lambda: jax.jit(encode))
     with self.context():
-      states = fn(self._te.state, jnp.asarray(tokens.ids))
+      states = fn(self._te.jit_state(), jnp.asarray(tokens.ids))
     return states, jnp.asarray(tokens.mask, jnp.int32)
 
   # --- sizes ---------------------------------------------------------------------------------------------

@@ -229,8 +229,8 @@ class StableDiffusionPipeline(mdp.Pipeline):
     ids = None if self.tokenizer is None else md_text.tokenize(self.tokenizer, prompts).ids
     ids2 = md_text.tokenize(self.tokenizer_2, prompts).ids if self.kind == "sdxl" else None
     fn = self.jit(("encode", clip_skip), lambda: self._encode_fn(clip_skip))
-    te_state = None if self._te is None else self._te.state
-    te2_state = None if self._te2 is None else self._te2.state
+    te_state = None if self._te is None else self._te.jit_state()
+    te2_state = None if self._te2 is None else self._te2.jit_state()
     with self.context():
       return fn(
         te_state,

@@ -179,7 +179,7 @@ class WanVideoPipeline(mdp.Pipeline):
 
     fn = self.jit(("encode", max_sequence_length), lambda: jax.jit(encode))
     with self.context():
-      return fn(self._te.state, jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
+      return fn(self._te.jit_state(), jnp.asarray(tokens.ids), jnp.asarray(tokens.mask))
 
   def encode_image(self, images: Any) -> jax.Array:
     """CLIP image tokens (`hidden_states[-2]`, `[N, tokens, D]`) of images: `[N, H, W, 3]` (uint8, or
