@@ -45,3 +45,16 @@ def print_profile(fn, *args, top: int = 8) -> None:
   for kind, ms in list(kinds.items())[:top]:
     print(f"  {ms:8.1f}  {100 * ms / total:4.0f}%  {kind}")
   print("  slowest ops: " + ", ".join(f"{name} {ms:.1f}" for name, ms in ops[:top]))
+
+
+def add_step_options(parser) -> None:
+  """The options of the transformer-step benches (wan.py, ltx.py) about how md runs."""
+  parser.add_argument(
+    "--profile", action="store_true", help="also print md's time per XLA op kind (jax.profiler)"
+  )
+  parser.add_argument(
+    "--stacked",
+    action="store_true",
+    help="pass the stacked per-layer parameters as they are (scanned), not as the pipelines do "
+    "(md_core.layer_views on a CPU device: one array per layer)",
+  )

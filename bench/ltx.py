@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _flops import count_flops
-from _profile import print_profile
+from _profile import add_step_options, print_profile
 
 import md_core
 import md_ltx
@@ -104,15 +104,7 @@ def main() -> None:
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--peak_size", type=int, default=2048)
-  parser.add_argument(
-    "--profile", action="store_true", help="also print md's time per XLA op kind (jax.profiler)"
-  )
-  parser.add_argument(
-    "--stacked",
-    action="store_true",
-    help="pass the stacked per-layer parameters as they are (scanned), not as the pipelines do "
-    "(md_core.layer_views on a CPU device: one array per layer)",
-  )
+  add_step_options(parser)
   args = parser.parse_args()
   if not TORCH_PYTHON.is_file():
     raise SystemExit(f"{TORCH_PYTHON} not found: create it with `bash tools/make_fixtures.sh core`")

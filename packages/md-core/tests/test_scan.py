@@ -3,6 +3,7 @@
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -230,3 +231,20 @@ def test_split_jit_state_is_cached_and_rebuilt_when_the_state_changes():
     second["kernel"].get_value()[2], split.state["kernel"].get_value()[2], atol=0, rtol=0
   )
   assert jax.tree.structure(second) == jax.tree.structure(first)
+
+
+def test_layer_views_keep_the_stacked_buffer_alive():
+  """Views alias the stack's memory; dropping every other reference to the stacked arrays (module and
+  state) must not free it under them."""
+  import gc
+
+  make = lambda r: nn.Dense(64, 48, axes=("embed", "mlp"), rngs=r)  # noqa: E731
+  stack = md_core.stack_layers(make, 3, nnx.Rngs(0))
+  want = np.asarray(stack.kernel[...]).copy()
+  views = md_core.layer_views(nnx.state(stack), min_bytes=0)
+  del stack
+  gc.collect()
+  junk = [jnp.full((64, 48), 7.0) + i for i in range(16)]  # reuse of freed memory would show here
+  jax.block_until_ready(junk)
+  for i in range(3):
+    np.testing.assert_array_equal(np.asarray(views["kernel"].get_value()[i]), want[i])

@@ -140,6 +140,9 @@ class LayerViews:
     return f"LayerViews({len(self.parts)} x {self.parts[0].shape} {self.dtype})"
 
 
+_TRACER = getattr(jax.core, "Tracer", ())  # views are made of concrete arrays only
+
+
 def _is_views(x: Any) -> bool:
   return isinstance(x, LayerViews)
 
@@ -170,7 +173,7 @@ def layer_views(state: Any, *, min_bytes: int = 4 << 20) -> Any:
     if not _stacked(var):
       return var
     value = var.get_value()
-    if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer) or value.ndim == 0:
+    if not isinstance(value, jax.Array) or isinstance(value, _TRACER) or value.ndim == 0:
       return var
     devices = value.devices()
     device = next(iter(devices))
@@ -201,12 +204,8 @@ def _loop(step: Callable, carry: Any, state: Any, per_layer: Any, start: int, st
   """`jax.lax.scan(step, carry, (state, per_layer))` over layers `[start, stop)` as a Python loop."""
   outs = []
   for i in range(start, stop):
-    carry, out = step(
-      carry, (_layer(state, i), None if per_layer is None else _layer(per_layer, i))
-    )
+    carry, out = step(carry, _layer((state, per_layer), i))
     outs.append(out)
-  if not outs or jax.tree.leaves(outs[0]) == []:
-    return carry, None if not outs else outs[0]
   return carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
 

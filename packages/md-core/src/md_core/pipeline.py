@@ -34,6 +34,7 @@ class Split:
   graphdef: Any
   state: Any
   module: Any = dataclasses.field(default=None, repr=False, compare=False)
+  _views: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   @classmethod
   def of(cls, module: nnx.Module | None) -> Split | None:
@@ -50,11 +51,9 @@ class Split:
     e.g. after a LoRA swap: same tree, same shapes, so compiled programs are reused."""
     from md_core._scan import layer_views  # noqa: PLC0415
 
-    cached = self.__dict__.get("_views")
-    if cached is None or cached[0] is not self.state:
-      cached = (self.state, layer_views(self.state))
-      self.__dict__["_views"] = cached
-    return cached[1]
+    if self._views is None or self._views[0] is not self.state:
+      self._views = (self.state, layer_views(self.state))
+    return self._views[1]
 
   def merge(self, state: Any | None = None) -> nnx.Module:
     """The module with `state` (a traced copy inside jit; default: the stored state)."""
