@@ -108,11 +108,41 @@ def test_restore_rejects_another_dataset():
     ({"split": "test"}, "unknown split 'test'"),
     ({"extent": (0.9, 0.5)}, "extent=.* must satisfy"),
     ({"travel": (0.1, 0.9)}, "travel=.* must satisfy"),
+    ({"start": "centre"}, "start='centre' must be 'fit' or 'shared'"),
   ],
 )
 def test_config_errors(kwargs, match):
   with pytest.raises(ValueError, match=match):
     mdd.ShapesConfig(**kwargs)
+
+
+def _first_frame_tells_the_sign(config, n=160):
+  """How well the best threshold on the first frame's x separates "right" clips from "left" ones (0.5:
+  not at all), and the analyser's direction accuracy over the same clips."""
+  xs, right, correct = [], [], 0
+  for i in range(n):
+    s = mdd.shapes_sample(config, 3, i)
+    a = mdd.analyse(s.pixels)
+    correct += a.direction == s.label.direction
+    if s.label.direction in ("left", "right"):
+      xs.append(a.track[0, 0])
+      right.append(s.label.direction == "right")
+  xs, right = np.asarray(xs), np.asarray(right)
+  best = max(np.mean((xs < t) == right) for t in np.unique(xs))
+  return max(best, 1 - best), correct / n
+
+
+def test_shared_start_hides_the_direction_in_the_first_frame():
+  """With the default start a shape near an edge can only move away from it, so the first frame tells
+  left from right almost always; with start="shared" it does not, and the clips still show the caption's
+  motion inside the frame."""
+  fit, fit_ok = _first_frame_tells_the_sign(mdd.ShapesConfig(size=64, frames=9, split="all"))
+  shared, shared_ok = _first_frame_tells_the_sign(
+    mdd.ShapesConfig(size=64, frames=9, split="all", start="shared")
+  )
+  assert fit >= 0.9 and shared <= 0.65, (fit, shared)
+  assert fit_ok == 1.0 and shared_ok == 1.0
+  assert mdd.ShapesConfig().start == "fit"
 
 
 def test_bad_seed_index_and_batch():

@@ -26,6 +26,11 @@ class ShapesConfig:
     extent: range of the shape's longer side, as a fraction of a grid cell (images) or of a third of the
       frame (videos).
     travel: range of the distance a video's shape moves, as a fraction of the frame.
+    start: where a video's shape starts. "fit" (the default): anywhere its whole track fits, so a shape
+      that starts near an edge moves away from it and the first frame mostly tells the direction.
+      "shared": every direction draws the first frame's position from the same central range (the
+      travel is cut to half the room where it would not fit), so the first frame alone does not tell
+      which way the shape goes; the caption does.
   """
 
   size: int = 64
@@ -33,6 +38,7 @@ class ShapesConfig:
   split: str = "train"
   extent: tuple[float, float] = (0.55, 0.8)
   travel: tuple[float, float] = (0.3, 0.5)
+  start: str = "fit"
 
   def __post_init__(self):
     if not isinstance(self.size, int) or self.size < 24:
@@ -46,6 +52,8 @@ class ShapesConfig:
     lo, hi = self.travel
     if not 0.1 <= lo <= hi <= 0.6:
       raise ValueError(f"ShapesConfig.travel={self.travel} must satisfy 0.1 <= low <= high <= 0.6")
+    if self.start not in ("fit", "shared"):
+      raise ValueError(f"ShapesConfig.start={self.start!r} must be 'fit' or 'shared'")
 
 
 class ShapesSample(NamedTuple):
@@ -97,12 +105,20 @@ def shapes_sample(config: ShapesConfig, seed: int, index: int) -> ShapesSample:
     extent = n / 3 * rng.uniform(*config.extent)
     travel = n * rng.uniform(*config.travel)
     lo, hi = extent / 2 + 1, n - extent / 2 - 1
-    start = rng.uniform(lo, hi - travel)
+    backwards = direction in ("left", "up")
+    if config.start == "shared":
+      travel = min(travel, (hi - lo) / 2)
+      start = rng.uniform(lo + travel, hi - travel)
+    else:
+      start = rng.uniform(lo, hi - travel)
     across = rng.uniform(lo, hi)
     t = np.linspace(0.0, 1.0, config.frames)
-    along = start + travel * t
-    if direction in ("left", "up"):
-      along = lo + hi - along
+    if config.start == "shared":
+      along = start - travel * t if backwards else start + travel * t
+    else:
+      along = start + travel * t
+      if backwards:
+        along = lo + hi - along
     xs, ys = (
       (along, np.full_like(t, across))
       if direction in ("left", "right")

@@ -181,7 +181,8 @@ def save_component(folder: pathlib.Path, module: nnx.Module, convert_key: Callab
 
 
 def _shapes_config(config: ml_collections.ConfigDict, split: str = "train") -> md_data.ShapesConfig:
-  """The recipe's shapes data; the options `extent` and `travel`, when set, replace md_data's ranges."""
+  """The recipe's shapes data; the options `extent` and `travel`, when set, replace md_data's ranges, and
+  `start` its start rule."""
   ranges = {}
   for key in ("extent", "travel"):
     value = config.get(key)
@@ -190,6 +191,8 @@ def _shapes_config(config: ml_collections.ConfigDict, split: str = "train") -> m
     if not isinstance(value, (list, tuple)) or len(value) != 2:
       raise ValueError(f"recipe option {key}={value!r} must be a [low, high] pair")
     ranges[key] = tuple(float(v) for v in value)
+  if config.get("start") is not None:
+    ranges["start"] = str(config.start)
   return md_data.ShapesConfig(size=config.size, frames=config.frames, split=split, **ranges)
 
 
