@@ -68,10 +68,8 @@ VARIANTS = {
       base="runs/shapes-wan-vae-still/export",
       size=64,
       frames=9,
-      extent=[
-        0.8,
-        0.9,
-      ],  # shapes of 17-19 px (md_data's default 12-17 px): their outlines train sooner
+      # Shapes of 17-19 px (md_data's default 12-17 px): their outlines train sooner.
+      extent=[0.8, 0.9],
       start="shared",  # the first frame does not tell the direction (md_data's default start does)
       num_clips=1024,
       batch_size=16,
