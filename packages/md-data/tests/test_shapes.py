@@ -107,6 +107,8 @@ def test_restore_rejects_another_dataset():
     ({"frames": 1}, "frames=1 must be None"),
     ({"split": "test"}, "unknown split 'test'"),
     ({"extent": (0.9, 0.5)}, "extent=.* must satisfy"),
+    ({"extent": (0.5, 1.2)}, r"extent=.* <= 0.9 for images"),
+    ({"frames": 9, "extent": (0.5, 1.6)}, r"extent=.* <= 1.5 for videos"),
     ({"travel": (0.1, 0.9)}, "travel=.* must satisfy"),
     ({"start": "centre"}, "start='centre' must be 'fit' or 'shared'"),
   ],
@@ -143,6 +145,22 @@ def test_shared_start_hides_the_direction_in_the_first_frame():
   assert fit >= 0.9 and shared <= 0.65, (fit, shared)
   assert fit_ok == 1.0 and shared_ok == 1.0
   assert mdd.ShapesConfig().start == "fit"
+
+
+@pytest.mark.parametrize("start", ["fit", "shared"])
+def test_large_video_shapes_stay_in_the_frame_and_read_back(start):
+  """Video shapes may be up to half the frame (extent 1.5 of a third): no frame cuts the shape off (its
+  ink, the summed distance from the background, is the same in every frame), and the analyser reads
+  colour, shape and direction as drawn."""
+  config = mdd.ShapesConfig(size=64, frames=9, split="all", extent=(1.3, 1.5), start=start)
+  for i in range(24):
+    sample = mdd.shapes_sample(config, 0, i)
+    background = np.asarray(mdd.BACKGROUNDS[sample.label.background], np.float32)
+    ink = np.abs(sample.pixels - background).sum(axis=(1, 2, 3))
+    assert ink.min() > 0.97 * ink.max(), (i, ink)
+    got = mdd.analyse(sample.pixels)
+    want = sample.label
+    assert (got.colour, got.shape, got.direction) == (want.colour, want.shape, want.direction), i
 
 
 def test_bad_seed_index_and_batch():

@@ -23,8 +23,8 @@ class ShapesConfig:
     size: height and width in pixels (at least 24).
     frames: frames per video; None draws still images.
     split: which colour × shape combinations are drawn: "train", "held_out" or "all" (see `split`).
-    extent: range of the shape's longer side, as a fraction of a grid cell (images) or of a third of the
-      frame (videos).
+    extent: range of the shape's longer side, as a fraction of a grid cell (images, at most 0.9) or of a
+      third of the frame (videos, at most 1.5: half the frame).
     travel: range of the distance a video's shape moves, as a fraction of the frame.
     start: where a video's shape starts. "fit" (the default): anywhere its whole track fits, so a shape
       that starts near an edge moves away from it and the first frame mostly tells the direction.
@@ -47,8 +47,12 @@ class ShapesConfig:
       raise ValueError(f"ShapesConfig.frames={self.frames!r} must be None (images) or an int >= 2")
     split(self.split)  # raises on an unknown name
     lo, hi = self.extent
-    if not 0.2 <= lo <= hi <= 0.9:
-      raise ValueError(f"ShapesConfig.extent={self.extent} must satisfy 0.2 <= low <= high <= 0.9")
+    top = 0.9 if self.frames is None else 1.5
+    if not 0.2 <= lo <= hi <= top:
+      kind = "images" if self.frames is None else "videos"
+      raise ValueError(
+        f"ShapesConfig.extent={self.extent} must satisfy 0.2 <= low <= high <= {top} for {kind}"
+      )
     lo, hi = self.travel
     if not 0.1 <= lo <= hi <= 0.6:
       raise ValueError(f"ShapesConfig.travel={self.travel} must satisfy 0.1 <= low <= high <= 0.6")
@@ -110,6 +114,7 @@ def shapes_sample(config: ShapesConfig, seed: int, index: int) -> ShapesSample:
       travel = min(travel, (hi - lo) / 2)
       start = rng.uniform(lo + travel, hi - travel)
     else:
+      travel = min(travel, hi - lo)  # only large shapes (extent > 0.9) need it
       start = rng.uniform(lo, hi - travel)
     across = rng.uniform(lo, hi)
     t = np.linspace(0.0, 1.0, config.frames)
