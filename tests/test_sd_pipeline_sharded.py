@@ -2,12 +2,16 @@
 
 import jax
 import numpy as np
+import pytest
 
 import md_sd
 import md_sharding as mds
 from md_core import testing
 
 
+# ~2 minutes of compiling (the whole SD pipeline twice): under `-m slow`. The default suite keeps the UNet
+# on the same mesh (below) and the Flux, LTX and Wan pipelines on 8 devices (their *_pipeline_sharded files).
+@pytest.mark.slow
 def test_sharded_pipeline_matches_single_device():
   root = testing.fixture_path("sd_pipeline")
   mesh = mds.make_mesh(
