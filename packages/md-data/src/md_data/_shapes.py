@@ -110,20 +110,19 @@ def shapes_sample(config: ShapesConfig, seed: int, index: int) -> ShapesSample:
     travel = n * rng.uniform(*config.travel)
     lo, hi = extent / 2 + 1, n - extent / 2 - 1
     backwards = direction in ("left", "up")
-    if config.start == "shared":
-      travel = min(travel, (hi - lo) / 2)
-      start = rng.uniform(lo + travel, hi - travel)
-    else:
-      travel = min(travel, hi - lo)  # only large shapes (extent > 0.9) need it
-      start = rng.uniform(lo, hi - travel)
-    across = rng.uniform(lo, hi)
     t = np.linspace(0.0, 1.0, config.frames)
     if config.start == "shared":
-      along = start - travel * t if backwards else start + travel * t
+      travel = min(travel, (hi - lo) / 2)
+      # max(): at the cap the two ends are equal up to rounding, which numpy would refuse as high < low.
+      start = rng.uniform(lo + travel, max(lo + travel, hi - travel))
+      along = start + (-travel if backwards else travel) * t
     else:
+      travel = min(travel, hi - lo)  # only large shapes (extent > 0.9) need it
+      start = rng.uniform(lo, max(lo, hi - travel))
       along = start + travel * t
       if backwards:
         along = lo + hi - along
+    across = rng.uniform(lo, hi)
     xs, ys = (
       (along, np.full_like(t, across))
       if direction in ("left", "right")
