@@ -232,6 +232,60 @@ def test_cached_latents_batches_drop_captions_from_the_seed():
   np.testing.assert_array_equal(batch["loss_map"], np.asarray(batch["latents"]) * 10)
 
 
+def test_cached_latents_image_batches_take_one_frame_of_a_clip():
+  """`image_fraction`: that share of the batches are single latent frames of clips (one-frame clips of
+  `image_batch_size`), each frame with its clip's caption and map; 0 leaves the batches as they were."""
+  import ml_collections
+
+  n, f = 12, 3
+  latents = np.arange(n * f, dtype=np.float32).reshape(
+    n, f, 1, 1, 1
+  )  # clip i, frame j holds 3 i + j
+  maps = latents * 10
+  ids = np.arange(1, n + 1)
+  states = np.arange(n + 1, dtype=np.float32).reshape(n + 1, 1, 1)
+  base = dict(seed=2, batch_size=4, drop_caption=0.0, base="unused")
+
+  def recipe(**options):
+    config = ml_collections.ConfigDict(base | options)
+    return sm.cached_latents_recipe(
+      config, None, None, None, latents, ids, states, "transformer", None, maps=maps
+    )
+
+  def draw(count, **options):
+    batches = recipe(**options).batches
+    return [next(batches) for _ in range(count)]
+
+  plain = draw(4)
+  zero = draw(4, image_fraction=0.0, image_batch_size=6)
+  for a, b in zip(plain, zero):
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+  assert all(b["latents"].shape == (4, f, 1, 1, 1) for b in plain)
+
+  mixed = draw(40, image_fraction=0.5, image_batch_size=6)
+  stills = [b for b in mixed if b["latents"].shape[1] == 1]
+  assert 10 < len(stills) < 30  # about half
+  assert all(b["latents"].shape == (6, 1, 1, 1, 1) for b in stills)
+  assert all(b["latents"].shape == (4, f, 1, 1, 1) for b in mixed if b["latents"].shape[1] != 1)
+  values = np.concatenate([np.asarray(b["latents"]).ravel() for b in stills]).astype(int)
+  clip, frame = values // f, values % f
+  assert set(frame) == {0, 1, 2}  # every latent frame is drawn
+  text = np.concatenate([np.asarray(b["encoder_hidden_states"]).ravel() for b in stills]).astype(
+    int
+  )
+  np.testing.assert_array_equal(text, clip + 1)  # the caption of the frame's own clip
+  for b in stills:
+    np.testing.assert_array_equal(b["loss_map"], np.asarray(b["latents"]) * 10)
+
+  with pytest.raises(ValueError, match="image_fraction=1.0 is not a fraction"):
+    recipe(image_fraction=1.0)
+  flat = ml_collections.ConfigDict(base | dict(image_fraction=0.5))
+  with pytest.raises(ValueError, match=r"single frames of video latents .*\(12, 3\)"):
+    sm.cached_latents_recipe(
+      flat, None, None, None, latents.reshape(n, f), ids, states, "unet", None
+    )
+
+
 def test_latent_masks_follow_the_causal_vae_grid():
   """Pixel masks [B, 9, 8, 8, 1] onto a latent grid (3, 2, 2): frame 0 alone, then chunks of 4 frames,
   4x4 pixel blocks, grown by one latent pixel."""

@@ -440,7 +440,9 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   with the same), `foreground_weight` (the latent pixels on and next to the shape weigh
   `1 + foreground_weight` in the loss, `latent_masks`; 0, the default: the plain MSE), and optionally
   `extent` and `travel` (the clips' shape sizes and travel distances, `md_data.ShapesConfig`'s ranges)
-  and `frame_noise` (`families.wan_loss`'s fraction of clips noised frame by frame).
+  and `frame_noise` (`families.wan_loss`'s fraction of clips noised frame by frame), `image_fraction` and
+  `image_batch_size` (`cached_latents_recipe`'s image steps; measured on this model they cost the
+  direction, models/shapes-wan/README.md).
   """
   config = _options(app_config)
   pipe = md_wan.load_pipeline(config.base)
@@ -487,19 +489,45 @@ def cached_latents_recipe(
   """The denoiser stage of a default model: batches of `config.batch_size` cached `latents` drawn from
   `config.seed`, each with the text states `states[ids]` (row 0, the empty prompt, for a fraction
   `config.drop_caption`) and, given `maps` (one per latent), its `loss_map`; and an export that copies
-  the folder `config.base` and replaces `component`'s weights with the trained ones."""
+  the folder `config.base` and replaces `component`'s weights with the trained ones.
+
+  With `config.image_fraction` > 0 (video latents only) that share of the batches, drawn from a stream of
+  their own, are images as Wan trains jointly on images and videos: one latent frame of each of
+  `config.image_batch_size` clips (default `batch_size`) as a one-frame clip, with its clip's caption and
+  map. The step compiles once more for that shape."""
+
+  image_fraction = float(config.get("image_fraction", 0.0) or 0.0)
+  image_batch = int(config.get("image_batch_size", 0) or config.batch_size)
+  if not 0.0 <= image_fraction < 1.0:
+    raise ValueError(f"image_fraction={image_fraction} is not a fraction in [0, 1)")
+  if image_fraction and latents.ndim != 5:
+    raise ValueError(
+      f"image_fraction={image_fraction} takes single frames of video latents [N, F, H, W, C]; "
+      f"these latents are {latents.shape}"
+    )
 
   def batches():
     rng = np.random.default_rng([config.seed, 1])
+    frames = np.random.default_rng(
+      [config.seed, 2]
+    )  # its own stream: image_fraction=0 draws as before
     while True:
-      pick = rng.integers(0, len(latents), config.batch_size)
-      text = np.where(rng.random(config.batch_size) < config.drop_caption, 0, ids[pick])
+      still = image_fraction and frames.random() < image_fraction
+      size = image_batch if still else config.batch_size
+      pick = rng.integers(0, len(latents), size)
+      text = np.where(rng.random(size) < config.drop_caption, 0, ids[pick])
+      if (
+        still
+      ):  # one latent frame of each clip, as a one-frame clip (Wan's joint image-video training)
+        index = (pick[:, None], frames.integers(0, latents.shape[1], size)[:, None])
+      else:
+        index = pick
       batch = {
-        "latents": jnp.asarray(latents[pick]),
+        "latents": jnp.asarray(latents[index]),
         "encoder_hidden_states": jnp.asarray(states[text]),
       }
       if maps is not None:
-        batch["loss_map"] = jnp.asarray(maps[pick])
+        batch["loss_map"] = jnp.asarray(maps[index])
       yield batch
 
   def export(state, out: str | os.PathLike) -> pathlib.Path:
