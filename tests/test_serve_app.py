@@ -1,9 +1,15 @@
 """apps/serve as a user meets it: every bad setting is one line naming it (exit 2) before any weights load;
-a typo in a key gets the nearest key."""
+a typo in a key gets the nearest key; with a warm-up and an executables folder it serves its bucket
+without compiling, and a restart reads every program back."""
 
 import pathlib
+import re
+import socket
 import subprocess
 import sys
+import time
+
+import httpx
 
 from md_core import testing
 
@@ -44,3 +50,71 @@ def test_bad_settings_are_one_line_each():
 def test_unknown_key_gets_the_nearest():
   out = _run("--config.prot=8080")
   assert out.returncode == 2 and "port" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def _start(tmp, port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+  """apps/serve (the video model only, batch bucket 1) until it says it is ready: the process and its
+  lines so far."""
+  cmd = [
+    sys.executable, str(ROOT / "apps" / "serve"), "--config=apps/configs/serve.py:video",
+    f"--config.port={port}", "--config.batch_buckets=1", "--config.max_batch=1",
+    *flags,
+  ]  # fmt: skip
+  env = dict(ENV, MD_COMPILATION_CACHE=str(tmp / "cache"))  # not the user's cache
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  lines = []
+  for line in proc.stdout:
+    lines.append(line.rstrip())
+    if line.startswith("md-serve: ready"):
+      return proc, lines
+  proc.wait(30)
+  raise AssertionError("apps/serve stopped before it was ready:\n" + "\n".join(lines[-30:]))
+
+
+def test_warm_up_with_executables_serves_without_compiling(tmp_path):
+  """`--config.warmup=True --config.executables=<folder>`: the server runs its bucket once before it
+  listens; a request of that shape then compiles nothing (the server's own /metrics say so). Started
+  again on the same folder, the warm-up reads every program back and compiles none."""
+  flags = ("--config.warmup=True", f"--config.executables={tmp_path / 'exe'}")
+  port = _free_port()
+  proc, lines = _start(tmp_path, port, *flags)
+  try:
+    assert len([line for line in lines if line.startswith("warm-up: video n=1:")]) == 1, lines
+    # the text encoder, the denoising loop and the VAE decode
+    assert f"executables in {tmp_path / 'exe'}: 0 read back, 3 compiled and written" in lines, lines
+    assert list((tmp_path / "exe").glob("*.jaxexe")), "no executables written"
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+      for _ in range(100):  # uvicorn binds just after the ready line
+        try:
+          client.get("/healthz")
+          break
+        except httpx.ConnectError:
+          time.sleep(0.1)
+      compiles = _compiles(client)
+      r = client.post("/v1/videos/generations", json={"prompt": "a red circle moving right"})
+      assert r.status_code == 200, r.text
+      assert r.json()["data"][0]["mime_type"] == "video/mp4"
+      assert _compiles(client) == compiles
+  finally:
+    proc.terminate()
+    proc.wait(60)
+
+  written = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+  proc, lines = _start(tmp_path, _free_port(), *flags)
+  proc.terminate()
+  proc.wait(60)
+  assert f"executables in {tmp_path / 'exe'}: 3 read back, 0 compiled and written" in lines, lines
+  assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == written  # nothing new
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _compiles(client) -> float:
+  text = client.get("/metrics").text
+  return float(re.search(r"^md_serve_compiles_total ([0-9.e+-]+)$", text, re.M).group(1))

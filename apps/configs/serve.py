@@ -5,6 +5,7 @@ uv run apps/serve --config=apps/configs/serve.py:default --config.port=8080 --co
 uv run apps/serve --config=apps/configs/serve.py:image --config.image_model=path/to/diffusers-folder
 uv run apps/serve --config=apps/configs/serve.py:default --config.image_loras=style=style.safetensors
 uv run apps/serve --config=apps/configs/serve.py:default --config.verifier=shapes   # search requests
+uv run apps/serve --config=apps/configs/serve.py:default --config.executables=True --config.warmup=True
 uv run apps/serve --help --config=apps/configs/serve.py:default   # the variants, keys and values
 
 Variants: default (an image and a video model), image (image only), video (video only). The model folders
@@ -61,6 +62,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # analyser) or "clip=<folder>" (a local CLIP with tokenizer/, text_encoder/, image_encoder/).
   c.verifier = ""
   c.compilation_cache = True
+  # Ahead-of-time executables: True (~/.cache/md/executables), a folder, or "" (off). With warmup, every
+  # batch bucket of each model runs once before the server opens (its programs compiled, or read back
+  # from the executables folder), so no request waits on a compile at the default size.
+  c.executables = ""
+  c.warmup = False
   c.update(VARIANTS[name])
   c.lock()
   return c

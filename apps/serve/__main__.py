@@ -102,7 +102,7 @@ def main(argv):
   config = _CONFIG.value
   with md_progress.phase("checking"):
     found, loras, buckets = _check(config)
-  apps.configure_jax(compilation_cache=config.compilation_cache)
+  apps.configure_jax(compilation_cache=config.compilation_cache, executables=config.executables)
   import md_serve
 
   models = {}
@@ -137,6 +137,7 @@ def main(argv):
     batch_wait_s=config.batch_wait_s,
     preview_every=config.preview_every,
     verifier=verifier,
+    warmup=config.warmup,
   )
 
 

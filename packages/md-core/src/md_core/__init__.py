@@ -6,6 +6,9 @@ inputs (`md_core.images`) and progress bars (`md_core.progress`).
 """
 
 from md_core import apps, images, media, nn, pipeline, progress, quant
+from md_core._executables import ExecutableStore
+from md_core._executables import default_store as executable_store
+from md_core._executables import set_default_store as set_executable_store
 from md_core._keymap import (
   LAYOUTS,
   KeyMap,
@@ -52,6 +55,9 @@ from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json,
 from md_core.quant import QuantScale, quantize
 
 __all__ = [
+  "ExecutableStore",
+  "set_executable_store",
+  "executable_store",
   "LoRASlot",
   "LoRAWeight",
   "add_lora_slots",

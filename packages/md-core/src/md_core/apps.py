@@ -23,13 +23,33 @@ _DEFAULT_CACHE = (
 CACHE_MIN_COMPILE_SECONDS = 0.0
 
 
-def configure_jax(*, compilation_cache: str | os.PathLike | None | bool = True) -> None:
+_WORDS = {"": False, "false": False, "0": False, "no": False, "true": True, "1": True, "yes": True}
+
+
+def configure_jax(
+  *,
+  compilation_cache: str | os.PathLike | None | bool = True,
+  executables: str | os.PathLike | None | bool = None,
+) -> None:
   """Process-wide settings apps use (libraries never set these).
 
   Args:
     compilation_cache: a folder for JAX's persistent compilation cache; True for `~/.cache/md/jax`
       (or `$MD_COMPILATION_CACHE`), False/None to leave it off.
+    executables: a folder of ahead-of-time executables every pipeline's programs are kept in
+      (`md_core.ExecutableStore`, `md_core.set_executable_store`): True for `~/.cache/md/executables` (or
+      `$MD_EXECUTABLES`), False/None/"" to leave it off.
   """
+  if isinstance(executables, str) and executables.strip().lower() in _WORDS:
+    executables = _WORDS[executables.strip().lower()]  # a flag's text: --config.executables=True
+  if executables:
+    from md_core import _executables  # noqa: PLC0415
+
+    _executables.set_default_store(
+      pathlib.Path(os.environ.get("MD_EXECUTABLES", _DEFAULT_CACHE.parent / "executables"))
+      if executables is True
+      else pathlib.Path(executables)
+    )
   jax.config.update("jax_threefry_partitionable", True)
   if compilation_cache:
     folder = (
@@ -50,8 +70,8 @@ def add_runtime_config(config: Any) -> Any:
 
   `config.mesh`: md-sharding's `MeshConfig` fields (`ici_*` / `dcn_*` parallelism per axis; fsdp takes
   the devices left, -1), `config.distributed`: `jax.distributed` start-up (`coordinator_address`,
-  `num_processes`, `process_id`; empty / -1: detect or single process), `config.compilation_cache`
-  (see `configure_jax`). `start(config)` reads them back.
+  `num_processes`, `process_id`; empty / -1: detect or single process), `config.compilation_cache` and
+  `config.executables` (see `configure_jax`; executables off by default). `start(config)` reads them back.
   """
   import ml_collections
 
@@ -62,6 +82,9 @@ def add_runtime_config(config: Any) -> Any:
     dict(coordinator_address="", num_processes=-1, process_id=-1)
   )
   config.compilation_cache = True
+  config.executables = (
+    ""  # e.g. True (~/.cache/md/executables) or a folder: ahead-of-time executables
+  )
   return config
 
 
@@ -72,7 +95,10 @@ def start(config: Mapping[str, Any] | None = None) -> jax.sharding.Mesh:
   config = config or {}
   dist = dict(config.get("distributed", {}) or {})
   mds.initialize(**{k: v for k, v in dist.items() if v not in (None, "", -1)})
-  configure_jax(compilation_cache=config.get("compilation_cache", True))
+  configure_jax(
+    compilation_cache=config.get("compilation_cache", True),
+    executables=config.get("executables", None),
+  )
   return mds.make_mesh(mds.MeshConfig.from_dict(dict(config.get("mesh", {}) or {})))
 
 

@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import pathlib
+import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from md_core import _executables
 from md_core._sources import read_json
 
 
@@ -146,6 +148,20 @@ def seed_key(seed: Any) -> jax.Array:
   return jax.random.key(int(seed))
 
 
+_UNSET = object()
+
+
+def _plain(value: Any) -> bool:
+  """Whether `value` is made of None, bools, numbers, strings, lists, tuples and dicts only."""
+  if value is None or isinstance(value, bool | int | float | str):
+    return True
+  if isinstance(value, list | tuple):
+    return all(_plain(v) for v in value)
+  if isinstance(value, dict):
+    return all(_plain(k) and _plain(v) for k, v in value.items())
+  return False
+
+
 class JitMemo:
   """Compiled programs by static settings, keeping the `capacity` most recently used."""
 
@@ -193,8 +209,38 @@ class Pipeline:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def jit(self, key: Hashable, make: Callable[[], Any]) -> Any:
-    """The program for `key`, made by `make()` on first use."""
-    return self._memo(key, make)
+    """The program for `key`, made by `make()` on first use; with an executable store (`use_executables`,
+    or the process default of `md_core.set_executable_store`) its executables come from and go to it."""
+    store = getattr(self, "_executables", _UNSET)
+    if store is _UNSET:
+      store = _executables.default_store()
+    if store is None:
+      return self._memo(key, make)
+    return self._memo(
+      ("executables", str(store.folder), key),
+      lambda: _executables.AotProgram(store, self.fingerprint(), key, make()),
+    )
+
+  def use_executables(self, store: Any) -> None:
+    """Ahead-of-time executables for this pipeline's programs (`md_core.ExecutableStore`): a folder or a
+    store; None turns them off for this pipeline even when the process has a default store."""
+    if store is not None and not isinstance(store, _executables.ExecutableStore):
+      store = _executables.ExecutableStore(store)
+    self._executables = store
+
+  def fingerprint(self) -> str:
+    """A text naming the pipeline's class and its modules' graphs (structure and static settings, object
+    addresses left out): equal in every process that loads the same model the same way."""
+    parts = [type(self).__qualname__]
+    for name, value in sorted(vars(self).items()):
+      if name in ("source", "last_calls", "last_cache"):
+        continue
+      if _plain(value):  # settings such as a scheduler's config, which programs may bake in
+        parts.append(f"{name} = {value!r}")
+      for item in value if isinstance(value, list | tuple) else [value]:
+        if isinstance(item, Split):
+          parts.append(f"{name}: {item.graphdef!r}")
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", "\n".join(parts))
 
   def place(self, x: Any) -> Any:
     """Batch inputs placed on the mesh (see `place_batch`)."""

@@ -222,6 +222,49 @@ class JobQueue:
       self._cond.notify_all()
     return job
 
+  def warm_up(
+    self, body: Mapping[str, Any] | None = None, *, buckets: Sequence[int] | None = None
+  ) -> list[dict]:
+    """Runs one request per model and batch bucket (`n` = the bucket, the model's default size and
+    frames, the request defaults or `body`'s fields), so requests of those shapes find their programs
+    compiled, or with an executable store (`md_core.ExecutableStore`) loaded from disk. Call it before
+    serving; its jobs are then dropped from the listings and counters. Returns one row per run: model,
+    bucket, seconds and the XLA compiles it made.
+
+    Raises:
+      RuntimeError: a warm-up request failed (its error).
+    """
+    from md_serve._requests import parse_request  # noqa: PLC0415
+
+    rows = []
+    for name, model in self.models.items():
+      for bucket in sorted(set(buckets or self.batch_buckets)):
+        request = parse_request(
+          {"prompt": "warm-up", **(body or {}), "model": name, "n": int(bucket)},
+          model.kind,
+          self.models,
+          max_n=max(int(bucket), self.max_batch),
+        )
+        before, start = compile_count(), time.perf_counter()
+        job = self.submit(request)
+        job.done.wait()
+        if job.status != "succeeded":
+          raise RuntimeError(f"warm-up of {name!r} with n={bucket}: {job.status}: {job.error}")
+        rows.append(
+          dict(
+            model=name,
+            bucket=int(bucket),
+            seconds=round(time.perf_counter() - start, 3),
+            compiles=compile_count() - before,
+          )
+        )
+    with self._cond:
+      self.jobs.clear()
+      self.stats.clear()
+      self.job_seconds.clear()
+      self.step_seconds_sum = 0.0
+    return rows
+
   def cancel(self, job_id: str) -> Job | None:
     """Cancels a queued job at once, a running one at the next step boundary (its slot is freed now)."""
     with self._cond:

@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import md_core
 from md_core import media
 from md_serve._jobs import DONE, JobQueue, QueueFull, ShuttingDown
 from md_serve._page import PAGE
@@ -269,6 +270,7 @@ def serve(
   port: int = 8000,
   token: str | None = None,
   shutdown: str = "finish",
+  warmup: bool = False,
   **queue_options: Any,
 ) -> None:
   """Runs the server until interrupted (Ctrl-C / SIGTERM stop it cleanly, see `make_app`'s `shutdown`).
@@ -279,10 +281,26 @@ def serve(
     port: the port.
     token: optional bearer token.
     shutdown: "finish" or "cancel" (what happens to accepted jobs on stop).
+    warmup: run `JobQueue.warm_up` (every model × batch bucket once) before listening; one line each.
     **queue_options: `JobQueue` options (max_queue, max_batch, batch_buckets, preview_every, verifier...).
   """
   import uvicorn  # noqa: PLC0415
 
   queue = JobQueue(models, **queue_options)
+  if warmup:
+    for row in queue.warm_up():
+      print(
+        f"warm-up: {row['model']} n={row['bucket']}: {row['seconds']:.1f} s, "
+        f"{row['compiles']} compile(s)",
+        flush=True,
+      )
+    store = md_core.executable_store()
+    if store is not None:
+      print(
+        f"executables in {store.folder}: {store.stats['loaded']} read back, "
+        f"{store.stats['compiled']} compiled and written",
+        flush=True,
+      )
   app = make_app(queue, token=token, shutdown=shutdown)
+  print(f"md-serve: ready, listening on http://{host}:{port}/", flush=True)
   uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)

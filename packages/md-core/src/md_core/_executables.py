@@ -1,0 +1,205 @@
+"""Ahead-of-time compiled programs kept on disk: a pipeline's jitted programs, compiled once per argument
+signature (the shape bucket: shapes, dtypes, shardings) and serialized (`jax.experimental.
+serialize_executable`), so a later process calls them without tracing, lowering or compiling.
+
+The persistent compilation cache (`md_core.apps.configure_jax`) already skips XLA's compile in a second
+process, but every program is still traced and lowered to find its cache entry; an `ExecutableStore`
+skips those too. A program's file is named by a hash of everything that decides the executable: the
+program's key in its pipeline (`Pipeline.jit`), the pipeline's module graphs (structure, static settings,
+LoRA slots, quantization), the arguments' tree, shapes, dtypes and shardings, md's own source code, the
+jax / jaxlib versions and the devices. A key whose text names an object's address (no stable repr) is
+never stored: such programs run through `jax.jit` as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import pickle
+import threading
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+FORMAT = 1  # bumped when the file layout changes
+
+
+@functools.cache
+def code_fingerprint() -> str:
+  """A hash of the source of every installed md_* package, found without importing them (any edit to md
+  gives new executables)."""
+  import importlib.util
+  import pkgutil
+
+  digest = hashlib.sha256()
+  for name in sorted(m.name for m in pkgutil.iter_modules() if m.name.startswith("md_")):
+    spec = importlib.util.find_spec(name)
+    for folder in sorted(spec.submodule_search_locations or []) if spec else []:
+      for path in sorted(pathlib.Path(folder).rglob("*.py")):
+        digest.update(f"{name}/{path.relative_to(folder)}".encode())
+        digest.update(path.read_bytes())
+  return digest.hexdigest()
+
+
+def _platform_fingerprint() -> str:
+  import jaxlib
+
+  devices = jax.devices()
+  return repr(
+    (
+      FORMAT,
+      jax.__version__,
+      jaxlib.__version__,
+      jax.default_backend(),
+      sorted({d.device_kind for d in devices}),
+      len(devices),
+      jax.process_count(),
+      jax.process_index(),
+      os.environ.get("XLA_FLAGS", ""),
+      [
+        str(getattr(jax.config, name, None))
+        for name in (
+          "jax_enable_x64",
+          "jax_default_matmul_precision",
+          "jax_threefry_partitionable",
+          "jax_default_prng_impl",
+        )
+      ],
+    )
+  )
+
+
+def _leaf_signature(x: Any) -> tuple:
+  if isinstance(x, jax.Array):
+    return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), repr(x.sharding))
+  if isinstance(x, np.ndarray | np.generic):
+    return (tuple(np.shape(x)), str(x.dtype), "host")
+  if isinstance(x, bool | int | float | complex):
+    return ("python", type(x).__name__)
+  raise TypeError(f"an argument leaf of type {type(x).__name__} has no executable signature")
+
+
+def signature(args: tuple, kwargs: dict) -> tuple[Any, str]:
+  """The arguments' tree and a text naming every leaf's shape, dtype, weak type and sharding."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  return tree, repr((repr(tree), tuple(_leaf_signature(x) for x in leaves)))
+
+
+def stable_repr(value: Any) -> str | None:
+  """`repr(value)`, or None when it names an object's address (it would differ in every process)."""
+  text = repr(value)
+  return None if " at 0x" in text or "object at" in text else text
+
+
+class ExecutableStore:
+  """A folder of serialized executables, shared by the pipelines that use it (`Pipeline.use_executables`,
+  or every pipeline of a process through `set_default_store`; the apps' `--config.executables`).
+
+  `stats` counts programs `compiled` (and written), `loaded` from the folder, and calls that ran
+  `unstored` (through `jax.jit`: a key without a stable repr, or an argument without a signature)."""
+
+  def __init__(self, folder: str | os.PathLike):
+    self.folder = pathlib.Path(folder).expanduser()
+    self.folder.mkdir(parents=True, exist_ok=True)
+    self.stats = {"compiled": 0, "loaded": 0, "unstored": 0}
+    self._lock = threading.Lock()
+
+  def __repr__(self) -> str:
+    return f"ExecutableStore({str(self.folder)!r}, {self.stats})"
+
+  def files(self) -> list[pathlib.Path]:
+    return sorted(self.folder.glob("*.jaxexe"))
+
+  def path_for(self, owner: str, key_text: str, sig: str) -> pathlib.Path:
+    digest = hashlib.sha256()
+    for part in (_platform_fingerprint(), code_fingerprint(), owner, key_text, sig):
+      digest.update(part.encode())
+      digest.update(b"\0")
+    return self.folder / f"{digest.hexdigest()[:40]}.jaxexe"
+
+  def load(self, path: pathlib.Path) -> Any | None:
+    """The executable in `path`, or None when there is none (a file that does not load is reported
+    and compiled again)."""
+    from jax.experimental import serialize_executable
+
+    if not path.exists():
+      return None
+    try:
+      payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+      by_id = {d.id: d for d in jax.devices()}
+      compiled = serialize_executable.deserialize_and_load(
+        payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids]
+      )
+    except Exception as e:  # noqa: BLE001 - any unreadable file is recompiled, never fatal
+      warnings.warn(
+        f"md executables: {path} did not load ({type(e).__name__}: {e}); compiling it again",
+        stacklevel=3,
+      )
+      return None
+    with self._lock:
+      self.stats["loaded"] += 1
+    return compiled
+
+  def save(self, path: pathlib.Path, compiled: Any) -> None:
+    from jax.experimental import serialize_executable
+
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    devices = [d.id for d in compiled.runtime_executable().local_devices()]  # where it runs
+    data = pickle.dumps((payload, in_tree, out_tree, devices), protocol=pickle.HIGHEST_PROTOCOL)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
+    with self._lock:
+      self.stats["compiled"] += 1
+
+
+class AotProgram:
+  """A jitted program whose executables, one per argument signature, come from an `ExecutableStore`."""
+
+  def __init__(self, store: ExecutableStore, owner: str, key: Hashable, jitted: Callable):
+    self.store, self.owner, self.jitted = store, owner, jitted
+    self.key_text = stable_repr(key)
+    self._executables: dict[str, Any] = {}
+
+  def __getattr__(self, name: str) -> Any:  # lower, trace, eval_shape... of the jitted program
+    return getattr(self.jitted, name)
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if self.key_text is None:
+      self.store.stats["unstored"] += 1
+      return self.jitted(*args, **kwargs)
+    try:
+      _, sig = signature(args, kwargs)
+    except TypeError:
+      self.store.stats["unstored"] += 1
+      return self.jitted(*args, **kwargs)
+    compiled = self._executables.get(sig)
+    if compiled is None:
+      path = self.store.path_for(self.owner, self.key_text, sig)
+      compiled = self.store.load(path)
+      if compiled is None:
+        compiled = self.jitted.lower(*args, **kwargs).compile()
+        self.store.save(path, compiled)
+      self._executables[sig] = compiled
+    return compiled(*args, **kwargs)
+
+
+_DEFAULT: list[ExecutableStore | None] = [None]
+
+
+def set_default_store(store: ExecutableStore | str | os.PathLike | None) -> ExecutableStore | None:
+  """Makes `store` (a folder or an `ExecutableStore`; None: none) the one every pipeline without its own
+  uses from now on; returns it."""
+  if store is not None and not isinstance(store, ExecutableStore):
+    store = ExecutableStore(store)
+  _DEFAULT[0] = store
+  return store
+
+
+def default_store() -> ExecutableStore | None:
+  return _DEFAULT[0]
