@@ -118,6 +118,15 @@ def test_keys_without_a_stable_text_run_unstored(tmp_path):
   fn = pipe.jit(("double", Opaque()), lambda: jax.jit(lambda x: 2 * x))
   np.testing.assert_array_equal(fn(jnp.arange(3.0)), [0.0, 2.0, 4.0])
   assert store.stats == {"compiled": 0, "loaded": 0, "unstored": 1} and not store.files()
+  # A program with a static argument (a compiled call takes none): jax.jit runs it, nothing is stored.
+  scale = pipe.jit("scale", lambda: jax.jit(lambda x, k: k * x, static_argnames="k"))
+  np.testing.assert_array_equal(scale(jnp.arange(3.0), k=3), [0.0, 3.0, 6.0])
+  np.testing.assert_array_equal(scale(jnp.arange(3.0), k=3), [0.0, 3.0, 6.0])
+  assert store.stats == {"compiled": 0, "loaded": 0, "unstored": 3} and not store.files()
+  # A program's own error comes through as it does without a store.
+  add = pipe.jit("add", lambda: jax.jit(lambda x, y: x + y))
+  with pytest.raises(TypeError, match="add got incompatible shapes"):
+    add(jnp.ones(3), jnp.ones(4))
   assert _executables.stable_repr(("loop", 3, {"shift": 1.0})) == "('loop', 3, {'shift': 1.0})"
   assert _executables.stable_repr(Opaque()) is None
   with pytest.raises(TypeError, match="leaf of type str has no executable signature"):

@@ -74,6 +74,16 @@ def _platform_fingerprint() -> str:
   )
 
 
+def _devices_of(compiled: Any) -> list:
+  """The devices a compiled program runs on, in its device assignment's order ([] if jax does not say)."""
+  runtime = compiled.runtime_executable()
+  for name in ("local_devices", "devices"):
+    get = getattr(runtime, name, None)
+    if callable(get):
+      return list(get())
+  return []
+
+
 def _leaf_signature(x: Any) -> tuple:
   if isinstance(x, jax.Array):
     return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), repr(x.sharding))
@@ -133,7 +143,7 @@ class ExecutableStore:
       payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
       by_id = {d.id: d for d in jax.devices()}
       compiled = serialize_executable.deserialize_and_load(
-        payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids]
+        payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids] or None
       )
     except Exception as e:  # noqa: BLE001 - any unreadable file is recompiled, never fatal
       warnings.warn(
@@ -149,13 +159,16 @@ class ExecutableStore:
     from jax.experimental import serialize_executable
 
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-    devices = [d.id for d in compiled.runtime_executable().local_devices()]  # where it runs
+    devices = [d.id for d in _devices_of(compiled)]  # where it runs
     data = pickle.dumps((payload, in_tree, out_tree, devices), protocol=pickle.HIGHEST_PROTOCOL)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
     with self._lock:
       self.stats["compiled"] += 1
+
+
+_JIT = object()  # a signature the ahead-of-time path could not run: jax.jit's own
 
 
 class AotProgram:
@@ -179,13 +192,25 @@ class AotProgram:
       self.store.stats["unstored"] += 1
       return self.jitted(*args, **kwargs)
     compiled = self._executables.get(sig)
+    if compiled is _JIT:
+      self.store.stats["unstored"] += 1
+      return self.jitted(*args, **kwargs)
+    if compiled is not None:
+      return compiled(*args, **kwargs)
+    path = self.store.path_for(self.owner, self.key_text, sig)
+    compiled = self.store.load(path)
     if compiled is None:
-      path = self.store.path_for(self.owner, self.key_text, sig)
-      compiled = self.store.load(path)
-      if compiled is None:
+      try:  # e.g. a program with static arguments, which a compiled call does not take
         compiled = self.jitted.lower(*args, **kwargs).compile()
-        self.store.save(path, compiled)
+        out = compiled(*args, **kwargs)
+      except Exception:  # noqa: BLE001 - the plain path raises the program's own errors, if any
+        self._executables[sig] = _JIT
+        self.store.stats["unstored"] += 1
+        return self.jitted(*args, **kwargs)
+      self.store.save(path, compiled)
       self._executables[sig] = compiled
+      return out
+    self._executables[sig] = compiled
     return compiled(*args, **kwargs)
 
 
