@@ -47,8 +47,8 @@ ROWS = (
   ("wan_generate", "wan.py:default", ("--config.executables=True",)),
   ("sd_generate", "sd.py:default", ("--config.executables=True",)),
   # The server until it is ready (warm-up of every batch bucket done), then stopped.
-  ("serve", "serve.py:default", ("--config.warmup=True",)),
-  ("serve", "serve.py:default", ("--config.warmup=True", "--config.executables=True")),
+  ("serve", "serve.py:tiny", ("--config.warmup=True",)),
+  ("serve", "serve.py:tiny", ("--config.warmup=True", "--config.executables=True")),
 )
 
 

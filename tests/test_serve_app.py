@@ -56,7 +56,7 @@ def _start(tmp, port: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
   """apps/serve (the video model only, batch bucket 1) until it says it is ready: the process and its
   lines so far."""
   cmd = [
-    sys.executable, str(ROOT / "apps" / "serve"), "--config=apps/configs/serve.py:video",
+    sys.executable, str(ROOT / "apps" / "serve"), "--config=apps/configs/serve.py:tiny-video",
     f"--config.port={port}", "--config.batch_buckets=1", "--config.max_batch=1",
     *flags,
   ]  # fmt: skip
@@ -118,3 +118,65 @@ def _free_port() -> int:
 def _compiles(client) -> float:
   text = client.get("/metrics").text
   return float(re.search(r"^md_serve_compiles_total ([0-9.e+-]+)$", text, re.M).group(1))
+
+
+def test_default_variant_serves_the_trained_shapes_models(tmp_path):
+  """Without a model flag the server runs md's own trained models (models/shapes-sd, models/shapes-wan):
+  what it returns over HTTP shows the prompt's colour and background to md_data's analyser."""
+  import base64
+  import io
+
+  import numpy as np
+  from PIL import Image, ImageSequence
+
+  import md_data
+
+  port = _free_port()
+  cmd = [
+    sys.executable, str(ROOT / "apps" / "serve"), "--config=apps/configs/serve.py:default",
+    f"--config.port={port}", "--config.batch_buckets=2", "--config.max_batch=2",
+  ]  # fmt: skip
+  env = dict(ENV, MD_COMPILATION_CACHE=str(tmp_path / "cache"))
+  proc = subprocess.Popen(
+    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  try:
+    lines = [next(proc.stdout)]
+    assert lines[0].startswith("md-serve on") and "'image', 'video'" in lines[0], lines
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as client:
+      for _ in range(600):
+        try:
+          models = client.get("/v1/models").json()["data"]
+          break
+        except httpx.ConnectError:
+          time.sleep(0.1)
+      sizes = {m["id"]: m["default_size"] for m in models}
+      assert sizes == {"image": "64x64", "video": "64x64"}
+      body = {"n": 2, "guidance": 3.0, "seed": 0}
+      r = client.post(
+        "/v1/images/generations",
+        json={**body, "prompt": "a blue square in the top left on a white background"},
+      )
+      assert r.status_code == 200, r.text
+      for item in r.json()["data"]:
+        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))))
+        seen = md_data.analyse(image[..., :3])
+        assert (seen.colour, seen.background) == ("blue", "white"), seen
+      r = client.post(
+        "/v1/videos/generations",
+        json={
+          **body, "prompt": "a red circle moving right on a black background", "video_format": "gif",
+        },
+      )  # fmt: skip
+      assert r.status_code == 200, r.text
+      for item in r.json()["data"]:
+        gif = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+        frames = np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(gif)])
+        # 9 frames; the GIF keeps each run of equal frames once (the shapes VAE decodes a latent frame
+        # into 4 equal ones: 1 + 4 + 4)
+        assert frames.shape == (3, 64, 64, 3) and gif.info["duration"] > 0
+        seen = md_data.analyse(frames)
+        assert (seen.colour, seen.background) == ("red", "black"), seen
+  finally:
+    proc.terminate()
+    proc.wait(60)

@@ -8,21 +8,34 @@ uv run apps/serve --config=apps/configs/serve.py:default --config.verifier=shape
 uv run apps/serve --config=apps/configs/serve.py:default --config.executables=True --config.warmup=True
 uv run apps/serve --help --config=apps/configs/serve.py:default   # the variants, keys and values
 
-Variants: default (an image and a video model), image (image only), video (video only). The model folders
-are options: today they point at the tiny random pipelines in tests/fixtures (sd_pipeline/sd,
-wan_pipeline/t2v); md's own trained default models plug in with --config.image_model= /
---config.video_model= (a diffusers folder under models/) once they exist.
+Variants: default (md's own trained shapes models: models/shapes-sd for images, models/shapes-wan for
+videos, 64 x 64, 9 frames), image / video (one of them alone), tiny / tiny-image / tiny-video (the tiny
+random pipelines in tests/fixtures, 32 x 32: fast to compile, for tests and benchmarks). Prompts the
+shapes models follow: "a red circle in the top left on a white background", "a green triangle moving up
+on a black background" (guidance 3 is what their model cards score).
 """
 
 import ml_collections
 
 _IMAGE = "tests/fixtures/sd_pipeline/sd"
 _VIDEO = "tests/fixtures/wan_pipeline/t2v"
+_SHAPES = dict(
+  image_model="models/shapes-sd",
+  image_size="64x64",
+  video_model="models/shapes-wan",
+  video_size="64x64",
+  num_frames=9,
+  video_max_sequence_length=16,  # the text length shapes-wan was trained with
+)
+_TINY = dict(image_model=_IMAGE, video_model=_VIDEO)
 
 VARIANTS = {
-  "default": dict(image_model=_IMAGE, video_model=_VIDEO),
-  "image": dict(image_model=_IMAGE, video_model=""),
-  "video": dict(image_model="", video_model=_VIDEO),
+  "default": _SHAPES,
+  "image": dict(_SHAPES, video_model=""),
+  "video": dict(_SHAPES, image_model=""),
+  "tiny": _TINY,
+  "tiny-image": dict(_TINY, video_model=""),
+  "tiny-video": dict(_TINY, image_model=""),
 }
 
 
@@ -44,6 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.video_name = "video"
   c.video_size = "32x32"
   c.num_frames = 5
+  c.video_max_sequence_length = 0  # text tokens of every video call (0: the pipeline's default)
   c.max_pixels = 1024 * 1024
   c.dtype = "float32"
   # The server.

@@ -74,6 +74,7 @@ def _check(config):
   loras = _loras(p, "image_loras")
   p.require(config.shutdown in ("finish", "cancel"), "--config.shutdown must be finish or cancel")
   p.positive("max_queue", "max_batch", "port", "num_frames")
+  p.at_least("video_max_sequence_length", 0)
   p.at_least("batch_wait_s", 0)
   p.at_least("preview_every", 0)
   try:
@@ -118,6 +119,11 @@ def main(argv):
         default_size=spec["size"],
         max_pixels=config.max_pixels,
         num_frames=config.num_frames,
+        call_kwargs=(
+          {"max_sequence_length": config.video_max_sequence_length}
+          if kind == "video" and config.video_max_sequence_length > 0
+          else None
+        ),
       )
   verifier = None
   if config.verifier == "shapes":
