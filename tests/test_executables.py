@@ -133,13 +133,14 @@ def test_keys_without_a_stable_text_run_unstored(tmp_path):
     _executables.signature(("text",), {})
 
 
-def test_fingerprint_follows_the_model_and_its_settings():
+def test_fingerprint_follows_the_model_and_its_settings(tmp_path):
   a, b = md_wan.load_pipeline(FOLDER), md_wan.load_pipeline(FOLDER)
   assert a.fingerprint() == b.fingerprint()
   assert " at 0x" not in a.fingerprint()
   b.scheduler_config = dict(b.scheduler_config, flow_shift=7.0)  # a setting a program may bake in
   assert a.fingerprint() != b.fingerprint()
-  b.use_executables("unused")  # never used: no programs run
+  b.use_executables(tmp_path / "unused")  # no program runs: the folder is never made
+  assert not (tmp_path / "unused").exists()
   assert "WanVideoPipeline" in a.fingerprint().splitlines()[0]
 
 

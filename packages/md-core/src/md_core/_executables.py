@@ -114,8 +114,7 @@ class ExecutableStore:
   `unstored` (through `jax.jit`: a key without a stable repr, or an argument without a signature)."""
 
   def __init__(self, folder: str | os.PathLike):
-    self.folder = pathlib.Path(folder).expanduser()
-    self.folder.mkdir(parents=True, exist_ok=True)
+    self.folder = pathlib.Path(folder).expanduser()  # made when the first executable is written
     self.stats = {"compiled": 0, "loaded": 0, "unstored": 0}
     self._lock = threading.Lock()
 
@@ -161,6 +160,7 @@ class ExecutableStore:
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)
     devices = [d.id for d in _devices_of(compiled)]  # where it runs
     data = pickle.dumps((payload, in_tree, out_tree, devices), protocol=pickle.HIGHEST_PROTOCOL)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
