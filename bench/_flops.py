@@ -64,3 +64,27 @@ def jaxpr_flops(jaxpr) -> int:
 def count_flops(fn, *args, **kwargs) -> int:
   """Matmul + conv FLOPs of `fn(*args, **kwargs)` (arrays or `jax.ShapeDtypeStruct`s)."""
   return jaxpr_flops(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+
+
+def best_seconds(fn, repeats: int) -> float:
+  """The fastest of `repeats` timed calls of `fn()` (blocked until ready), after one untimed call."""
+  import time
+
+  jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def measure_peak(n: int, dtype, repeats: int) -> float:
+  """FLOP/s of an `n x n @ n x n` jitted matmul (best of `repeats`), multiplied as md's dense layers do
+  (`md_core.nn.matmul`, float32 accumulation): the peak the benches' "% of peak" is quoted against."""
+  import md_core
+
+  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+  b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+  mm = jax.jit(md_core.nn.matmul)
+  return 2 * n**3 / best_seconds(lambda: mm(a, b), repeats)

@@ -179,6 +179,7 @@ def _md_side(a, folder: pathlib.Path) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from _flops import count_flops, measure_peak  # bench/_flops.py (this script's folder)
   from flax import nnx
 
   import md_core
@@ -207,6 +208,7 @@ def _md_side(a, folder: pathlib.Path) -> dict:
   )
   args1 = (st1, io["x1"], io["ctx"], io["pooled"], io["img1"], io["txt1"])
   results["flux1_step"] = best(f1, *args1)
+  results["flux1_gflop"] = count_flops(f1, *args1) / 1e9
   results["flux1_max_abs_diff"] = float(np.abs(np.asarray(f1(*args1)) - ref_out["flux1"]).max())
 
   m2 = md_flux.load_flux2(folder / "flux2")
@@ -221,6 +223,10 @@ def _md_side(a, folder: pathlib.Path) -> dict:
 
   f_plain = jax.jit(plain)
   results["flux2_plain_edit_step"] = best(f_plain, st2, io["x2"], io["ref"], io["ctx"])
+  results["flux2_plain_edit_gflop"] = (
+    count_flops(f_plain, st2, io["x2"], io["ref"], io["ctx"]) / 1e9
+  )
+  results["peak_gflops"] = measure_peak(2048, jnp.float32, a.repeats) / 1e9
   results["flux2_max_abs_diff"] = float(
     np.abs(np.asarray(f_plain(st2, io["x2"], io["ref"], io["ctx"])) - ref_out["flux2"]).max()
   )
@@ -268,16 +274,26 @@ def main(argv=None) -> int:
     f" jax {jax.__version__}, torch {ref['torch']} ({ref['threads']} threads); layers={a.layers} "
     f"dim={a.dim} image_tokens={a.image_tokens} text_tokens={a.text_tokens} refs={a.refs}, float32, md parameters {'stacked (scan)' if a.stacked else 'per layer (as the pipelines)'}"
   )
-  print("| step | md (ms) | diffusers (ms) | diffusers / md |")
-  print("|---|---|---|---|")
-  for name in ("flux1_step", "flux2_plain_edit_step"):
-    print(f"| {name} | {md[name] * 1e3:.1f} | {ref[name] * 1e3:.1f} | {ref[name] / md[name]:.2f} |")
+  print(
+    "| step | md (ms) | diffusers (ms) | diffusers / md | md GFLOP/step | md % of matmul peak |"
+  )
+  print("|---|---|---|---|---|---|")
+  for name, flops in (
+    ("flux1_step", "flux1_gflop"),
+    ("flux2_plain_edit_step", "flux2_plain_edit_gflop"),
+  ):
+    share = 100 * md[flops] / md[name] / md["peak_gflops"]
+    print(
+      f"| {name} | {md[name] * 1e3:.1f} | {ref[name] * 1e3:.1f} | {ref[name] / md[name]:.2f} | "
+      f"{md[flops]:.1f} | {share:.0f}% |"
+    )
   for name in ("flux2_kv_first_step", "flux2_kv_cached_step"):
     print(f"| {name} | {md[name] * 1e3:.1f} | – | – |")
   print(
     f"KV-cached edit step vs plain edit step (md): "
     f"{md['flux2_plain_edit_step'] / md['flux2_kv_cached_step']:.2f}x faster; max |md − diffusers|: "
-    f"flux1 {md['flux1_max_abs_diff']:.1e}, flux2 {md['flux2_max_abs_diff']:.1e}"
+    f"flux1 {md['flux1_max_abs_diff']:.1e}, flux2 {md['flux2_max_abs_diff']:.1e}; measured matmul "
+    f"peak (2048^3, float32) {md['peak_gflops']:.0f} GFLOP/s"
   )
   return 0
 

@@ -24,12 +24,11 @@ import pathlib
 import platform
 import subprocess
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _flops import count_flops
+from _flops import best_seconds, count_flops, measure_peak
 from _profile import add_step_options, print_profile
 
 import md_core
@@ -71,24 +70,6 @@ with torch.no_grad():
 np.save(args["output"], out.float().numpy())
 print(json.dumps({"seconds": best, "threads": torch.get_num_threads(), "torch": torch.__version__}))
 """
-
-
-def _best(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - start)
-  return best
-
-
-def measure_peak(n: int, dtype, repeats: int) -> float:
-  """FLOP/s of an `n x n @ n x n` jitted matmul (best of `repeats`)."""
-  a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-  b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-  mm = jax.jit(md_core.nn.matmul)  # as md's dense layers multiply (float32 accumulation)
-  return 2 * n**3 / _best(lambda: mm(a, b), repeats)
 
 
 def main() -> None:
@@ -176,7 +157,7 @@ def main() -> None:
   flops = float(count_flops(forward, state, *inputs))
   got = np.asarray(fwd(state, *inputs).astype(jnp.float32))
   err = float(np.abs(got - want).max())
-  md_seconds = _best(lambda: fwd(state, *inputs), args.repeats)
+  md_seconds = best_seconds(lambda: fwd(state, *inputs), args.repeats)
   peak = measure_peak(args.peak_size, dtype, args.repeats)
 
   device = jax.devices()[0]
