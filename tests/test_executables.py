@@ -104,6 +104,16 @@ def test_a_file_that_does_not_load_is_compiled_again(tmp_path, plain):
   assert all(f.read_bytes() != b"not an executable" for f in files)  # rewritten
 
 
+def test_a_folder_that_cannot_be_written_warns_and_still_answers(tmp_path, plain):
+  blocker = tmp_path / "file"
+  blocker.write_text("a file where the folder should be")
+  pipe = md_wan.load_pipeline(FOLDER)
+  pipe.use_executables(blocker / "exe")
+  with pytest.warns(UserWarning, match=r"could not write .*file/exe/.*\.jaxexe"):
+    video = _video(pipe)
+  np.testing.assert_array_equal(video, plain)
+
+
 def test_keys_without_a_stable_text_run_unstored(tmp_path):
   import jax
   import jax.numpy as jnp

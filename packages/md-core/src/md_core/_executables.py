@@ -207,7 +207,12 @@ class AotProgram:
         self._executables[sig] = _JIT
         self.store.stats["unstored"] += 1
         return self.jitted(*args, **kwargs)
-      self.store.save(path, compiled)
+      try:
+        self.store.save(path, compiled)
+      except (
+        OSError
+      ) as e:  # a full disk or a read-only folder costs the next process a compile, no more
+        warnings.warn(f"md executables: could not write {path} ({e})", stacklevel=2)
       self._executables[sig] = compiled
       return out
     self._executables[sig] = compiled
