@@ -31,6 +31,7 @@ def test_bad_settings_are_one_line_each():
   out = _run(
     "--config.image_model=/nonexistent/folder", "--config.verifier=bogus",
     "--config.shutdown=later", "--config.batch_buckets=a,b", "--config.image_loras=x=missing.safetensors",
+    "--config.video_max_sequence_length=-1",
   )  # fmt: skip
   assert out.returncode == 2, out.stderr[-2000:]
   assert "Traceback" not in out.stderr
@@ -43,6 +44,7 @@ def test_bad_settings_are_one_line_each():
     "--config.shutdown must be finish or cancel",
     "--config.batch_buckets",
     "'x=missing.safetensors' is not name=<existing .safetensors file>",
+    "--config.video_max_sequence_length=-1 must be ≥ 0",
   ):
     assert words in text, (words, text)
 
