@@ -460,3 +460,88 @@ def test_wan_recipe_passes_frame_noise_to_the_loss(monkeypatch):
   assert seen["frame_noise"] == 1.0 and seen["shift"] == config.recipe_options.shift
   _, metrics = recipe.step(recipe.state, next(recipe.batches))
   assert np.isfinite(float(metrics["loss"]))
+
+
+def test_clip_probabilities_weigh_the_named_words():
+  """`caption_weights`: a clip's draw weight is the product of its caption's words' weights, normalised;
+  no weights leave the draws uniform (None); bad weights and unknown words are refused by name."""
+  caps = [
+    "a red star moving up on a black background",
+    "a red circle moving up on a black background",
+    "a blue star moving left on a white background",
+    "a blue circle moving left on a white background",
+  ]
+  assert sm.clip_probabilities(None, caps) is None and sm.clip_probabilities({}, caps) is None
+  np.testing.assert_allclose(sm.clip_probabilities({"star": 3}, caps), [3, 1, 3, 1] / np.float64(8))
+  np.testing.assert_allclose(
+    sm.clip_probabilities({"star": 3, "white": 0.5}, caps), np.array([3, 1, 1.5, 0.5]) / 6
+  )
+  for bad in ({"star": 0}, {"star": -1.0}, {"star": True}, {"star": "2"}):
+    with pytest.raises(ValueError, match=r"caption_weights\['star'\].*positive number"):
+      sm.clip_probabilities(bad, caps)
+  with pytest.raises(ValueError, match=r"names \['hexagon'\], which no training caption"):
+    sm.clip_probabilities({"hexagon": 2, "star": 2}, caps)
+
+
+def test_cached_latents_draw_with_the_given_probabilities():
+  """`probs` draws clip i with probability probs[i] (a clip with probability 0 never comes up); None
+  draws as before."""
+  import ml_collections
+
+  config = ml_collections.ConfigDict(dict(seed=1, batch_size=256, drop_caption=0.0, base="unused"))
+  latents = np.arange(4, dtype=np.float32).reshape(4, 1)
+  ids = np.arange(1, 5)
+  states = np.arange(5, dtype=np.float32).reshape(5, 1, 1)
+
+  def picks(probs, count=8):
+    batches = sm.cached_latents_recipe(
+      config, None, None, None, latents, ids, states, "unet", None, probs=probs
+    ).batches
+    return np.concatenate([np.asarray(next(batches)["latents"])[:, 0] for _ in range(count)])
+
+  drawn = picks(np.array([0.5, 0.25, 0.25, 0.0]))
+  freq = np.bincount(drawn.astype(int), minlength=4) / drawn.size
+  np.testing.assert_allclose(freq, [0.5, 0.25, 0.25, 0.0], atol=0.03)
+  uniform = picks(None, 1)
+  again = sm.cached_latents_recipe(config, None, None, None, latents, ids, states, "unet", None)
+  np.testing.assert_array_equal(uniform, np.asarray(next(again.batches)["latents"])[:, 0])
+
+
+def test_wan_recipe_passes_sampler_and_caption_weights(monkeypatch):
+  """`sampler="logit_normal"` (with its mean and spread) reaches `wan_loss`; `caption_weights` reach the
+  batches (a weight on one shape makes its clips most of the draws)."""
+  config = testing.app_config("default_models.py:wan")
+  seen, probs = {}, {}
+  real_loss, real_recipe = sm.families.wan_loss, sm.cached_latents_recipe
+
+  def spy_loss(frozen, **kw):
+    seen.update(kw)
+    return real_loss(frozen, **kw)
+
+  def spy_recipe(*args, **kw):
+    probs["p"] = kw.get("probs")
+    return real_recipe(*args, **kw)
+
+  monkeypatch.setattr(sm.families, "wan_loss", spy_loss)
+  monkeypatch.setattr(sm, "cached_latents_recipe", spy_recipe)
+  config.steps = 30
+  with config.unlocked():  # options the variant does not set
+    config.recipe_options.update(
+      base=str(MODEL), num_clips=8, batch_size=2, sampler="logit_normal", logit_mean=0.5,
+      logit_std=0.8, caption_weights={"star": 100.0},
+    )  # fmt: skip
+  recipe = sm.wan_recipe(config)
+  assert seen["sampler"] == "logit_normal"
+  assert (seen["logit_mean"], seen["logit_std"]) == (0.5, 0.8)
+  p = probs["p"]
+  assert p.shape == (8,) and abs(p.sum() - 1) < 1e-12
+  assert set(np.round(p / p.min(), 6)) <= {1.0, 100.0}  # a star clip is 100 times as likely
+  _, metrics = recipe.step(recipe.state, next(recipe.batches))
+  assert np.isfinite(float(metrics["loss"]))
+  plain = testing.app_config("default_models.py:wan")  # neither option: as shipped
+  plain.steps = 30
+  plain.recipe_options.update(base=str(MODEL), num_clips=8, batch_size=2)
+  seen.clear()
+  sm.wan_recipe(plain)
+  assert seen["sampler"] == "shifted" and "logit_mean" not in seen
+  assert probs["p"] is None

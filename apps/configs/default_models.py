@@ -63,7 +63,7 @@ VARIANTS = {
   ),
   "wan": (
     "md_train.shapes_models:wan_recipe",
-    dict(steps=10000, checkpoint_every=500, log_every=10),
+    dict(steps=14000, checkpoint_every=500, log_every=10),
     dict(
       base="runs/shapes-wan-vae-still/export",
       size=64,
@@ -81,6 +81,7 @@ VARIANTS = {
       foreground_weight=4.0,
       frame_noise=0.5,  # half the clips noised frame by frame (wan_loss): what teaches the direction
       ema_decay=None,  # e.g. 0.999: export an EMA of the weights (off for the shipped model)
+      remat="dots",  # the same arithmetic; on a CPU 26% faster a step (no stacked attention probs)
     ),
   ),
   # md's default image model (models/shapes-sd): a tiny SD 1.5 pipeline, recipes in md_train.shapes_sd.

@@ -36,6 +36,38 @@ def test_dot_product_matches_numpy(s_q, s_kv, mask, causal, scale):
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=0)
 
 
+def test_unmasked_softmax_skips_the_masks_with_the_same_result():
+  """Without a mask, causality or a window the entry point runs the softmax without its masking
+  passes (`masked=False`): the masked path's output and gradients with every key kept; the jaxpr has
+  no `select_n` (the masks' `where`); a mask of all True still goes the masked way."""
+  import jax
+
+  from md_attention._dot_product import dot_product_attention
+
+  q, k, v, _, d_out = mdat.random_inputs(2, 24, 24, 3, 16)
+  out, grads = mdat.forward_and_grads(q, k, v, d_out, implementation="dot_product")
+  everyone = jnp.ones((2, 24), bool)
+  out_m, grads_m = mdat.forward_and_grads(
+    q, k, v, d_out, mask=everyone, implementation="dot_product"
+  )
+  np.testing.assert_allclose(np.asarray(out), np.asarray(out_m), atol=1e-6, rtol=0)
+  for g, gm in zip(grads, grads_m):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(gm), atol=1e-6, rtol=0)
+  np.testing.assert_allclose(
+    np.asarray(out), _numpy_attention(q, k, v, None, False, 16**-0.5), atol=2e-6, rtol=0
+  )
+
+  def prims(**kw):  # the printed jaxpr, nested ones included
+    return str(jax.make_jaxpr(lambda q, k, v: mda.attention(q, k, v, **kw))(q, k, v))
+
+  assert "select_n" not in prims(implementation="dot_product")
+  assert "select_n" in prims(implementation="dot_product", mask=everyone)
+  assert "select_n" in prims(implementation="dot_product", causal=True)
+  pos = jnp.arange(24)
+  with pytest.raises(ValueError, match="masked=False needs causal=False and window=None"):
+    dot_product_attention(q, k, v, None, pos, pos, causal=True, scale=0.25, masked=False)
+
+
 @pytest.mark.parametrize("implementation", ["dot_product", "blockwise"])
 def test_fully_masked_rows_are_zero(implementation):
   q, k, v, _, d_out = mdat.random_inputs(2, 9, 9, 2, 8)

@@ -134,7 +134,9 @@ def test_input_errors(models):
   with pytest.raises(ValueError, match="has 3 channels; the config has in_channels=4"):
     _trace(model, x[:, :3], t, ctx)
   with pytest.raises(
-    ValueError, match=r"timestep must be \[B\]=\(1,\) or per token \[B, tokens\]=\(1, 8\)"
+    ValueError,
+    match=r"timestep must be \[B\]=\(1,\), per token \[B, tokens\]=\(1, 8\) or per latent frame "
+    r"\[B, frames\]=\(1, 2\), got \(1, 5\)",
   ):
     _trace(model, x, np.zeros((1, 5)), ctx)
   with pytest.raises(ValueError, match="no image branch"):
@@ -191,6 +193,20 @@ def test_context_parallel_matches_single_device(models, implementation, case):
   with jax.set_mesh(mesh):
     got = run(model, ref)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_per_frame_timesteps_match_the_reference_per_token_ones(models):
+  """TI2V's per-token timesteps are constant within each latent frame (frame 0 at 0); given once per
+  frame, `[B, F / pt]`, the transformer repeats them over each frame's tokens: the reference's output
+  (diffusers' per-token call), and md's per-token result to float rounding."""
+  ref = load_arrays(fixture_path("wan_transformer") / "ti2v.npz")
+  model = models["ti2v"]
+  per_token = ref["timestep"]  # [2, 12]: 3 latent frames of 2 x 2 tokens
+  per_frame = per_token[:, ::4]
+  np.testing.assert_array_equal(np.repeat(per_frame, 4, axis=1), per_token)
+  got = run(model, ref | {"timestep": per_frame})
+  chex.assert_trees_all_close(got, ref["sample"], atol=1e-4, rtol=0)
+  chex.assert_trees_all_close(got, run(model, ref), atol=1e-6, rtol=0)
 
 
 def test_sharded_load_and_forward(models):

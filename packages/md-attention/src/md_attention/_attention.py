@@ -50,7 +50,10 @@ def _local(
   if implementation == "auto":
     implementation = "blockwise" if s_kv >= config.min_seq_length else "dot_product"
   if implementation == "dot_product":
-    return functools.partial(dot_product_attention, causal=causal, scale=scale, window=window)
+    masked = has_mask or causal or window is not None
+    return functools.partial(
+      dot_product_attention, causal=causal, scale=scale, window=window, masked=masked
+    )
   if implementation == "blockwise":
     return lambda q, k, v, valid, q_pos, k_pos: blockwise_attention(
       q, k, v, valid, q_pos, k_pos, causal, scale, block_q, block_kv, window

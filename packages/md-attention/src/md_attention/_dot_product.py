@@ -68,7 +68,7 @@ def keep_mask(kv_valid, q_pos, k_pos, causal: bool, window=None):
 
 
 def dot_product_attention(
-  q, k, v, kv_valid, q_pos, k_pos, *, causal: bool, scale: float, window=None
+  q, k, v, kv_valid, q_pos, k_pos, *, causal: bool, scale: float, window=None, masked: bool = True
 ):
   """Materialises the `[B, H, S_q, S_kv]` scores; softmax in float32.
 
@@ -86,19 +86,27 @@ def dot_product_attention(
     causal: causal masking by position.
     scale: multiplies the scores.
     window: optional `(left, right)` local window by position (`normalize_window`).
+    masked: False when every query sees every key (no padding mask, not causal, no window): the
+      softmax then runs without the two masking passes over the scores (`kv_valid` is not read), which
+      on CPU saves two of the few memory-bound passes over the score matrix, forward and backward.
 
   Returns:
     `[B, S_q, H, D]` in q's dtype. Queries that see no key get zeros (and zero gradients).
   """
+  if not masked and (causal or window is not None):
+    raise ValueError("dot_product_attention: masked=False needs causal=False and window=None")
   b, s_q, h, d = q.shape
   h_kv = k.shape[2]
   qg = q.reshape(b, s_q, h_kv, h // h_kv, d)
   scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
-  keep = keep_mask(kv_valid, q_pos, k_pos, causal, window)[:, :, None]  # [B, 1, 1, S_q, S_kv]
-  # A finite fill keeps fully masked rows free of NaN; they are zeroed below.
-  scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)
-  probs = jnp.where(jnp.any(keep, axis=-1, keepdims=True), probs, 0.0)
+  if masked:
+    keep = keep_mask(kv_valid, q_pos, k_pos, causal, window)[:, :, None]  # [B, 1, 1, S_q, S_kv]
+    # A finite fill keeps fully masked rows free of NaN; they are zeroed below.
+    scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(jnp.any(keep, axis=-1, keepdims=True), probs, 0.0)
+  else:
+    probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum(
     "bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
   )

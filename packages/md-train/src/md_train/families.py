@@ -187,13 +187,12 @@ def flux_loss(
 
 
 def _frame_noise(patch, latents, noise, per_group):
-  """Per-token timesteps and noisy latents for one σ per latent frame group (`per_group [B, F / pt]`)."""
-  _, _, h, w = latents.shape[:4]
-  pt, ph, pw = patch
+  """Per-frame timesteps `[B, F / pt]` (the transformer gives each frame's tokens its frame's) and noisy
+  latents for one σ per latent frame group (`per_group [B, F / pt]`)."""
+  pt = patch[0]
   s = jnp.repeat(per_group, pt, axis=1)[:, :, None, None, None]  # [B, F, 1, 1, 1]
   noisy = (1 - s) * latents + s * noise
-  timestep = jnp.repeat(per_group * 1000, (h // ph) * (w // pw), axis=1)  # frame-major tokens
-  return timestep, noisy.astype(latents.dtype)
+  return per_group * 1000, noisy.astype(latents.dtype)
 
 
 def wan_loss(
@@ -240,7 +239,7 @@ def wan_loss(
       its tokens get timestep 0 (per-token timesteps), and the loss covers the frames after it.
     frame_noise: the fraction of examples whose latent frames (each `patch_size[0]` frames) are noised
       at independently drawn σ (the same sampler), the tokens of each at its own timestep (diffusion
-      forcing's per-frame noise levels; the transformer takes per-token timesteps). The rest share one
+      forcing's per-frame noise levels; the transformer takes per-frame timesteps). The rest share one
       σ, as at sampling. A partly clean clip makes the caption's motion the thing to predict from the
       cleaner frames. A batch's `frame_sigmas [B, F / pt]` sets every example's per-frame σ instead.
       Neither combines with `table`, `weighting` or `clean_first_frame`.

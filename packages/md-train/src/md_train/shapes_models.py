@@ -442,10 +442,15 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   `extent` and `travel` (the clips' shape sizes and travel distances, `md_data.ShapesConfig`'s ranges)
   and `frame_noise` (`families.wan_loss`'s fraction of clips noised frame by frame), `image_fraction` and
   `image_batch_size` (`cached_latents_recipe`'s image steps; measured on this model they cost the
-  direction, models/shapes-wan/README.md).
+  direction, models/shapes-wan/README.md), `sampler` (the training sigmas' `flow_sigmas` sampler,
+  default `shifted`; `logit_normal` takes `logit_mean` and `logit_std`; `shift` is the `shifted`
+  sampler's), `caption_weights` (`clip_probabilities`: e.g. `{"star": 2}` draws star clips twice as
+  often) and `remat` (the transformer blocks' `md_core.REMAT_POLICIES` name; recomputing in the backward
+  pass is the same arithmetic, and on a CPU `"dots"` makes the step faster by not stacking the blocks'
+  attention probabilities for it).
   """
   config = _options(app_config)
-  pipe = md_wan.load_pipeline(config.base)
+  pipe = md_wan.load_pipeline(config.base, remat=str(config.get("remat", "none")))
   data = _shapes_config(config)
   latents, captions, masks = encode_clips(
     pipe, data, seed=config.seed, count=config.num_clips, masks=True
@@ -465,13 +470,43 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   frozen, params = split_trainable(pipe.transformer)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
+  sampler = str(config.get("sampler", "shifted"))
+  sampler_options = (
+    dict(
+      logit_mean=float(config.get("logit_mean", 0.0)), logit_std=float(config.get("logit_std", 1.0))
+    )
+    if sampler == "logit_normal"
+    else {}
+  )
   loss = families.wan_loss(
-    frozen, shift=config.shift, frame_noise=float(config.get("frame_noise", 0.0))
+    frozen,
+    sampler=sampler,
+    shift=config.shift,
+    frame_noise=float(config.get("frame_noise", 0.0)),
+    **sampler_options,
   )
   step = make_train_step(loss, optimizer)
+  probs = clip_probabilities(config.get("caption_weights"), captions)
   return cached_latents_recipe(
-    config, state, step, frozen, latents, ids, embeds, "transformer", md_wan.convert_key, maps=maps
-  )
+    config, state, step, frozen, latents, ids, embeds, "transformer", md_wan.convert_key, maps=maps,
+    probs=probs,
+  )  # fmt: skip
+
+
+def clip_probabilities(weights, captions) -> np.ndarray | None:
+  """Draw probabilities of clips from `caption_weights` (word → positive weight; a clip's weight is
+  the product over its caption's words, 1 for a word not named). None for no weights (uniform draws)."""
+  if not weights:
+    return None
+  weights = weights.to_dict() if hasattr(weights, "to_dict") else dict(weights)
+  for word, w in weights.items():
+    if isinstance(w, bool) or not isinstance(w, int | float) or not w > 0:
+      raise ValueError(f"caption_weights[{word!r}]={w!r}: each weight must be a positive number")
+  unknown = sorted(set(weights) - {w for c in captions for w in c.split()})
+  if unknown:
+    raise ValueError(f"caption_weights names {unknown}, which no training caption contains")
+  p = np.asarray([np.prod([weights.get(w, 1.0) for w in c.split()]) for c in captions], np.float64)
+  return p / p.sum()
 
 
 def cached_latents_recipe(
@@ -485,6 +520,7 @@ def cached_latents_recipe(
   component: str,
   convert_key: Callable,
   maps: np.ndarray | None = None,
+  probs: np.ndarray | None = None,
 ) -> Recipe:
   """The denoiser stage of a default model: batches of `config.batch_size` cached `latents` drawn from
   `config.seed`, each with the text states `states[ids]` (row 0, the empty prompt, for a fraction
@@ -494,7 +530,10 @@ def cached_latents_recipe(
   With `config.image_fraction` > 0 (video latents only) that share of the batches, drawn from a stream of
   their own, are images as Wan trains jointly on images and videos: one latent frame of each of
   `config.image_batch_size` clips (default `batch_size`) as a one-frame clip, with its clip's caption and
-  map. The step compiles once more for that shape."""
+  map. The step compiles once more for that shape.
+
+  `probs` (optional, one per latent: `clip_probabilities`) draws the clips with those probabilities
+  instead of uniformly, e.g. a hard shape's clips more often."""
 
   image_fraction = float(config.get("image_fraction", 0.0) or 0.0)
   image_batch = int(config.get("image_batch_size", 0) or config.batch_size)
@@ -514,7 +553,11 @@ def cached_latents_recipe(
     while True:
       still = image_fraction and frames.random() < image_fraction
       size = image_batch if still else config.batch_size
-      pick = rng.integers(0, len(latents), size)
+      pick = (
+        rng.integers(0, len(latents), size)
+        if probs is None
+        else rng.choice(len(latents), size, p=probs)
+      )
       text = np.where(rng.random(size) < config.drop_caption, 0, ids[pick])
       if (
         still

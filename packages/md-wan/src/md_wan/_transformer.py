@@ -242,9 +242,11 @@ class WanTransformer(nnx.Module):
         f"{text.shape}"
       )
     tokens = math.prod(n // p for n, p in zip(fhw, cfg.patch_size, strict=True))
-    if timestep.shape not in ((b,), (b, tokens)):
+    frames = fhw[0] // cfg.patch_size[0]
+    if timestep.shape not in ((b,), (b, tokens), (b, frames)):
       raise ValueError(
-        f"timestep must be [B]={(b,)} or per token [B, tokens]={(b, tokens)}, got {timestep.shape}"
+        f"timestep must be [B]={(b,)}, per token [B, tokens]={(b, tokens)} or per latent frame "
+        f"[B, frames]={(b, frames)}, got {timestep.shape}"
       )
     if self.image_embedder is None and image is not None:
       raise ValueError(
@@ -299,7 +301,9 @@ class WanTransformer(nnx.Module):
       hidden_states: `[B, C, F, H, W]` (diffusers' layout, `layout="BCFHW"`) or `[B, F, H, W, C]`
         (`layout="BFHWC"`) latents; F, H, W multiples of `patch_size`.
       timestep: `[B]` timesteps (0..1000), or `[B, tokens]` per-token timesteps (Wan 2.2 TI2V's
-        `expand_timesteps`: tokens = F/pt * H/ph * W/pw, frame-major).
+        `expand_timesteps`: tokens = F/pt * H/ph * W/pw, frame-major), or `[B, F/pt]` one per latent
+        frame (md's shorthand for per-token timesteps equal within each frame: the same result, with
+        the timestep embedding computed once per frame instead of once per token).
       encoder_hidden_states: `[B, S, text_dim]` text encoder states (Wan pads UMT5 states to 512).
       encoder_hidden_states_image: `[B, 257, image_dim]` CLIP tokens for Wan 2.1 I2V (`[2B, 257, ..]`
         first/last frames for FLF2V), required exactly when the config has the image branch.
@@ -330,8 +334,12 @@ class WanTransformer(nnx.Module):
     temb = self.time_embedder(feats.astype(self.time_embedder.linear_1.weight_dtype))
     temb = temb.astype(dtype)
     modulation = self.time_proj(jax.nn.silu(temb)).astype(_F32)
-    temb = temb.reshape(b, tokens if per_token else 1, cfg.dim)
-    modulation = modulation.reshape(b, tokens if per_token else 1, 6, cfg.dim)
+    given = timestep.shape[1] if per_token else 1
+    temb = temb.reshape(b, given, cfg.dim)
+    modulation = modulation.reshape(b, given, 6, cfg.dim)
+    if given != tokens and per_token:  # one timestep per latent frame: each frame's tokens share it
+      temb = jnp.repeat(temb, rows * cols, axis=1)
+      modulation = jnp.repeat(modulation, rows * cols, axis=1)
     if per_token:  # [B, S, 6, D]: shard it with the tokens it modulates
       modulation = mds.with_logical_constraint(
         modulation, ("activation_batch", "activation_length", None, "activation_embed")
