@@ -163,7 +163,13 @@ def fit(
     workdir = pathlib.Path(workdir)
     ckpt = Checkpointer(workdir / CHECKPOINTS_DIR, keep=keep, every=checkpoint_every)
     if ckpt.latest_step() is not None:
-      state, info = ckpt.restore(state, fingerprint=fingerprint)
+      try:
+        state, info = ckpt.restore(state, fingerprint=fingerprint)
+      except BaseException:
+        # Closed before the error leaves: Orbax's background threads otherwise race the interpreter's
+        # shutdown and print their own traceback after the error's one line.
+        ckpt.close()
+        raise
       if resumable and info["data"] is not None:
         batches.restore(info["data"])
       start = int(info["step"])
