@@ -476,8 +476,15 @@ def test_clip_probabilities_weigh_the_named_words():
   np.testing.assert_allclose(
     sm.clip_probabilities({"star": 3, "white": 0.5}, caps), np.array([3, 1, 1.5, 0.5]) / 6
   )
-  for bad in ({"star": 0}, {"star": -1.0}, {"star": True}, {"star": "2"}):
-    with pytest.raises(ValueError, match=r"caption_weights\['star'\].*positive number"):
+  for bad in (
+    {"star": 0},
+    {"star": -1.0},
+    {"star": True},
+    {"star": "2"},
+    {"star": np.inf},
+    {"star": np.nan},
+  ):
+    with pytest.raises(ValueError, match=r"caption_weights\['star'\].*positive finite number"):
       sm.clip_probabilities(bad, caps)
   with pytest.raises(ValueError, match=r"names \['hexagon'\], which no training caption"):
     sm.clip_probabilities({"hexagon": 2, "star": 2}, caps)
@@ -556,3 +563,19 @@ def test_wan_recipe_passes_sampler_and_caption_weights(monkeypatch):
   sm.wan_recipe(plain)
   assert seen["sampler"] == "shifted" and "logit_mean" not in seen
   assert probs["p"] is None
+
+
+def test_wan_recipe_refuses_a_bad_sampler_before_encoding(monkeypatch):
+  """An unknown sampler, or the logit-normal settings without that sampler, fail by name before the
+  pipeline is loaded or any clip encoded."""
+  config = testing.app_config("default_models.py:wan")
+  monkeypatch.setattr(sm.md_wan, "load_pipeline", lambda *a, **k: pytest.fail("loaded"))
+  with config.unlocked():
+    config.recipe_options.sampler = "cosine"
+  with pytest.raises(ValueError, match=r"recipe_options.sampler='cosine'; expected one of"):
+    sm.wan_recipe(config)
+  with config.unlocked():
+    config.recipe_options.sampler = "shifted"
+    config.recipe_options.logit_std = 0.5
+  with pytest.raises(ValueError, match=r"\['logit_std'\] are the logit_normal sampler's"):
+    sm.wan_recipe(config)

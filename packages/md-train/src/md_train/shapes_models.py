@@ -17,6 +17,7 @@ the result.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -35,6 +36,7 @@ import md_vae
 import md_wan
 from md_train import families
 from md_train._loop import Recipe
+from md_train._losses import FLOW_SAMPLERS
 from md_train._optim import ema_of, make_optimizer
 from md_train._step import Frozen, LossFn, init_state, make_train_step, split_trainable
 
@@ -450,6 +452,19 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   attention probabilities for it).
   """
   config = _options(app_config)
+  sampler = str(config.get("sampler", "shifted"))
+  if sampler not in FLOW_SAMPLERS:
+    raise ValueError(f"recipe_options.sampler={sampler!r}; expected one of {FLOW_SAMPLERS}")
+  stray = [k for k in ("logit_mean", "logit_std") if k in config and sampler != "logit_normal"]
+  if stray:
+    raise ValueError(f"recipe_options {stray} are the logit_normal sampler's; sampler={sampler!r}")
+  sampler_options = (
+    dict(
+      logit_mean=float(config.get("logit_mean", 0.0)), logit_std=float(config.get("logit_std", 1.0))
+    )
+    if sampler == "logit_normal"
+    else {}
+  )
   pipe = md_wan.load_pipeline(config.base, remat=str(config.get("remat", "none")))
   data = _shapes_config(config)
   latents, captions, masks = encode_clips(
@@ -470,14 +485,6 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   frozen, params = split_trainable(pipe.transformer)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
-  sampler = str(config.get("sampler", "shifted"))
-  sampler_options = (
-    dict(
-      logit_mean=float(config.get("logit_mean", 0.0)), logit_std=float(config.get("logit_std", 1.0))
-    )
-    if sampler == "logit_normal"
-    else {}
-  )
   loss = families.wan_loss(
     frozen,
     sampler=sampler,
@@ -500,8 +507,10 @@ def clip_probabilities(weights, captions) -> np.ndarray | None:
     return None
   weights = weights.to_dict() if hasattr(weights, "to_dict") else dict(weights)
   for word, w in weights.items():
-    if isinstance(w, bool) or not isinstance(w, int | float) or not w > 0:
-      raise ValueError(f"caption_weights[{word!r}]={w!r}: each weight must be a positive number")
+    if isinstance(w, bool) or not isinstance(w, int | float) or not 0 < w < math.inf:
+      raise ValueError(
+        f"caption_weights[{word!r}]={w!r}: each weight must be a positive finite number"
+      )
   unknown = sorted(set(weights) - {w for c in captions for w in c.split()})
   if unknown:
     raise ValueError(f"caption_weights names {unknown}, which no training caption contains")
