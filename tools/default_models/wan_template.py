@@ -54,14 +54,14 @@ VAE = dict(
 )
 TRANSFORMER = dict(
   patch_size=(1, 2, 2),
-  num_attention_heads=4,
+  num_attention_heads=6,
   attention_head_dim=32,
   in_channels=Z_DIM,
   out_channels=Z_DIM,
   text_dim=TEXT_DIM,
   freq_dim=64,
-  ffn_dim=256,
-  num_layers=4,
+  ffn_dim=512,
+  num_layers=6,
   eps=1e-6,
   cross_attn_norm=True,
   rope_max_seq_len=64,

@@ -96,3 +96,48 @@ def test_bf16_model_with_f32_master_weights():
   np.testing.assert_allclose(losses[0], float(direct), rtol=1e-6)
   assert {a.dtype for a in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
   assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_mixed_precision_runs_the_model_in_bf16_and_trains_f32_weights():
+  """`mixed_precision`: the loss sees bfloat16 weights (the leaves `keep_f32` names stay float32), its
+  value is the bfloat16 model's, and the gradients reach the float32 weights through the casts."""
+  params = {
+    "dense": {"kernel": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)},
+    "time_embedder": {"kernel": jnp.full((4,), 1.0 + 2.0**-12, jnp.float32)},
+  }
+  x = jnp.asarray([[0.5, -1.25, 2.0]], jnp.float32)
+  seen = {}
+
+  def loss_fn(p, batch, key):
+    seen.update({k: v.dtype for k, v in jax.tree_util.tree_leaves_with_path(p)})
+    y = (batch @ p["dense"]["kernel"]).astype(jnp.float32) * p["time_embedder"]["kernel"][None]
+    return jnp.sum(y**2), {}
+
+  mixed = mdt.mixed_precision(loss_fn, params, jnp.bfloat16, keep_f32=(r"^time_embedder/",))
+  (loss, _), grads = mdt.loss_and_grads(mixed, params, x)
+  dtypes = {jax.tree_util.keystr(k): v for k, v in seen.items()}
+  assert dtypes["['dense']['kernel']"] == jnp.bfloat16
+  assert dtypes["['time_embedder']['kernel']"] == jnp.float32  # kept, and its 2^-12 survives
+  with_int = dict(params, count=jnp.asarray(3, jnp.int32))  # a non-floating leaf keeps its dtype
+  mdt.mixed_precision(loss_fn, with_int, jnp.bfloat16)(with_int, x, None)
+  assert seen[next(k for k in seen if "count" in jax.tree_util.keystr(k))] == jnp.int32
+
+  # The reference: the same arithmetic written out with the casts, differentiated by JAX.
+  def by_hand(w, t):
+    y = (x @ w.astype(jnp.bfloat16)).astype(jnp.float32) * t[None]  # bf16 weights, as the loss sees
+    return jnp.sum(y**2)
+
+  want, (gw, gt) = jax.value_and_grad(by_hand, argnums=(0, 1))(
+    params["dense"]["kernel"], params["time_embedder"]["kernel"]
+  )
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+  assert grads["dense"]["kernel"].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(grads["dense"]["kernel"]), np.asarray(gw), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(grads["time_embedder"]["kernel"]), np.asarray(gt), rtol=1e-6
+  )
+  # bf16 really rounds: the float32 loss differs.
+  f32_loss, _ = loss_fn(params, x, None)
+  assert abs(float(f32_loss) - float(loss)) > 1e-6
+  with pytest.raises(ValueError, match="int32 is not a floating dtype"):
+    mdt.mixed_precision(loss_fn, params, jnp.int32)

@@ -93,6 +93,10 @@ def start(config: Mapping[str, Any] | None = None) -> jax.sharding.Mesh:
   import md_sharding as mds
 
   config = config or {}
+  cpu_devices = int(config.get("cpu_devices", 0) or 0)
+  if cpu_devices > 0:
+    # How many devices JAX's CPU backend makes (before any backend starts; a CPU has one by default).
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
   dist = dict(config.get("distributed", {}) or {})
   mds.initialize(**{k: v for k, v in dist.items() if v not in (None, "", -1)})
   configure_jax(

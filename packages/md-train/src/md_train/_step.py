@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -177,6 +178,41 @@ def with_master_weights(params: Any, loss_fn: LossFn) -> tuple[Any, LossFn]:
     return loss_fn(model_params, batch, key)
 
   return master, cast_loss
+
+
+def mixed_precision(loss_fn: LossFn, params: Any, dtype: Any, keep_f32: Any = ()) -> LossFn:
+  """A loss that runs the model in `dtype` (e.g. bfloat16) while the optimizer keeps `params` in float32.
+
+  Each floating leaf of the parameters is cast to `dtype` inside the loss (models that compute in their
+  weights' dtype then run their matmuls in it), except the leaves whose '/'-joined path matches a
+  regular expression of `keep_f32` (a family's `KEEP_F32`: the tables its reference keeps in float32);
+  the gradients reach the float32 parameters through the casts. `params` gives the tree's paths only.
+  """
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"mixed_precision: dtype={dtype} is not a floating dtype")
+  patterns = [re.compile(p) for p in keep_f32]
+
+  def target(path, leaf):
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+      return leaf.dtype
+    text = "/".join(_key_name(k) for k in path)
+    return leaf.dtype if any(p.search(text) for p in patterns) else dtype
+
+  dtypes = jax.tree_util.tree_map_with_path(target, params)
+
+  def cast_loss(master_params, batch, key):
+    model_params = jax.tree.map(lambda a, d: a.astype(d), master_params, dtypes)
+    return loss_fn(model_params, batch, key)
+
+  return cast_loss
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
 
 
 def loss_and_grads(loss_fn: LossFn, params: Any, batch: Any, key: jax.Array | None = None):

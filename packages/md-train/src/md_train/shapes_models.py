@@ -38,7 +38,14 @@ from md_train import families
 from md_train._loop import Recipe
 from md_train._losses import FLOW_SAMPLERS
 from md_train._optim import ema_of, make_optimizer
-from md_train._step import Frozen, LossFn, init_state, make_train_step, split_trainable
+from md_train._step import (
+  Frozen,
+  LossFn,
+  init_state,
+  make_train_step,
+  mixed_precision,
+  split_trainable,
+)
 
 # --- data --------------------------------------------------------------------------------------------------
 
@@ -128,10 +135,11 @@ def wan_vae_loss(
 
 
 def export_weights(
-  module: nnx.Module, template: Mapping[str, np.ndarray], convert_key: Callable
+  module: nnx.Module, template: Mapping[str, np.ndarray], convert_key: Callable, dtype: Any = None
 ) -> dict[str, np.ndarray]:
   """The reference tensors of `module`: for every tensor name of `template`, md's parameter put back in the
-  reference's layout (the inverse of loading with `convert_key`), in the template's dtype.
+  reference's layout (the inverse of loading with `convert_key`), in the template's dtype (floating
+  tensors in `dtype` when given).
 
   Raises:
     ValueError: a template tensor md does not map, or whose converted shape differs from the template's
@@ -166,15 +174,19 @@ def export_weights(
     a = parts[0] if split is None else np.concatenate(parts, axis=split[2])
     if a.shape != want.shape:
       raise ValueError(f"template tensor {name!r} has shape {want.shape}, md's export {a.shape}")
-    out[name] = a.astype(want.dtype)
+    floating = np.issubdtype(want.dtype, np.floating) or want.dtype.name == "bfloat16"
+    out[name] = a.astype(dtype if dtype is not None and floating else want.dtype)
   return out
 
 
-def save_component(folder: pathlib.Path, module: nnx.Module, convert_key: Callable) -> None:
-  """Overwrites `folder/diffusion_pytorch_model.safetensors` with `module`'s weights in its own keys."""
+def save_component(
+  folder: pathlib.Path, module: nnx.Module, convert_key: Callable, dtype: Any = None
+) -> None:
+  """Overwrites `folder/diffusion_pytorch_model.safetensors` with `module`'s weights in its own keys
+  (floating tensors cast to `dtype` when given, e.g. bfloat16 to halve the file)."""
   path = folder / "diffusion_pytorch_model.safetensors"
   template = md_core.open_checkpoint(folder)
-  tensors = export_weights(module, template, convert_key)
+  tensors = export_weights(module, template, convert_key, dtype)
   del template
   md_core.save_safetensors(path, tensors, metadata={"format": "pt"})
 
@@ -223,6 +235,36 @@ def _optimizer(config: ml_collections.ConfigDict):
 def _trained(config: ml_collections.ConfigDict, state: Any) -> Any:
   """The parameters a recipe exports: the EMA's when the options set `ema_decay`, else the state's."""
   return ema_of(state.opt_state) if config.get("ema_decay") is not None else state.params
+
+
+def _data_devices(config: ml_collections.ConfigDict) -> int:
+  """The option `data_devices` (default 1), checked against the devices and the batch size."""
+  n = int(config.get("data_devices", 1) or 1)
+  devices = jax.devices()
+  if n > len(devices):
+    raise ValueError(
+      f"data_devices={n}, but JAX has {len(devices)} device(s) ({devices[0].platform}); on a CPU set "
+      f"the app's --config.cpu_devices={n}"
+    )
+  if n > 1 and config.batch_size % n:
+    raise ValueError(f"data_devices={n} does not divide batch_size={config.batch_size}")
+  return n
+
+
+def _data_parallel(n: int, state: Any) -> tuple[Any, dict[str, Any]]:
+  """For n > 1 (`data_devices`): the state replicated on the first n devices and the
+  `make_train_step` shardings that split each batch over them (data parallelism; on a CPU the app's
+  `cpu_devices` makes the devices, and two of them keep both cores busier than one). Else unchanged."""
+  if n <= 1:
+    return state, {}
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state_sharding = jax.tree.map(lambda _: replicated, state)
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  return jax.device_put(state, state_sharding), dict(
+    state_sharding=state_sharding, batch_sharding=split
+  )
 
 
 def _options(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -449,7 +491,11 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   sampler's), `caption_weights` (`clip_probabilities`: e.g. `{"star": 2}` draws star clips twice as
   often) and `remat` (the transformer blocks' `md_core.REMAT_POLICIES` name; recomputing in the backward
   pass is the same arithmetic, and on a CPU `"dots"` makes the step faster by not stacking the blocks'
-  attention probabilities for it).
+  attention probabilities for it), `data_devices` (split each batch over that many devices, the state
+  replicated: `_data_parallel`), `export_dtype` (the exported weights' dtype, e.g. `"bfloat16"`;
+  default: the dtypes the `base` folder stores), `compute_dtype` (e.g. `"bfloat16"`: the transformer runs in it
+  while the optimizer keeps float32 weights, `md_train.mixed_precision`; the reference's float32 tables
+  stay float32).
   """
   config = _options(app_config)
   sampler = str(config.get("sampler", "shifted"))
@@ -465,6 +511,7 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     if sampler == "logit_normal"
     else {}
   )
+  data_devices = _data_devices(config)
   pipe = md_wan.load_pipeline(config.base, remat=str(config.get("remat", "none")))
   data = _shapes_config(config)
   latents, captions, masks = encode_clips(
@@ -485,6 +532,7 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   frozen, params = split_trainable(pipe.transformer)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
+  state, shardings = _data_parallel(data_devices, state)
   loss = families.wan_loss(
     frozen,
     sampler=sampler,
@@ -492,7 +540,10 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     frame_noise=float(config.get("frame_noise", 0.0)),
     **sampler_options,
   )
-  step = make_train_step(loss, optimizer)
+  compute_dtype = config.get("compute_dtype")
+  if compute_dtype:
+    loss = mixed_precision(loss, params, compute_dtype, keep_f32=md_wan.KEEP_F32)
+  step = make_train_step(loss, optimizer, **shardings)
   probs = clip_probabilities(config.get("caption_weights"), captions)
   return cached_latents_recipe(
     config, state, step, frozen, latents, ids, embeds, "transformer", md_wan.convert_key, maps=maps,
@@ -585,7 +636,9 @@ def cached_latents_recipe(
   def export(state, out: str | os.PathLike) -> pathlib.Path:
     out = pathlib.Path(out)
     _copy_folder(config.base, out)
-    save_component(out / component, frozen.merge(_trained(config, state)), convert_key)
+    dtype = config.get("export_dtype")
+    dtype = None if not dtype else jnp.dtype(dtype)
+    save_component(out / component, frozen.merge(_trained(config, state)), convert_key, dtype)
     return out
 
   return Recipe(
