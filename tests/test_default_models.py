@@ -606,7 +606,8 @@ def test_wan_recipe_splits_each_batch_over_data_devices():
 
 
 def test_wan_recipe_refuses_data_devices_it_cannot_use(monkeypatch):
-  """Too many devices, or a batch they cannot split, fail by name before anything is loaded."""
+  """Too many devices, a batch they cannot split, or a bad dtype name fail by name before anything is
+  loaded."""
   config = testing.app_config("default_models.py:wan")
   monkeypatch.setattr(sm.md_wan, "load_pipeline", lambda *a, **k: pytest.fail("loaded"))
   config.steps = 30
@@ -617,6 +618,19 @@ def test_wan_recipe_refuses_data_devices_it_cannot_use(monkeypatch):
     sm.wan_recipe(config)
   config.recipe_options.update(data_devices=4, batch_size=6)
   with pytest.raises(ValueError, match="data_devices=4 does not divide batch_size=6"):
+    sm.wan_recipe(config)
+  # A dtype name that is not a floating dtype: refused now, not at the export after the training run.
+  config.recipe_options.update(data_devices=1, batch_size=2, export_dtype="bf16")
+  with pytest.raises(
+    ValueError, match=r"recipe_options.export_dtype='bf16' is not a floating dtype"
+  ):
+    sm.wan_recipe(config)
+  config.recipe_options.export_dtype = "bfloat16"
+  with config.unlocked():
+    config.recipe_options.compute_dtype = "int8"
+  with pytest.raises(
+    ValueError, match=r"recipe_options.compute_dtype='int8' is not a floating dtype"
+  ):
     sm.wan_recipe(config)
 
 

@@ -237,6 +237,20 @@ def _trained(config: ml_collections.ConfigDict, state: Any) -> Any:
   return ema_of(state.opt_state) if config.get("ema_decay") is not None else state.params
 
 
+def _dtype_option(config: ml_collections.ConfigDict, key: str) -> np.dtype | None:
+  """The floating dtype a recipe option names (None when unset or empty), checked before any work."""
+  name = config.get(key)
+  if not name:
+    return None
+  try:
+    dtype = jnp.dtype(name)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"recipe_options.{key}={name!r} is not a floating dtype (e.g. 'bfloat16')")
+  return dtype
+
+
 def _data_devices(config: ml_collections.ConfigDict) -> int:
   """The option `data_devices` (default 1), checked against the devices and the batch size."""
   n = int(config.get("data_devices", 1) or 1)
@@ -512,6 +526,8 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     else {}
   )
   data_devices = _data_devices(config)
+  compute_dtype = _dtype_option(config, "compute_dtype")
+  _dtype_option(config, "export_dtype")  # checked now: the export runs after the whole training run
   pipe = md_wan.load_pipeline(config.base, remat=str(config.get("remat", "none")))
   data = _shapes_config(config)
   latents, captions, masks = encode_clips(
@@ -540,8 +556,7 @@ def wan_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     frame_noise=float(config.get("frame_noise", 0.0)),
     **sampler_options,
   )
-  compute_dtype = config.get("compute_dtype")
-  if compute_dtype:
+  if compute_dtype is not None:
     loss = mixed_precision(loss, params, compute_dtype, keep_f32=md_wan.KEEP_F32)
   step = make_train_step(loss, optimizer, **shardings)
   probs = clip_probabilities(config.get("caption_weights"), captions)
@@ -636,8 +651,7 @@ def cached_latents_recipe(
   def export(state, out: str | os.PathLike) -> pathlib.Path:
     out = pathlib.Path(out)
     _copy_folder(config.base, out)
-    dtype = config.get("export_dtype")
-    dtype = None if not dtype else jnp.dtype(dtype)
+    dtype = _dtype_option(config, "export_dtype")
     save_component(out / component, frozen.merge(_trained(config, state)), convert_key, dtype)
     return out
 
