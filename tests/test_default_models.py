@@ -409,6 +409,34 @@ def test_wan_vae_clip_stage_trains_only_the_decoder_side(tmp_path):
   assert any(not np.array_equal(before[k], after[k]) for k in before if k.startswith("decoder."))
 
 
+def test_wan_vae_recipe_splits_each_batch_over_data_devices(monkeypatch):
+  """The still VAE stage as shipped (`data_devices=2` on two CPU devices): a step on two devices gives the
+  loss and parameters of the same step on one (the foreground weights are normalised over the whole
+  batch, not per device). Too many devices or a batch they cannot split are refused before loading."""
+  config = testing.app_config("default_models.py:wan-vae-still")
+  assert config.recipe_options.data_devices == 2 and config.cpu_devices == 2
+  config.steps = 1
+  config.recipe_options.update(template=str(MODEL), batch_size=4, schedule_steps=60)
+  results = []
+  for n in (1, 2):
+    config.recipe_options.data_devices = n
+    recipe = sm.wan_vae_recipe(config)
+    assert len(jax.tree.leaves(recipe.state.params)[0].sharding.device_set) == n
+    state, metrics = recipe.step(recipe.state, next(recipe.batches))
+    results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state.params)))
+  (loss1, p1), (loss2, p2) = results
+  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+  monkeypatch.setattr(sm.md_vae, "load_vae_wan", lambda *a, **k: pytest.fail("loaded"))
+  config.recipe_options.data_devices = 64
+  with pytest.raises(ValueError, match=r"data_devices=64, but JAX has \d+ device\(s\)"):
+    sm.wan_vae_recipe(config)
+  config.recipe_options.update(data_devices=2, batch_size=3)
+  with pytest.raises(ValueError, match="data_devices=2 does not divide batch_size=3"):
+    sm.wan_vae_recipe(config)
+
+
 def test_wan_vae_still_stage_exports_the_inflated_vae(tmp_path):
   # The still stage's export is a clip VAE: each latent frame k is the still latent of frame 4k.
   config = testing.app_config("default_models.py:wan-vae-still")

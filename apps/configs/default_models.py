@@ -21,7 +21,7 @@ from md_core import apps as md_apps
 VARIANTS = {
   "wan-vae-still": (
     "md_train.shapes_models:wan_vae_recipe",
-    dict(steps=3000, checkpoint_every=500),
+    dict(steps=3000, checkpoint_every=500, cpu_devices=2),
     dict(
       template="runs/shapes-wan-template",
       size=64,
@@ -38,6 +38,7 @@ VARIANTS = {
       stats_count=64,
       inflate_export=True,
       train_encoder=True,
+      data_devices=2,  # each batch split over two CPU devices: 0.216 -> 0.171 s a step on 2 cores
     ),
   ),
   "wan-vae": (

@@ -297,9 +297,11 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   shapes' pixels), `crop_on_shape`, `stats_count` (clips for the latent statistics), and optionally
   `inflate_export` (export the still-trained VAE inflated to a clip VAE, `md_vae.inflate_wan_vae`) and
   `train_encoder` (False: train only the decoder side, so the latents, and a transformer trained on them,
-  stay those of the starting VAE).
+  stay those of the starting VAE) and `data_devices` (split each batch over that many devices, the state
+  replicated: `_data_parallel`).
   """
   config = _options(app_config)
+  data_devices = _data_devices(config)
   vae = md_vae.load_vae_wan(config.template)
   if config.get("train_encoder", True):
     frozen, params = split_trainable(vae)
@@ -308,9 +310,10 @@ def wan_vae_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
     frozen, params = split_trainable(vae, nnx.All(nnx.Param, decoder_side))
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
+  state, shardings = _data_parallel(data_devices, state)
   foreground = float(config.get("foreground_weight", 0.0))
   loss = wan_vae_loss(frozen, kl_weight=config.kl_weight, foreground_weight=foreground)
-  step = make_train_step(loss, optimizer)
+  step = make_train_step(loss, optimizer, **shardings)
   data = _shapes_config(config)
   # train_frames=1: still images as one-frame clips (the causal VAE's first-frame path), ~9x cheaper a clip.
   still = config.train_frames == 1
