@@ -5,6 +5,7 @@ and a quick quality gate (md_data's analyser on a few prompts) holds. The full q
 
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -22,16 +23,16 @@ MODEL = ROOT / "models" / "shapes-sd"
 
 
 # The regression floor: 8 prompts of trained colour x shape pairs and 8 of held-out pairs (every other one
-# of `quality_prompts()`), 1 seed, 10 steps, guidance 3. Measured on the shipped model (2026-12-02, 2-core
-# CPU, the small-branch text encoder): trained pairs colour, shape, position and background 8/8 each;
-# held-out pairs colour 8/8, shape 5/8, position 8/8, background 8/8. Each floor is one miss under that.
+# of `quality_prompts()`), 1 seed, 10 steps, guidance 3. Measured on the shipped model (2026-12-06, 2-core
+# CPU, the (64, 128) UNet): trained pairs colour, shape, position and background 8/8 each; held-out pairs
+# colour 8/8, shape 7/8, position 8/8, background 8/8. Each floor is one miss under that.
 # Random search (md_serve.search, shapes verifier, 10 steps) on one prompt per held-out pair: mean verifier
-# score 0.95 for the seed-0 samples, 1.0 (every prompt at the verifier's maximum) for the best of 8
-# (measured 2026-12-02 on the model with the small-branch text encoder).
+# score 0.90 for the seed-0 samples, 1.0 (every prompt at the verifier's maximum) for the best of 8
+# (measured 2026-12-06 on the same model).
 SEARCH_GAIN = 0.04
 FLOOR = {
   "train": dict(colour=7, shape=7, position=7, background=7),
-  "held_out": dict(colour=7, shape=4, position=7, background=7),
+  "held_out": dict(colour=7, shape=6, position=7, background=7),
 }
 
 
@@ -113,8 +114,8 @@ def test_quality_prompts_hold_out_the_unseen_pairs():
 
 
 def test_quality_regression_floor(pipe):
-  # Not the issue's quality gate (colour >= 90%, shape >= 80% over 40 prompts x 2 seeds): the model
-  # meets it for colour and misses it for shape (76%; models/shapes-sd/README.md).
+  # A few prompts of the issue's quality gate (colour >= 90%, shape >= 80% over 40 prompts x 2 seeds),
+  # which the model meets: colour 100%, shape 96% (held-out pairs 92.5%; models/shapes-sd/README.md).
   prompts = {group: texts[::2][:8] for group, texts in ss.quality_prompts().items()}
   scores = ss.image_scores(pipe, prompts=prompts, seeds=(0,), num_inference_steps=10)
   for group, floor in FLOOR.items():
@@ -151,6 +152,34 @@ def test_both_stages_train_a_step_and_export(tmp_path):
   md_sd.load_pipeline(unet.export(state, tmp_path / "unet-stage"))
 
 
+def test_unet_stage_splits_each_batch_over_data_devices(monkeypatch):
+  """`data_devices=2` (the UNet stage as shipped, on two CPU devices): a step gives the loss and the
+  parameters of the same step on one device; devices or a batch that do not fit are refused before
+  anything loads."""
+  config = testing.app_config("default_models.py:sd")
+  assert config.recipe_options.data_devices == 2 and config.cpu_devices == 2
+  config.steps = 2
+  config.recipe_options.update(base=str(MODEL), num_images=8, batch_size=4, schedule_steps=4000)
+  results = []
+  for n in (1, 2):
+    config.recipe_options.data_devices = n
+    recipe = ss.sd_recipe(config)
+    assert len(jax.tree.leaves(recipe.state.params)[0].sharding.device_set) == n
+    state, metrics = recipe.step(recipe.state, next(recipe.batches))
+    results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state.params)))
+  (loss1, p1), (loss2, p2) = results
+  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+  monkeypatch.setattr(ss.md_sd, "load_pipeline", lambda *a, **k: pytest.fail("loaded"))
+  config.recipe_options.data_devices = 64
+  with pytest.raises(ValueError, match=r"data_devices=64, but JAX has \d+ device\(s\)"):
+    ss.sd_recipe(config)
+  config.recipe_options.update(data_devices=2, batch_size=3)
+  with pytest.raises(ValueError, match="data_devices=2 does not divide batch_size=3"):
+    ss.sd_recipe(config)
+
+
 def test_vae_windows_hold_the_shape():
   with pytest.raises(ValueError, match="crop_on_shape=True needs a crop"):
     next(ss.shapes_images(64, seed=0, batch_size=1, crop_on_shape=True))
@@ -178,8 +207,9 @@ def test_search_beats_the_seed_0_sample_on_held_out_pairs(pipe):
 
 # The purple LoRA (models/shapes-sd-lora-purple, `default_models.py:sd-lora-purple`) on every 4th prompt of
 # `colour_prompts("purple")` (8 prompts naming other colours), seed 0, 10 steps. Measured on the shipped
-# files (2026-12-04, 2-core CPU): without the LoRA 0/8 purple, shape 6/8, position and background 8/8;
-# with it 6/8 purple, shape 5/8, position and background 8/8. Floors: one miss under that.
+# files (2026-12-06, 2-core CPU, the (64, 128) UNet and its LoRA): without the LoRA 0/8 purple, shape,
+# position and background 8/8; with it 8/8 purple, shape, position and background 8/8. Floors: one miss
+# under that.
 LORA = ROOT / "models" / "shapes-sd-lora-purple" / ss.LORA_FILE
 
 
@@ -195,7 +225,7 @@ def test_purple_lora_paints_the_shapes_purple(pipe):
   finally:
     pipe.unload_lora("purple")
   hits = {k: round(getattr(adapted, k) * 8) for k in ("colour", "shape", "position", "background")}
-  assert hits["colour"] >= 5 and hits["position"] >= 7 and hits["background"] >= 7, hits
+  assert all(hits[k] >= 7 for k in ("colour", "shape", "position", "background")), hits
   with pytest.raises(ValueError, match="colour='pink'; expected one of red"):
     ss.lora_colour_scores(pipe, "pink", **kw)
 

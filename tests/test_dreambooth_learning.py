@@ -1,10 +1,11 @@
 """Dreambooth learns a subject (issue #16's check): a Dreambooth-LoRA (`md_train.recipes.dreambooth_sd`, the
 same recipe apps/dreambooth_train runs) on md's default image model (models/shapes-sd) from 4 instance
-images of one red triangle in the centre of a black image, captioned with the identifier `sks` where the
+images of one red square in the centre of a black image, captioned with the identifier `sks` where the
 shape's name would be, with prior preservation on a red circle in the same place (4 class images the model
 generates itself). md_data's analyser reads the shape: for the identifier's prompt the base model draws no
-triangle (measured: 4 circles, 4 diamonds of 8), after 100 steps it draws the triangle (8 of 8), and the
-class prompt still gives circles (8 of 8 before and after)."""
+square (measured on the 2026-12-06 model: 4 circles, 3 triangles, 1 diamond of 8; the subject was a
+triangle until that model, which already drew 3 for the identifier), after 100 steps it draws the square
+(8 of 8), and the class prompt still gives circles (8 of 8 before and after)."""
 
 import collections
 
@@ -21,6 +22,7 @@ from md_train import recipes
 MODEL = repo_root() / "models" / "shapes-sd"
 INSTANCE = "a red sks in the center on a black background"
 CLASS = "a red circle in the center on a black background"
+SUBJECT = "square"
 
 
 def _instance_images(folder, count=4):
@@ -29,7 +31,7 @@ def _instance_images(folder, count=4):
   for i in range(count):
     extent = 64 / 3 * rng.uniform(0.7, 0.95)
     center = tuple(32 + rng.uniform(-2, 2, 2))
-    image = md_data.render_shape("red", "triangle", "black", center=center, extent=extent, size=64)
+    image = md_data.render_shape("red", SUBJECT, "black", center=center, extent=extent, size=64)
     media.save_image(folder / f"instance_{i}.png", image)
   return folder
 
@@ -54,13 +56,13 @@ def test_dreambooth_lora_teaches_the_identifier_the_subjects_shape(tmp_path):
   config = ml_collections.ConfigDict(dict(seed=0, recipe_options=options))
   pipe = md_sd.load_pipeline(MODEL)
   before = _shapes(pipe, INSTANCE)
-  assert before["triangle"] <= 2, before
+  assert before[SUBJECT] <= 2, before
   recipe = recipes.dreambooth_sd(config)
   state = mdt.fit(recipe, steps=100, progress=False)
   file = recipe.export(state, tmp_path / "export")
   pipe.load_lora(file, name="sks")
   after = _shapes(pipe, INSTANCE)
-  assert after["triangle"] >= 7, (before, after)
+  assert after[SUBJECT] >= 7, (before, after)
   kept = _shapes(pipe, CLASS)
   assert kept["circle"] >= 6, kept
   print(f"identifier prompt: {dict(before)} -> {dict(after)}; class prompt after: {dict(kept)}")

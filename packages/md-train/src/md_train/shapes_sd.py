@@ -39,6 +39,8 @@ from md_train._loop import Recipe
 from md_train._step import Frozen, LossFn, init_state, make_train_step, split_trainable
 from md_train.shapes_models import (
   _copy_folder,
+  _data_devices,
+  _data_parallel,
   _optimizer,
   _options,
   cached_latents_recipe,
@@ -249,16 +251,19 @@ def sd_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   shapes images, with a fraction `drop_caption` of the captions replaced by the empty prompt.
 
   `recipe_options`: `base`, `size`, `num_images`, `batch_size`, `learning_rate`, `warmup_steps`,
-  `drop_caption`, `snr_gamma` (Min-SNR-γ weighting; 0 for the plain MSE), `noise_offset` (`sd_loss`'s).
+  `drop_caption`, `snr_gamma` (Min-SNR-γ weighting; 0 for the plain MSE), `noise_offset` (`sd_loss`'s),
+  `data_devices` (split each batch over that many devices, the state replicated: `_data_parallel`).
   """
 
   config = _options(app_config)
+  data_devices = _data_devices(config)
   pipe = md_sd.load_pipeline(config.base)
   latents, ids, states = _cached_inputs(config, pipe)
   frozen, params = split_trainable(pipe.unet)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
-  step = make_train_step(_unet_loss(config, pipe, frozen), optimizer)
+  state, shardings = _data_parallel(data_devices, state)
+  step = make_train_step(_unet_loss(config, pipe, frozen), optimizer, **shardings)
   return cached_latents_recipe(
     config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
   )
