@@ -418,17 +418,12 @@ def test_wan_vae_recipe_splits_each_batch_over_data_devices(monkeypatch):
   assert config.recipe_options.data_devices == 1
   config.steps = 1
   config.recipe_options.update(template=str(MODEL), batch_size=4, schedule_steps=60)
-  results = []
-  for n in (1, 2):
+
+  def build(n):
     config.recipe_options.data_devices = n
-    recipe = sm.wan_vae_recipe(config)
-    assert len(jax.tree.leaves(recipe.state.params)[0].sharding.device_set) == n
-    state, metrics = recipe.step(recipe.state, next(recipe.batches))
-    results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state.params)))
-  (loss1, p1), (loss2, p2) = results
-  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    return sm.wan_vae_recipe(config)
+
+  testing.assert_same_step_on_devices(build)
   monkeypatch.setattr(sm.md_vae, "load_vae_wan", lambda *a, **k: pytest.fail("loaded"))
   config.recipe_options.data_devices = 64
   with pytest.raises(ValueError, match=r"data_devices=64, but JAX has \d+ device\(s\)"):
@@ -620,18 +615,12 @@ def test_wan_recipe_splits_each_batch_over_data_devices():
   assert config.recipe_options.data_devices == 2 and config.cpu_devices == 2
   config.steps = 30
   config.recipe_options.update(base=str(MODEL), num_clips=4, batch_size=2)
-  results = []
-  for n in (1, 2):
+
+  def build(n):
     config.recipe_options.data_devices = n
-    recipe = sm.wan_recipe(config)
-    leaf = jax.tree.leaves(recipe.state.params)[0]
-    assert len(leaf.sharding.device_set) == n
-    state, metrics = recipe.step(recipe.state, next(recipe.batches))
-    results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state.params)))
-  (loss1, p1), (loss2, p2) = results
-  np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
-    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    return sm.wan_recipe(config)
+
+  testing.assert_same_step_on_devices(build)
 
 
 def test_wan_recipe_refuses_data_devices_it_cannot_use(monkeypatch):

@@ -68,3 +68,22 @@ def load_cases(path: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
     case, name = key.split("/")
     cases.setdefault(case, {})[name] = value
   return cases
+
+
+def assert_same_step_on_devices(build, counts=(1, 2), *, rtol=1e-4, atol=1e-6) -> None:
+  """For each device count n, `build(n)` makes a training recipe (an `md_train.Recipe`: `state`, `step`,
+  `batches`) whose state must sit on n devices; one step from each must give the first's loss (rtol 1e-5)
+  and parameters (`rtol`, `atol`): data parallelism is the same arithmetic, reordered."""
+  import jax
+
+  results = []
+  for n in counts:
+    recipe = build(n)
+    assert len(jax.tree.leaves(recipe.state.params)[0].sharding.device_set) == n
+    state, metrics = recipe.step(recipe.state, next(recipe.batches))
+    results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state.params)))
+  (loss, params), *rest = results
+  for other_loss, other in rest:
+    np.testing.assert_allclose(other_loss, loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(other), strict=True):
+      np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
