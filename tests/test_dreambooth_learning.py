@@ -5,12 +5,17 @@ shape's name would be, with prior preservation on a red circle in the same place
 generates itself). md_data's analyser reads the shape: for the identifier's prompt the base model draws no
 square (measured on the 2026-12-06 model: 4 circles, 3 triangles, 1 diamond of 8; the subject was a
 triangle until that model, which already drew 3 for the identifier), after 100 steps it draws the square
-(8 of 8), and the class prompt still gives circles (8 of 8 before and after)."""
+(8 of 8), and the class prompt still gives circles (8 of 8 before and after).
+
+Marked slow (77 s, the suite's longest test; `uv run python -m pytest -m slow`): the Dreambooth recipe,
+its prior-preservation step's parity with torch and the app stay in the default suite
+(tests/test_dreambooth.py, tests/test_dreambooth_app.py)."""
 
 import collections
 
 import ml_collections
 import numpy as np
+import pytest
 
 import md_data
 import md_sd
@@ -44,6 +49,7 @@ def _shapes(pipe, prompt, n=8):
   return collections.Counter(md_data.analyse(x).shape for x in np.asarray(images))
 
 
+@pytest.mark.slow
 def test_dreambooth_lora_teaches_the_identifier_the_subjects_shape(tmp_path):
   options = dict(
     model=str(MODEL), instance_dir=str(_instance_images(tmp_path / "instance")),
