@@ -183,6 +183,10 @@ def test_vae_windows_hold_the_shape():
     assert off.sum() >= 20, "a window without (most of) its shape"
 
 
+# ~55 s of sampling (400 UNet steps): under `-m slow` since the suite passed 25 minutes (2026-12-07: 25:50).
+# The default suite keeps search itself: tests/test_serve_search.py (random, zero-order and path search on
+# the tiny SD pipeline), tests/test_serve.py (the server's search option), tests/test_serve_noise_families.py.
+@pytest.mark.slow
 def test_search_beats_the_seed_0_sample_on_held_out_pairs(pipe):
   # md-serve's random search with the shapes verifier: budget 8 scores at least as well as the seed-0
   # sample on every prompt, and better on average.
