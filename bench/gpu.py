@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -260,19 +261,48 @@ PARTS = {
 }
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", default="all", help=f"all or one of {sorted(PARTS)}")
-  parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU check)")
+def run_parts(
+  parts: dict, doc: str, columns: tuple[str, str, str], keep_going: bool = False
+) -> None:
+  """The command line shared by gpu.py and tpu.py: `--part` (all or a comma list) and `--tiny`; prints
+  the table's header, the peak row and each part's rows. `keep_going`: a failing part prints its traceback
+  and a row saying so, and the next part runs."""
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument("--part", default="all", help=f"all or a comma list of {sorted(parts)}")
+  parser.add_argument("--tiny", action="store_true", help="tiny sizes (any backend)")
   args = parser.parse_args()
+  names = list(parts) if args.part == "all" else args.part.split(",")
+  unknown = [n for n in names if n not in parts]
+  if unknown:
+    parser.error(
+      f"--part: unknown {', '.join(unknown)}; expected all or some of {', '.join(parts)}"
+    )
   print(
     f"# jax {jax.__version__} on {jax.devices()[0].device_kind}; {'tiny' if args.tiny else 'full size'}"
   )
-  _row("part", "what", "time", "work", "MFU / ratio")
+  _row("part", "what", *columns)
   _row("---", "---", "---", "---", "---")
   measure_peak(args.tiny)
-  for name in PARTS if args.part == "all" else args.part.split(","):
-    PARTS[name](args.tiny)
+  for name in names:
+    start = time.perf_counter()
+    try:
+      parts[name](args.tiny)
+    except Exception as e:
+      if not keep_going:
+        raise
+      traceback.print_exc()
+      _row(
+        name,
+        f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+        "",
+        "",
+        "",
+      )
+    print(f"# {name}: {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def main() -> None:
+  run_parts(PARTS, __doc__, ("time", "work", "MFU / ratio"))
 
 
 if __name__ == "__main__":

@@ -20,13 +20,10 @@ Each part runs under its own try, so a failing part leaves a row saying why and 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import os
 import sys
-import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +31,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _flops import count_flops  # noqa: E402
-from gpu import _peak, _row, _step_fn, _time, measure_peak, random_inputs, random_model  # noqa: E402
+from gpu import (  # noqa: E402
+  _peak,
+  _row,
+  _step_fn,
+  _time,
+  random_inputs,
+  random_model,
+  run_parts,
+)
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -322,30 +327,7 @@ PARTS = {
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", default="all", help=f"all or a comma list of {sorted(PARTS)}")
-  parser.add_argument("--tiny", action="store_true", help="tiny sizes (any backend)")
-  args = parser.parse_args()
-  print(
-    f"# jax {jax.__version__} on {jax.devices()[0].device_kind}; {'tiny' if args.tiny else 'full size'}"
-  )
-  _row("part", "what", "time / error", "work", "MFU / note")
-  _row("---", "---", "---", "---", "---")
-  measure_peak(args.tiny)
-  for name in PARTS if args.part == "all" else args.part.split(","):
-    start = time.perf_counter()
-    try:
-      PARTS[name](args.tiny)
-    except Exception as e:  # a failing part leaves its row; the others still run
-      traceback.print_exc()
-      _row(
-        name,
-        f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
-        "",
-        "",
-        "",
-      )
-    print(f"# {name}: {time.perf_counter() - start:.0f} s", flush=True)
+  run_parts(PARTS, __doc__, ("time / error", "work", "MFU / note"), keep_going=True)
 
 
 if __name__ == "__main__":
