@@ -157,30 +157,49 @@ def part_wan(tiny: bool) -> None:
   )
 
 
-def part_attention(tiny: bool) -> None:
+def attention_rows(
+  tiny: bool, kernel: str | None, backward: bool = False, dense: bool = False
+) -> None:
+  """Rows timing md-attention's `kernel` (None: none on this backend) against `blockwise` at 4k / 16k / 32k
+  tokens (24 heads of 128, bf16); `backward` adds forward+backward rows (the gradient of the summed output,
+  counted as 3.5x the forward's 4 S^2 H D FLOPs), `dense` adds `dot_product` where its scores fit 2 GiB."""
   import md_attention as mda
 
   lengths = (256, 512) if tiny else (4096, 16384, 32768)
   heads, dim = (4, 32) if tiny else (24, 128)
-  impls = ["blockwise"] + (["cudnn"] if jax.default_backend() == "gpu" else [])
-  if len(impls) == 1:
-    _row("attention", "cudnn", "skipped: not on an NVIDIA GPU", "", "")
+  impls = ([kernel] if kernel else []) + ["blockwise"]
   for s in lengths:
     q, k, v = (
       jax.random.normal(key, (1, s, heads, dim), BF16)
       for key in jax.random.split(jax.random.key(s), 3)
     )
-    flops = 4 * s * s * heads * dim
-    for impl in impls:
-      fn = jax.jit(lambda q, k, v, impl=impl: mda.attention(q, k, v, implementation=impl))
-      t = _time(fn, q, k, v)
-      _row(
-        "attention",
-        f"{impl} {s} tokens",
-        f"{t * 1e3:.2f} ms",
-        f"{flops / t / 1e12:.3g} TFLOP/s",
-        f"{flops / t / _peak():.1%}",
-      )
+    fwd_flops = 4 * s * s * heads * dim
+    names = impls + (["dot_product"] if dense and heads * s * s * 4 <= 2**31 else [])
+    for impl in names:
+
+      def call(q, k, v, impl=impl):
+        return mda.attention(q, k, v, implementation=impl)
+
+      runs = [("forward" if backward else "", jax.jit(call), fwd_flops)]
+      if backward:
+        summed = lambda q, k, v, call=call: jnp.sum(call(q, k, v).astype(jnp.float32))  # noqa: E731
+        runs.append(("fwd+bwd", jax.jit(jax.grad(summed, argnums=(0, 1, 2))), 3.5 * fwd_flops))
+      for label, fn, flops in runs:
+        t = _time(fn, q, k, v)
+        _row(
+          "attention",
+          " ".join(x for x in (impl, label, f"{s} tokens") if x),
+          f"{t * 1e3:.2f} ms",
+          f"{flops / t / 1e12:.3g} TFLOP/s",
+          f"{flops / t / _peak():.1%}",
+        )
+
+
+def part_attention(tiny: bool) -> None:
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu:
+    _row("attention", "cudnn", "skipped: not on an NVIDIA GPU", "", "")
+  attention_rows(tiny, "cudnn" if on_gpu else None)
 
 
 def part_quant(tiny: bool) -> None:

@@ -36,6 +36,7 @@ from gpu import (  # noqa: E402
   _row,
   _step_fn,
   _time,
+  attention_rows,
   random_inputs,
   random_model,
   run_parts,
@@ -136,38 +137,7 @@ def part_splash(tiny: bool) -> None:
 
 
 def part_attention(tiny: bool) -> None:
-  import md_attention as mda
-
-  lengths = (256, 512) if tiny else (4096, 16384, 32768)
-  heads, dim = (4, 32) if tiny else (24, 128)
-  impls = ["splash", "blockwise"] if _on_tpu() else ["blockwise"]
-  for s in lengths:
-    q, k, v = (
-      jax.random.normal(key, (1, s, heads, dim), BF16)
-      for key in jax.random.split(jax.random.key(s), 3)
-    )
-    fwd_flops = 4 * s * s * heads * dim
-    # Scores for dot_product: heads x s^2 float32; only where that is small next to the chip's memory.
-    names = impls + (["dot_product"] if heads * s * s * 4 <= 2**31 else [])
-    for impl in names:
-      fwd = jax.jit(lambda q, k, v, impl=impl: mda.attention(q, k, v, implementation=impl))
-      both = jax.jit(
-        jax.grad(
-          lambda q, k, v, impl=impl: jnp.sum(
-            mda.attention(q, k, v, implementation=impl).astype(F32)
-          ),
-          argnums=(0, 1, 2),
-        )
-      )
-      for label, fn, flops in (("forward", fwd, fwd_flops), ("fwd+bwd", both, 3.5 * fwd_flops)):
-        t = _time(fn, q, k, v)
-        _row(
-          "attention",
-          f"{impl} {label} {s} tokens",
-          f"{t * 1e3:.2f} ms",
-          f"{flops / t / 1e12:.3g} TFLOP/s",
-          f"{flops / t / _peak():.1%}",
-        )
+  attention_rows(tiny, "splash" if _on_tpu() else None, backward=True, dense=True)
 
 
 def part_wan(tiny: bool) -> None:
