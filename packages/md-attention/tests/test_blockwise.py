@@ -29,6 +29,56 @@ def test_blockwise_matches_dot_product(s_q, s_kv, head_dim, mask, causal):
     assert errors[name] < TOL, (name, errors[name])
 
 
+# All keys in one block (CPU's query chunks): the heads-major one-block forward, against dot_product.
+# (S_q, S_kv, heads, kv heads, head_dim, mask, causal, window, scale): padded keys, causal, a window,
+# grouped K/V, cross-attention both ways, a scale that is not a power of two, query rows past the last
+# chunk's end (S_q not a multiple of the chunk).
+ONE_BLOCK_CASES = [
+  (100, 100, 4, 4, 64, True, False, None, None),
+  (100, 100, 4, 4, 48, False, True, None, None),
+  (90, 130, 4, 2, 32, True, False, (20, 5), None),
+  (130, 40, 2, 2, 16, True, False, None, 0.3),
+  (70, 70, 4, 1, 64, False, False, None, None),
+]
+
+
+@pytest.mark.parametrize("s_q, s_kv, h, h_kv, d, mask, causal, window, scale", ONE_BLOCK_CASES)
+def test_one_key_block_matches_dot_product(s_q, s_kv, h, h_kv, d, mask, causal, window, scale):
+  q, k, v, keep, d_out = mdat.random_inputs(2, s_q, s_kv, h, d, mask=mask)
+  k, v = k[:, :, :h_kv], v[:, :, :h_kv]
+  config = mda.AttentionConfig(implementation="blockwise", block_q=32, block_kv=256)
+  errors = mdat.max_errors(
+    q, k, v, d_out, mask=keep, causal=causal, window=window, scale=scale, config=config
+  )
+  for name in ("out", "dq", "dk", "dv"):
+    assert errors[name] < TOL, (name, errors[name])
+
+
+def test_one_key_block_rows_that_see_no_key_are_zero():
+  # The second sample's keys are all padding: its rows are zeros (as dot_product), and nothing is NaN.
+  q, k, v, keep, d_out = mdat.random_inputs(2, 40, 40, 2, 16, mask=True)
+  keep = keep.at[1].set(False)
+  config = mda.AttentionConfig(implementation="blockwise", block_q=16, block_kv=64)
+  errors = mdat.max_errors(q, k, v, d_out, mask=keep, config=config)
+  assert max(errors[n] for n in ("out", "dq", "dk", "dv")) < TOL
+  assert float(jnp.abs(errors["result"][1]).max()) == 0.0
+
+
+def test_one_key_block_bf16_scale_stays_on_the_float32_scores():
+  # head dim 48: the scale 1/sqrt(48) is not a power of two, so a bfloat16 q is not multiplied by it
+  # (that would round q to bfloat16 again); the error is then that of the plain bf16 inputs.
+  q, k, v, keep, _ = mdat.random_inputs(1, 200, 200, 2, 48, mask=True, dtype=jnp.bfloat16)
+  config = mda.AttentionConfig(implementation="blockwise", block_q=64, block_kv=256)
+  got = mda.attention(q, k, v, mask=keep, config=config)
+  want = mda.attention(
+    *(x.astype(jnp.float32) for x in (q, k, v)), mask=keep, implementation="dot_product"
+  )
+  same_inputs = mda.attention(q, k, v, mask=keep, implementation="dot_product")
+  err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+  assert got.dtype == jnp.bfloat16 and err < 1.6e-2
+  assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - same_inputs.astype(jnp.float32)))) < 1e-2
+
+
 def test_blockwise_bf16_close_to_f32_reference():
   q, k, v, keep, _ = mdat.random_inputs(2, 300, 300, 2, 64, mask=True, dtype=jnp.bfloat16)
   got = mda.attention(q, k, v, mask=keep, implementation="blockwise")

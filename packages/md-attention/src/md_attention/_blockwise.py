@@ -9,6 +9,7 @@ they take global positions and return the log-sum-exp.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +98,8 @@ def flash_forward(
   b, s_q, h, d = q.shape
   s_kv = k.shape[1]
   bq, bk = block_sizes(s_q, s_kv, block_q, block_kv)
+  if bk == s_kv:
+    return _one_key_block_forward(q, k, v, kv_valid, q_pos, k_pos, causal, scale, bq, window)
   sq_pad, skv_pad = _round_up(s_q, bq), _round_up(s_kv, bk)
   q_blocks = _to_blocks(_pad_axis(q, 1, sq_pad, 0), 1, bq)  # [nq, B, bq, H, D]
   qpos_blocks = _to_blocks(_pad_positions(q_pos, sq_pad), 0, bq)  # [nq, bq]
@@ -141,6 +144,54 @@ def flash_forward(
 
   out, lse = lax.map(one_query_block, (q_blocks, qpos_blocks))  # [nq, B, bq, H, D], [nq, B, H, bq]
   out = _from_blocks(out, 1)[:, :s_q]
+  lse = _from_blocks(lse, 2)[..., :s_q]
+  return out, lse
+
+
+def _one_key_block_forward(q, k, v, kv_valid, q_pos, k_pos, causal, scale, bq, window):
+  """`flash_forward` when all keys fit one block (CPU's query chunks over all keys).
+
+  The same softmax as the online merge starting from an empty carry, without its bookkeeping passes:
+  each chunk's scores, max, exponentials and sum, normalised once on the `[bq, D]` output. Heads-major:
+  K and V are transposed once, not once per chunk. The scale multiplies q (a `[bq, D]` pass) instead
+  of the `[bq, S_kv]` scores when that rounds no worse: in float32, or when it is a power of two (exact
+  in any dtype); a bfloat16 q keeps it on the float32 scores. Measured on a 2-core x86 CPU, float32, 8
+  heads x 64 (2026-12-07): 1664 tokens 55 -> 45 ms, 3328 tokens 277 -> 204 ms.
+  """
+  b, s_q, h, d = q.shape
+  fold = q.dtype == jnp.float32 or math.frexp(scale)[0] == 0.5
+  sq_pad = _round_up(s_q, bq)
+  q_blocks = _to_blocks(jnp.transpose(_pad_axis(q, 1, sq_pad, 0), (0, 2, 1, 3)), 2, bq)
+  qpos_blocks = _to_blocks(_pad_positions(q_pos, sq_pad), 0, bq)  # [nq, bq]
+  k_t, v_t = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))  # [B, H, S_kv, D]
+
+  def one_query_block(args):
+    q_i, qpos_i = args  # [B, H, bq, D], [bq]
+    if not causal and window is None:
+      return attend(q_i, qpos_i)
+    # A chunk that sees none of these keys (a causal ring step) is skipped, as the tiles are below.
+    empty = lambda: (jnp.zeros((b, h, bq, d), jnp.float32), jnp.full((b, h, bq), EMPTY_LSE))  # noqa: E731
+    visible = _visible(qpos_i, k_pos, causal, window)
+    return lax.cond(visible, lambda: attend(q_i, qpos_i), empty)
+
+  def attend(q_i, qpos_i):
+    s = jnp.einsum(
+      "bhqd,bhkd->bhqk", q_i * scale if fold else q_i, k_t, preferred_element_type=jnp.float32
+    )
+    s = s if fold else s * scale
+    keep = keep_mask(kv_valid, qpos_i, k_pos, causal, window)
+    m = jnp.max(jnp.where(keep, s, -jnp.inf), axis=-1)
+    m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+    p = jnp.where(keep, jnp.exp(s - m_safe[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    acc = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v_t, preferred_element_type=jnp.float32)
+    seen = l > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), EMPTY_LSE)
+    return out, lse
+
+  out, lse = lax.map(one_query_block, (q_blocks, qpos_blocks))  # [nq, B, H, bq, D], [nq, B, H, bq]
+  out = jnp.transpose(_from_blocks(out, 2), (0, 2, 1, 3))[:, :s_q]
   lse = _from_blocks(lse, 2)[..., :s_q]
   return out, lse
 
