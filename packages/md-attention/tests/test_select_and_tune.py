@@ -58,6 +58,21 @@ def test_auto_on_cpu_chunks_queries_past_the_score_budget(monkeypatch):
   assert mda_select.cpu_blocks(96, 96, config) == (16, 16)
 
 
+@pytest.mark.parametrize("b, h, s, want", [
+  (1, 1, 512, "dot_product"),  # one head's scores: exactly CPU_HEAD_SCORES_BYTES
+  (1, 1, 513, "blockwise"),  # past it, even one head of one sample
+  (16, 4, 256, "dot_product"),  # 16 MiB in all, short rows (the default image model's training step)
+  (17, 4, 256, "blockwise"),  # past CPU_SCORES_BYTES in all
+  (1, 8, 640, "blockwise"),  # the Flux.1 bench step's 640 tokens
+])  # fmt: skip
+def test_auto_on_cpu_chunks_long_rows_whatever_the_batch(b, h, s, want):
+  assert jax.default_backend() == "cpu"
+  got = mda.select_implementation(
+    (b, s, h, 64), (b, s, h, 64), jnp.float32, None, mda.AttentionConfig()
+  )
+  assert got == want
+
+
 def test_auto_runs_and_logs_once(caplog):
   mesh = mdat.make_mesh((1, 1, 8, 1))
   q, k, v, keep, d_out = mdat.random_inputs(2, 48, 48, 4, 16, mask=True)

@@ -19,6 +19,11 @@ _logged: set[tuple] = set()
 # 2026-12-05: Flux.2 edit shapes (8 heads x 64, 1664 tokens) 131 -> 45 ms; LTX-Video (32 heads x 64,
 # 768 tokens) 112 -> 56 ms; 8 heads x 4096 tokens 288 (512 x 512 blocks) -> 277 ms.
 CPU_SCORES_BYTES = 16 << 20
+# ...and so does one head's score matrix past this size, whatever the batch and heads: over long rows the
+# chunks win forward and backward (8 heads x 640 tokens, 12.5 MiB in all: forward 12.0 -> 8.9 ms, with the
+# gradient 45.5 -> 35.6 ms; the Flux.1 bench step 230 -> 193 ms; 2026-12-07), while at 512 x 512 the
+# chunked gradient was still slower (30.1 against 17.9 ms), so the line sits just above it.
+CPU_HEAD_SCORES_BYTES = 1 << 20
 CPU_QUERY_CHUNK = 128
 CPU_MAX_KV_BLOCK = 4096
 
@@ -39,7 +44,8 @@ def select_implementation(q_shape, kv_shape, dtype, mesh, config: AttentionConfi
   works, else `ring`); then the accelerator's flash kernel (`cudnn` on NVIDIA GPUs for bf16/fp16 and
   head dims up to 256, `splash` on TPU) from `min_seq_length` on; then `blockwise` from
   `min_seq_length` on, `dot_product` below — except on CPU, where a score matrix over
-  `CPU_SCORES_BYTES` (float32) takes `blockwise` too, in the blocks `cpu_blocks` gives.
+  `CPU_SCORES_BYTES` (float32), or one head's over `CPU_HEAD_SCORES_BYTES`, takes `blockwise` too, in
+  the blocks `cpu_blocks` gives.
   """
   backend = jax.default_backend()
   b, s_q, h, d = q_shape
@@ -65,9 +71,14 @@ def select_implementation(q_shape, kv_shape, dtype, mesh, config: AttentionConfi
     choice, reason = "splash", "TPU"
   elif long:
     choice, reason = "blockwise", f"sequence length >= min_seq_length={config.min_seq_length}"
-  elif backend == "cpu" and b * h * s_q * s_kv * 4 > CPU_SCORES_BYTES:
+  elif backend == "cpu" and (
+    b * h * s_q * s_kv * 4 > CPU_SCORES_BYTES or s_q * s_kv * 4 > CPU_HEAD_SCORES_BYTES
+  ):
     choice = "blockwise"
-    reason = f"CPU, query chunks: the scores would take {b * h * s_q * s_kv * 4 / 2**20:.0f} MiB"
+    reason = (
+      f"CPU, query chunks: the scores would take {b * h * s_q * s_kv * 4 / 2**20:.1f} MiB, "
+      f"{s_q * s_kv * 4 / 2**20:.2f} MiB a head"
+    )
   else:
     choice, reason = "dot_product", f"sequence length < min_seq_length={config.min_seq_length}"
   key = (choice, backend, s_q, s_kv, context)
