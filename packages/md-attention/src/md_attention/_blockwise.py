@@ -148,6 +148,11 @@ def flash_forward(
   return out, lse
 
 
+def _heads_major_blocks(x, sq_pad: int, bq: int):
+  """`[B, S, H, D]` padded to `sq_pad` rows and cut into `[n, B, H, bq, D]` query chunks."""
+  return _to_blocks(jnp.transpose(_pad_axis(x, 1, sq_pad, 0), (0, 2, 1, 3)), 2, bq)
+
+
 def _one_key_block_forward(q, k, v, kv_valid, q_pos, k_pos, causal, scale, bq, window):
   """`flash_forward` when all keys fit one block (CPU's query chunks over all keys).
 
@@ -161,7 +166,7 @@ def _one_key_block_forward(q, k, v, kv_valid, q_pos, k_pos, causal, scale, bq, w
   b, s_q, h, d = q.shape
   fold = q.dtype == jnp.float32 or math.frexp(scale)[0] == 0.5
   sq_pad = _round_up(s_q, bq)
-  q_blocks = _to_blocks(jnp.transpose(_pad_axis(q, 1, sq_pad, 0), (0, 2, 1, 3)), 2, bq)
+  q_blocks = _heads_major_blocks(q, sq_pad, bq)  # [nq, B, H, bq, D]
   qpos_blocks = _to_blocks(_pad_positions(q_pos, sq_pad), 0, bq)  # [nq, bq]
   k_t, v_t = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))  # [B, H, S_kv, D]
 
@@ -279,14 +284,14 @@ def _one_key_block_backward(
   """`flash_backward` when all keys fit one block, for float32 inputs: heads-major as
   `_one_key_block_forward`, one scan over the query chunks carrying dK and dV. With the scale folded
   into q (as that forward does in float32) dK needs no pass over the scores for it, and dQ takes it on
-  its `[bq, D]` chunk. Forward and gradient, float32, 2-core x86 (2026-12-07): 8 heads x 640 tokens
-  36.4 -> 29.5 ms, 2 x 8 heads x 1664 tokens 416 -> 370 ms, 12 heads x 128 at 1024 tokens 260 -> 198 ms.
+  its `[bq, D]` chunk. Forward + gradient, float32, 2-core x86 (2026-12-07), this against the tiles below
+  (the heads-major forward in both): 8 heads x 640 tokens 36.4 -> 29.5 ms, 2 x 8 heads x 1664 tokens
+  416 -> 370 ms, 12 heads x 128 at 1024 tokens 260 -> 198 ms.
   """
   b, s_q, h, d = q.shape
   sq_pad = _round_up(s_q, bq)
-  heads_major = lambda x: jnp.transpose(_pad_axis(x, 1, sq_pad, 0), (0, 2, 1, 3))  # noqa: E731
-  q_blocks = _to_blocks(heads_major(q * scale), 2, bq)  # [nq, B, H, bq, D], scaled
-  do_blocks = _to_blocks(heads_major(d_out), 2, bq)
+  q_blocks = _heads_major_blocks(q * scale, sq_pad, bq)  # [nq, B, H, bq, D], scaled
+  do_blocks = _heads_major_blocks(d_out, sq_pad, bq)
   lse_blocks = _to_blocks(_pad_axis(lse, 2, sq_pad, jnp.inf), 2, bq)  # [nq, B, H, bq]
   delta_blocks = _to_blocks(_pad_axis(delta, 2, sq_pad, 0), 2, bq)
   qpos_blocks = _to_blocks(_pad_positions(q_pos, sq_pad), 0, bq)
