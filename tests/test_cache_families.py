@@ -73,7 +73,7 @@ POLICIES = {
   ),
   "taylorseer": (
     lambda: md_cache.taylorseer(5, warmup_steps=STEPS),
-    lambda: md_cache.taylorseer(2, warmup_steps=1),
+    lambda: md_cache.taylorseer(2, warmup_steps=1, stop_step=None),
     [1, 0, 1, 0],
   ),
   "teacache": (lambda: md_cache.teacache(0.0), lambda: md_cache.teacache(1e9), [1, 0, 0, 1]),

@@ -94,13 +94,37 @@ def test_taylorseer_default_interval_follows_the_schedule():
   # A given interval is kept whatever the step count, and the default is one compiled policy.
   assert int(md_cache.taylorseer(5).init(lat, 20).interval) == 5
   assert md_cache.taylorseer() == md_cache.taylorseer(5)
-  # 20 steps at the default: warm-up 0-2, then steps warm-up + 1 + k·3 (diffusers' schedule).
-  st = md_cache.taylorseer().init(lat, 20)
-  runs = [
-    not bool(md_cache.taylorseer().decide(st._replace(orders=jnp.int32(1)), i, 0.0, lat)[0])
-    for i in range(20)
-  ]
-  assert [i for i, r in enumerate(runs) if r] == [0, 1, 2, *range(4, 20, 3)]
+
+  # 20 steps at the default: warm-up 0-2, then steps warm-up + 1 + k·3 (diffusers' schedule), and the
+  # last quarter (15-19) in full; stop_step=None keeps diffusers' schedule to the end.
+  def computed(policy, n):
+    st = policy.init(lat, n)._replace(orders=jnp.int32(1))
+    return [i for i in range(n) if not bool(policy.decide(st, i, 0.0, lat)[0])]
+
+  assert computed(md_cache.taylorseer(), 20) == [0, 1, 2, 4, 7, 10, 13, 15, 16, 17, 18, 19]
+  assert computed(md_cache.taylorseer(stop_step=None), 20) == [0, 1, 2, *range(4, 20, 3)]
+  want = [0, 1, 2, 4, 7, 10, 13, 16, 17, 18, 19]
+  assert computed(md_cache.taylorseer(3, stop_step=17), 20) == want
+  # From 35 steps on the published schedule is untouched: every 5th step, no full tail.
+  assert computed(md_cache.taylorseer(), 40) == [0, 1, 2, *range(4, 40, 5)]
+
+
+def test_taylorseer_default_stop_step_follows_the_schedule():
+  from md_cache import _taylorseer
+
+  lat = jnp.zeros((1, 4))
+  got = {
+    n: int(md_cache.taylorseer().init(lat, n).stop_step) for n in (4, 8, 14, 20, 28, 34, 35, 50)
+  }
+  # The last quarter of a schedule shorter than 35 steps (rounded down), none from 35 on (-1).
+  assert got == {4: 3, 8: 6, 14: 11, 20: 15, 28: 21, 34: 26, 35: -1, 50: -1}
+  assert all(_taylorseer.default_stop_step(n) == (v if v >= 0 else None) for n, v in got.items())
+  assert int(md_cache.taylorseer(stop_step=None).init(lat, 20).stop_step) == -1
+  assert int(md_cache.taylorseer(stop_step=7).init(lat, 20).stop_step) == 7
+  assert int(md_cache.taylorseer(stop_step=np.int64(9)).init(lat, 20).stop_step) == 9
+  for bad in (-1, "last", 1.5, True):
+    with pytest.raises(ValueError, match=r"stop_step=.* must be a step index >= 0, 'auto' or None"):
+      md_cache.taylorseer(stop_step=bad)
 
 
 def test_teacache_polynomial_is_horner_clamped():
@@ -113,3 +137,16 @@ def test_teacache_polynomial_is_horner_clamped():
   )
   np.testing.assert_allclose(_teacache.rescaled(coeffs, x), want, rtol=1e-5)
   assert float(_teacache.rescaled(jnp.asarray([-1.0]), jnp.float32(0.2))) == 0.0
+
+
+def test_teacache_default_threshold_depends_on_the_polynomial():
+  lat = jnp.zeros((1, 4))
+  threshold = lambda policy: float(policy.init(lat, 20).threshold)  # noqa: E731
+  # The raw relative L1 change ("identity") skips more readily than a fitted polynomial's: 0.15 there,
+  # the published 0.25 with a polynomial (named or the caller's); a given threshold is kept.
+  assert threshold(md_cache.teacache()) == pytest.approx(0.15)
+  assert threshold(md_cache.teacache(coefficients="identity")) == pytest.approx(0.15)
+  assert threshold(md_cache.teacache(coefficients="flux")) == pytest.approx(0.25)
+  assert threshold(md_cache.teacache(coefficients=[2.0, 0.0])) == pytest.approx(0.25)
+  assert threshold(md_cache.teacache(0.4)) == pytest.approx(0.4)
+  assert md_cache.teacache() == md_cache.teacache(0.25)  # one compiled policy
