@@ -1,7 +1,7 @@
 """md's default video model (models/shapes-wan): it loads with md's loaders, its weights round-trip through
 md's export, the app's default variant points at it, the evaluation prompts hold out the unseen pairs, and
 a quick quality floor holds (the issue's quality gate is measured by bench/default_models.py; the model
-follows colour, background and direction, shape about two times in three, see models/shapes-wan/README.md)."""
+follows colour, background and direction, shape four times in five, see models/shapes-wan/README.md)."""
 
 import pathlib
 
