@@ -86,8 +86,9 @@ def taylorseer(
   Published defaults (diffusers' TaylorSeerCacheConfig): `interval=5`, `warmup_steps=3`, `max_order=1`;
   md's default interval is that 5 from 35 steps on and shorter on shorter schedules
   (`default_interval`), and on those shorter schedules the last quarter of the steps runs in full
-  (`default_stop_step`; diffusers' `disable_cache_after_step`, None by default). diffusers keeps the factors in bfloat16 by default, md in float32 (`factors_dtype="bfloat16"` for
-  diffusers' default numerics). The schedule follows diffusers' lite mode (the model output is
+  (`default_stop_step`; diffusers' `disable_cache_after_step`, None by default). diffusers keeps the
+  factors in bfloat16 by default, md in float32 (`factors_dtype="bfloat16"` for diffusers' default
+  numerics). The schedule follows diffusers' lite mode (the model output is
   extrapolated); diffusers' default mode extrapolates each attention output instead.
 
   Args:
@@ -96,7 +97,8 @@ def taylorseer(
     warmup_steps: leading steps that always run (traced); a step with no computed step before it
       always runs.
     stop_step: steps from this one on always run (traced); "auto": `default_stop_step` of the run's
-      step count; None: none.
+      step count; None, or a step at or past the schedule's end (the apps' `cache_options.stop_step`
+      takes integers only): none.
     max_order: the highest Taylor order (static: it sizes the state).
     factors_dtype: the dtype the factors are stored in.
 

@@ -74,9 +74,9 @@ def teacache(
   Published defaults: `threshold=0.25` with the model's polynomial (`TEACACHE_COEFFICIENTS`: "flux",
   "ltx-video", "wan2.1-…"; 0.4 / 0.6 / 0.8 trade more quality for speed on Flux). With "identity" (the
   raw change, no fitted polynomial) md's default is 0.15: on md's default video model 0.25 computed 7
-  of 20 steps and lowered its quality score by 2.8 points, 0.15 computed 11 and lowered it by 1.9. What is measured is
-  what TeaCache measures where the model says so (`md_core.scan_layers(probe=)`, handed to the hook as
-  `run.probe`): Flux.1's and Flux.2's first double block's modulated image input, LTX-Video's first
+  of 20 steps and lowered its quality score by 2.8 points, 0.15 computed 11 and lowered it by 1.9.
+  What is measured is what TeaCache measures where the model says so (`md_core.scan_layers(probe=)`,
+  handed to the hook as `run.probe`): Flux.1's and Flux.2's first double block's modulated image input, LTX-Video's first
   block's modulated input, LTX-2's first block's modulated video input, Wan's timestep projection (its
   "ret_steps" mode), each equal to the PyTorch model's (tests/test_cache_teacache.py); a model without
   a probe has its first block's input hidden states measured. Flux.2 and LTX-2 have no published
