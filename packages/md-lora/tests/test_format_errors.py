@@ -92,7 +92,7 @@ def test_truncated_and_unknown_files(tmp_path, model):
   md_core.save_safetensors(mixed, tensors | {"lora_unet_head_head.dora_scale": np.ones(2)})
   with pytest.raises(
     md_lora.LoRAFileError,
-    match=r"mixed.safetensors: 'lora_unet_head_head.dora_scale' is a LyCORIS / DoRA tensor",
+    match=r"mixed.safetensors: 'lora_unet_head_head.dora_scale' is a LyCORIS / DoRA / OFT tensor \(dora_scale\), which md does not read yet",
   ):
     md_lora.load_lora(mixed, md_wan.convert_key, model)
   adapter = md_lora.load_lora(mixed, md_wan.convert_key, model, allow_unmatched=[r".*\.dora_scale"])

@@ -86,7 +86,11 @@ def test_lokr_delta_is_the_kronecker_product(tmp_path):
       r"has both lokr_w2 and lokr_w2_a / lokr_w2_b",
     ),
     ({"lokr_w1": (2, 3), "lokr_w2_a": (4, 2), "lokr_w2_b": (3, 5)}, r"rank or shape mismatch"),
-    ({"lokr_w1": (2, 3), "lokr_w2": (4, 5, 3, 3)}, r"only linear LoKr is read so far"),
+    (  # a convolution's LoKr on a linear weight: the delta's shape is named against the weight's
+      {"lokr_w1": (2, 3), "lokr_w2": (4, 5, 3, 3)},
+      r"the delta of 'blocks.0.attn1.to_q' \(lora_A \(8, 135\), lora_B \(8, 8\)\) is \(135, 8\) "
+      r"in md's layout, the model's 'blocks/attn1/to_q/kernel\[0\]' is \(15, 8\)",
+    ),
   ],
 )
 def test_lokr_errors(tmp_path, slots, match):

@@ -20,7 +20,8 @@ Four formats, told apart by their key names (`format=` forces one):
            weight`, `single_blocks.N.processor.qkv_lora|proj_lora.…`; no alpha (scale 1, as XLabs applies
            them).
 LyCORIS LoHa (`.hada_w1_a` …) and LoKr (`.lokr_w1`, `.lokr_w2_a` …) modules, in kohya or ComfyUI names, are
-read as exact LoRAs of rank r1·r2 (linear layers).
+read as exact LoRAs of rank r1·r2, on linear layers and convolutions (Tucker cores `hada_t1` / `hada_t2` /
+`lokr_t2` too); LoCon's Tucker core `lora_mid` is folded into `lora_down` (an exact LoRA of the same rank).
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
@@ -69,26 +70,36 @@ _FACTORS = {
   "peft": re.compile(
     r"(?P<module>.+)\.lora_(?P<ab>A|B)(?:\.(?P<adapter>[A-Za-z_]\w*))?\.(?P<kind>weight|bias)"
   ),
-  "kohya": re.compile(r"(?P<module>[^.]+)\.lora_(?P<ab>down|up)\.(?P<kind>weight)"),
-  "comfyui": re.compile(r"(?P<module>.+)\.lora_(?P<ab>A|B|down|up)\.(?P<kind>weight)"),
+  "kohya": re.compile(r"(?P<module>[^.]+)\.lora_(?P<ab>down|up|mid)\.(?P<kind>weight)"),
+  "comfyui": re.compile(r"(?P<module>.+)\.lora_(?P<ab>A|B|down|up|mid)\.(?P<kind>weight)"),
   "xlabs": re.compile(r"(?P<module>.+\.processor\.\w+)\.(?P<ab>down|up)\.(?P<kind>weight)"),
 }
 _PEFT_FACTOR = _FACTORS["peft"]
 _KOHYA_FACTOR = _FACTORS["kohya"]
 _ALPHA = re.compile(r"(?P<module>.+)\.alpha")
 _DIFF = re.compile(r"(?P<module>.+)\.(?P<kind>diff|diff_b)")
-# LyCORIS LoHa: delta = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r (Hadamard product of two low-rank factors).
-_LOHA = re.compile(r"(?P<module>.+)\.(?P<slot>hada_w[12]_[ab])")
+# LyCORIS LoHa: delta = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r (Hadamard product of two low-rank factors);
+# on a convolution with Tucker cores each part is einsum("abkl,bq,ap->pqkl", hada_t, hada_w_b, hada_w_a).
+_LOHA = re.compile(r"(?P<module>.+)\.(?P<slot>hada_(?:w[12]_[ab]|t[12]))")
 _LOHA_SLOTS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 # LyCORIS LoKr: delta = kron(w1, w2) * scale, each of w1 / w2 stored whole or as `_a @ _b`; scale =
 # alpha / (the rank of a factored part, w2's first), or 1 when both are whole or the file has no alpha.
-_LOKR = re.compile(r"(?P<module>.+)\.(?P<slot>lokr_w[12](?:_[ab])?)")
-_LOKR_SLOTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+_LOKR = re.compile(r"(?P<module>.+)\.(?P<slot>lokr_(?:w[12](?:_[ab])?|t[12]))")
+_LOKR_SLOTS = (
+  "lokr_w1",
+  "lokr_w1_a",
+  "lokr_w1_b",
+  "lokr_w2",
+  "lokr_w2_a",
+  "lokr_w2_b",
+  "lokr_t1",
+  "lokr_t2",
+)
 _XLABS = re.compile(
   r"(?:diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.\w+\.(down|up)\.weight"
 )
 
-_FACTOR_SLOT = {"A": "a", "B": "b", "down": "a", "up": "b"}
+_FACTOR_SLOT = {"A": "a", "B": "b", "down": "a", "up": "b", "mid": "mid"}
 # XLabs' processor LoRAs → the BFL modules they adapt.
 _XLABS_MODULES = {
   "double": {
@@ -396,9 +407,9 @@ def read_modules(
   for key in tensors:
     found = _split_key(key, fmt)
     if found is None:
-      lycoris = re.search(r"\.(hada_t[12]|lokr_w[12](_[ab])?|lokr_t[12]|dora_scale|lora_mid)", key)
+      lycoris = re.search(r"\.(dora_scale|lora_magnitude_vector|oft_\w+)", key)
       why = (
-        f"is a LyCORIS / DoRA tensor ({lycoris[1]}), which md does not read yet"
+        f"is a LyCORIS / DoRA / OFT tensor ({lycoris[1]}), which md does not read yet"
         if lycoris
         else f"is no tensor of a {fmt} LoRA"
       )
@@ -439,18 +450,20 @@ def read_modules(
     for slot, kind in (("diff", "weight"), ("diff_b", "bias")):
       if slot in found:
         deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
-    if set(_LOHA_SLOTS) & set(found):
+    if (set(_LOHA_SLOTS) | {"hada_t1", "hada_t2"}) & set(found):
       modules.append(_loha(path, module, name, found, tensors, default_alpha, some_alpha))
       continue
     if set(_LOKR_SLOTS) & set(found):
       modules.append(_lokr(path, module, name, found, tensors))
       continue
-    if not ({"a", "b", "alpha", "bias"} & set(found)):
+    if not ({"a", "b", "mid", "alpha", "bias"} & set(found)):
       continue
     if "a" not in found or "b" not in found:
       lacking = [names[x] for x in ("a", "b") if x not in found]
       raise LoRAFileError(f"{path}: module {module!r} has no {' / '.join(lacking)} ({keys})")
     a, b = tensors[found["a"]], tensors[found["b"]]
+    if "mid" in found:
+      a = _fold_mid(path, module, found, a, tensors[found["mid"]])
     if a.ndim < 2 or b.ndim < 2 or a.shape[0] != b.shape[1] or any(d != 1 for d in b.shape[2:]):
       raise LoRAFileError(
         f"{path}: rank mismatch for {module!r}: {found['a']!r} has shape {a.shape} (rank first), "
@@ -484,6 +497,84 @@ def read_modules(
   return modules, deltas, leftovers, others, rslora
 
 
+def _fold_mid(
+  path: pathlib.Path, module: str, found: Mapping[str, str], down: Any, mid: Any
+) -> np.ndarray:
+  """LoCon's Tucker form, `lora_up · lora_mid · lora_down` (1x1, kxk, 1x1 convolutions), as one LoRA of the
+  same rank: the core folded into the down factor, `a[r, i, h, w] = sum_s mid[r, s, h, w] · down[s, i]`."""
+  down, mid = np.asarray(down), np.asarray(mid)
+  flat = (
+    down.reshape(down.shape[:2])
+    if down.ndim >= 2 and down.size == np.prod(down.shape[:2])
+    else None
+  )
+  if flat is None or mid.ndim < 3 or mid.shape[:2] != (flat.shape[0], flat.shape[0]):
+    raise LoRAFileError(
+      f"{path}: LoCon module {module!r}: {found['mid']!r} has shape {mid.shape} and {found['a']!r} "
+      f"{down.shape}; a Tucker core is [r, r, *k] beside a 1x1 down [r, in, 1, ...]"
+    )
+  return np.einsum("rs...,si->ri...", mid, flat)
+
+
+def _alpha_or_default(
+  path: pathlib.Path,
+  module: str,
+  kind: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+  default_alpha: float | None,
+  some_alpha: bool,
+  rank: int,
+) -> float:
+  if "alpha" in found:
+    return _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}")
+  if default_alpha is not None:
+    return _check_scalar(default_alpha, "default_alpha")
+  if some_alpha:
+    raise LoRAFileError(
+      f"{path}: {kind} module {module!r} has no {module + '.alpha'!r} while the file's other modules "
+      "have one; pass default_alpha="
+    )
+  return float(rank)  # LyCORIS' default: alpha = dim, scale 1
+
+
+def _tucker(
+  path: pathlib.Path, kind: str, module: str, keys: Sequence[str], t: Any, wa: Any, wb: Any
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(u [out, r], v [r, in·k…])` of LyCORIS' Tucker part `einsum("abkl,bq,ap->pqkl", t, wb, wa)` (core `t`
+  [r, r, *k], `wa` [r, out], `wb` [r, in]): `u = wa.T`, `v[a, (q, k…)] = sum_b t[a, b, k…] · wb[b, q]`."""
+  t, wa, wb = np.asarray(t), np.asarray(wa), np.asarray(wb)
+  if t.ndim < 3 or wa.ndim != 2 or wb.ndim != 2 or t.shape[:2] != (wa.shape[0], wb.shape[0]):
+    shapes = ", ".join(f"{k!r} {x.shape}" for k, x in zip(keys, (t, wa, wb)))
+    raise LoRAFileError(
+      f"{path}: rank or shape mismatch for {kind} module {module!r}: {shapes} (a Tucker core is "
+      "[r_a, r_b, *k] beside factors [r_a, out] and [r_b, in])"
+    )
+  v = np.einsum("ab...,bq->aq...", t, wb)
+  return wa.T, v.reshape(v.shape[0], -1)
+
+
+def _loha_part(
+  path: pathlib.Path,
+  module: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+  i: int,
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(u [out, r], v [r, in·k…])` with part i = `u @ v` (a convolution's input and kernel axes flattened)."""
+  wa, wb = (np.asarray(tensors[found[f"hada_w{i}_{x}"]]) for x in "ab")
+  core = f"hada_t{i}"
+  if core in found:
+    keys = (found[core], found[f"hada_w{i}_a"], found[f"hada_w{i}_b"])
+    return _tucker(path, "LoHa", module, keys, tensors[found[core]], wa, wb)
+  if wa.ndim != 2 or wb.ndim < 2 or wa.shape[1] != wb.shape[0]:
+    raise LoRAFileError(
+      f"{path}: rank or shape mismatch for LoHa module {module!r}: {found[f'hada_w{i}_a']!r} "
+      f"{wa.shape}, {found[f'hada_w{i}_b']!r} {wb.shape}"
+    )
+  return wa, wb.reshape(wb.shape[0], -1)
+
+
 def _loha(
   path: pathlib.Path,
   module: str,
@@ -494,44 +585,23 @@ def _loha(
   some_alpha: bool,
 ) -> RawLoRA:
   """A LoHa module as an exact low-rank LoRA of rank r1·r2 (the Khatri-Rao products of its factors):
-  `(w1a @ w1b) * (w2a @ w2b) = B @ A` with `B[:, (i, j)] = w1a[:, i] * w2a[:, j]` and
-  `A[(i, j), :] = w1b[i, :] * w2b[j, :]`; its alpha is rescaled so that scale = alpha / r1 stays."""
+  `(u1 @ v1) * (u2 @ v2) = B @ A` with `B[:, (i, j)] = u1[:, i] * u2[:, j]` and
+  `A[(i, j), :] = v1[i, :] * v2[j, :]`; its alpha is rescaled so that scale = alpha / r1 stays. On a
+  convolution `A` keeps the input and kernel axes flattened (the loader shapes it as the kernel)."""
   lacking = [s for s in _LOHA_SLOTS if s not in found]
   if lacking:
     raise LoRAFileError(f"{path}: LoHa module {module!r} has no {' / '.join(lacking)}")
-  w1a, w1b, w2a, w2b = (np.asarray(tensors[found[s]]) for s in _LOHA_SLOTS)
-  shapes = (
-    f"{', '.join(f'{found[s]!r} {t.shape}' for s, t in zip(_LOHA_SLOTS, (w1a, w1b, w2a, w2b)))}"
-  )
-  if (
-    min(w1a.ndim, w1b.ndim, w2a.ndim, w2b.ndim) < 2
-    or w1a.shape[1] != w1b.shape[0]
-    or w2a.shape[1] != w2b.shape[0]
-    or w1a.shape[0] != w2a.shape[0]
-    or w1b.shape[1:] != w2b.shape[1:]
-    or w1a.ndim != 2
-    or w2a.ndim != 2
-  ):
-    raise LoRAFileError(f"{path}: rank or shape mismatch for LoHa module {module!r}: {shapes}")
-  if w1b.ndim != 2:
+  (u1, v1), (u2, v2) = (_loha_part(path, module, found, tensors, i) for i in (1, 2))
+  if u1.shape[0] != u2.shape[0] or v1.shape[1] != v2.shape[1]:
     raise LoRAFileError(
-      f"{path}: LoHa module {module!r}: only linear LoHa is read so far ({shapes})"
+      f"{path}: rank or shape mismatch for LoHa module {module!r}: its two parts are "
+      f"[{u1.shape[0]}, {v1.shape[1]}] and [{u2.shape[0]}, {v2.shape[1]}] (out, in·k…)"
     )
-  rank = w1b.shape[0]
-  if "alpha" in found:
-    alpha = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}")
-  elif default_alpha is not None:
-    alpha = _check_scalar(default_alpha, "default_alpha")
-  elif some_alpha:
-    raise LoRAFileError(
-      f"{path}: LoHa module {module!r} has no {module + '.alpha'!r} while the file's other modules "
-      "have one; pass default_alpha="
-    )
-  else:
-    alpha = float(rank)  # LyCORIS' default: alpha = dim, scale 1
-  r1, r2 = w1b.shape[0], w2b.shape[0]
-  a = (w1b[:, None, :] * w2b[None, :, :]).reshape(r1 * r2, w1b.shape[1])
-  b = (w1a[:, :, None] * w2a[:, None, :]).reshape(w1a.shape[0], r1 * r2)
+  rank = v1.shape[0]
+  alpha = _alpha_or_default(path, module, "LoHa", found, tensors, default_alpha, some_alpha, rank)
+  r1, r2 = v1.shape[0], v2.shape[0]
+  a = (v1[:, None, :] * v2[None, :, :]).reshape(r1 * r2, v1.shape[1])
+  b = (u1[:, :, None] * u2[:, None, :]).reshape(u1.shape[0], r1 * r2)
   keys = tuple(found.values())
   return RawLoRA(name, a, b, alpha / rank * (r1 * r2), keys)
 
@@ -543,18 +613,20 @@ def _lokr_part(
   tensors: Mapping[str, np.ndarray],
   i: int,
 ) -> tuple[np.ndarray, np.ndarray, int | None]:
-  """`(u, v, rank)` with `w_i = u @ v`: a factored part as stored (its rank), a whole one split by an
-  identity on its shorter side (rank None)."""
-  whole, a, b = f"lokr_w{i}", f"lokr_w{i}_a", f"lokr_w{i}_b"
-  if whole in found and (a in found or b in found):
+  """`(u [out, r], v [r, in·k…], rank)` with `w_i = u @ v` (a convolution's input and kernel axes
+  flattened): a factored part as stored (its rank), a Tucker part (`lokr_t{i}`, its rank), a whole one
+  split by an identity on its shorter side (rank None)."""
+  whole, a, b, core = f"lokr_w{i}", f"lokr_w{i}_a", f"lokr_w{i}_b", f"lokr_t{i}"
+  if whole in found and (a in found or b in found or core in found):
     raise LoRAFileError(f"{path}: LoKr module {module!r} has both {whole} and {a} / {b}")
   if whole in found:
     w = np.asarray(tensors[found[whole]])
-    if w.ndim != 2:
+    if w.ndim < 2:
       raise LoRAFileError(
-        f"{path}: LoKr module {module!r}: {found[whole]!r} has shape {w.shape}; only linear LoKr "
-        "is read so far"
+        f"{path}: LoKr module {module!r}: {found[whole]!r} has shape {w.shape}; a part is a matrix "
+        "or a convolution kernel"
       )
+    w = w.reshape(w.shape[0], -1)
     if w.shape[1] <= w.shape[0]:
       return w, np.eye(w.shape[1], dtype=w.dtype), None
     return np.eye(w.shape[0], dtype=w.dtype), w, None
@@ -563,13 +635,19 @@ def _lokr_part(
     raise LoRAFileError(
       f"{path}: LoKr module {module!r} has neither {whole} nor {' / '.join(lacking)}"
     )
+  if core in found:
+    keys = (found[core], found[a], found[b])
+    u, v = _tucker(
+      path, "LoKr", module, keys, tensors[found[core]], tensors[found[a]], tensors[found[b]]
+    )
+    return u, v, v.shape[0]
   u, v = np.asarray(tensors[found[a]]), np.asarray(tensors[found[b]])
-  if u.ndim != 2 or v.ndim != 2 or u.shape[1] != v.shape[0]:
+  if u.ndim != 2 or v.ndim < 2 or u.shape[1] != v.shape[0]:
     raise LoRAFileError(
       f"{path}: rank or shape mismatch for LoKr module {module!r}: {found[a]!r} {u.shape}, "
-      f"{found[b]!r} {v.shape} (only linear LoKr is read so far)"
+      f"{found[b]!r} {v.shape}"
     )
-  return u, v, v.shape[0]
+  return u, v.reshape(v.shape[0], -1), v.shape[0]
 
 
 def _lokr(
@@ -581,7 +659,14 @@ def _lokr(
 ) -> RawLoRA:
   """A LoKr module as an exact LoRA of rank r1·r2: with `w1 = u1 @ v1`, `w2 = u2 @ v2`,
   `kron(w1, w2) = kron(u1, u2) @ kron(v1, v2)`; its alpha is rescaled so that the scale stays LyCORIS'
-  (alpha / the rank of w2's factors, else of w1's; 1 when both are whole or there is no alpha)."""
+  (alpha / the rank of w2's factors, else of w1's; 1 when both are whole or there is no alpha). On a
+  convolution (w1 a matrix, w2 a kernel [o2, i2, *k]: LyCORIS' `kron(w1[..., None, None], w2)`) the
+  columns of `kron(v1, v2)` are the flattened (input, kernel) axes of the delta, in order."""
+  if "lokr_t1" in found:
+    raise LoRAFileError(
+      f"{path}: LoKr module {module!r} has a Tucker core on its first part ({found['lokr_t1']!r}); "
+      "LyCORIS keeps w1 a matrix"
+    )
   u1, v1, rank1 = _lokr_part(path, module, found, tensors, 1)
   u2, v2, rank2 = _lokr_part(path, module, found, tensors, 2)
   rank = rank2 if rank2 is not None else rank1
@@ -589,5 +674,5 @@ def _lokr(
   if "alpha" in found and rank is not None:
     scale = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}") / rank
   b = np.kron(u1, u2)  # [o1·o2, r1·r2]
-  a = np.kron(v1, v2)  # [r1·r2, i1·i2]
+  a = np.kron(v1, v2)  # [r1·r2, i1·i2·k…]
   return RawLoRA(name, a, b, scale * a.shape[0], tuple(found.values()))

@@ -52,13 +52,18 @@ def param_shapes(params_or_model: Any) -> dict[tuple, tuple[int, ...]]:
   }
 
 
-def lora_factors(a: np.ndarray, b: np.ndarray, target: Target) -> tuple[np.ndarray, np.ndarray]:
+def lora_factors(
+  a: np.ndarray, b: np.ndarray, target: Target, shape: tuple[int, ...] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
   """torch-layout factors (`a` `[r, in, *k]`, `b` `[out, r, *1]`) → md-layout `(down, up)` for `target`.
 
   The delta `b @ a` is a tensor in the reference layout of the base weight, so it converts as the weight
   does: a split of the weight's output axis splits `b`, of its input axis splits `a`; the layout's
-  permutation moves the output axis last, where `up` puts it.
+  permutation moves the output axis last, where `up` puts it. Given the weight's md `shape` (one layer),
+  an `a` `[r, in·k…]` (LyCORIS' convolution factors keep the input and kernel axes flattened) takes the
+  kernel's axes first.
   """
+  a = _kernel_axes(a, target, shape)
   if target.split is not None:
     index, parts, axis = target.split
     if axis not in (0, 1):
@@ -78,6 +83,19 @@ def lora_factors(a: np.ndarray, b: np.ndarray, target: Target) -> tuple[np.ndarr
       f"layout {target.layout!r} takes a {len(perm)}-d weight, the LoRA is {a.ndim}-d"
     )
   return np.transpose(a, perm), b2.T
+
+
+def _kernel_axes(a: np.ndarray, target: Target, shape: tuple[int, ...] | None) -> np.ndarray:
+  """`a` `[r, in·k…]` as `[r, in, *k]` for a convolution weight of md shape `shape`; else `a` unchanged."""
+  perm = _PERMUTATIONS.get(target.layout)
+  if shape is None or a.ndim != 2 or perm is None or len(perm) != len(shape) or len(perm) < 3:
+    return a
+  reference = [0] * len(perm)
+  for axis, source in enumerate(perm):
+    reference[source] = shape[axis]
+  if (target.split is not None and target.split[2] == 1) or a.shape[1] != math.prod(reference[1:]):
+    return a  # the layout check below names the mismatch
+  return a.reshape(a.shape[0], *reference[1:])
 
 
 def delta_factors(delta: np.ndarray, target: Target) -> tuple[np.ndarray, np.ndarray]:
@@ -287,7 +305,8 @@ def load_lora(
     for target in targets_of(mod.module + ".weight", mod.keys, mod.module):
       site = Site(tuple(target.path), target.layer)
       try:
-        down, up = lora_factors(mod.a, mod.b, target)
+        layer = shapes[site.path][1:] if site.layer is not None else shapes[site.path]
+        down, up = lora_factors(mod.a, mod.b, target, tuple(layer))
       except ValueError as e:
         misshaped.append(
           f"{path}: {mod.keys[0]!r}: {mod.module!r} cannot follow {str(site)!r} ({e})"
