@@ -319,7 +319,8 @@ class Pipeline:
       scale: its multiplier, or `{component: scale}` (e.g. Wan 2.2's two experts).
       component: the component(s) to adapt (default: every one in `lora_components`; Wan 2.2:
         `"transformer"` for the high-noise expert, `"transformer_2"` for the low-noise one).
-      fuse: merge it into the weights now (`W + s·B·A` on the weights' devices) instead of slots.
+      fuse: merge it into the weights now (`W + s·B·A` on the weights' devices) instead of slots; a
+        DoRA file (peft `lora_magnitude_vector`) can only be fused.
       max_rank: the slot rank (only at the first load).
       targets: which layers get slots (only at the first load).
       **read_options: passed to `md_lora.load_lora` (`prefix=`, `format=`, `allow_unmatched=`…).
@@ -355,11 +356,13 @@ class Pipeline:
 
   def fuse_lora(self, names: str | Sequence[str] | None = None) -> None:
     """Merges the active adapters (or `names`) into the weights at their scales and takes them out of
-    the slots (the programs keep running without recompiling)."""
+    the slots (the programs keep running without recompiling). A DoRA adapter named here is fused again
+    after an unfuse left it inactive."""
     _lora_runtime().fuse(self, names)
 
   def unfuse_lora(self, names: str | Sequence[str] | None = None) -> None:
-    """Subtracts fused adapters from the weights again; they stay active, in the slots."""
+    """Subtracts fused adapters from the weights again; they stay active, in the slots (DoRA adapters,
+    which slots cannot hold, stay loaded but inactive: the pipeline kept what their fuse added)."""
     _lora_runtime().unfuse(self, names)
 
   @property

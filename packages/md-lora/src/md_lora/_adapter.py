@@ -23,18 +23,25 @@ class Site(NamedTuple):
 
 
 class LoRAWeight(NamedTuple):
-  """A low-rank delta `scale · tensordot(down, up, 1)` with the shape of the adapted parameter (one layer).
+  """A low-rank delta `scale · tensordot(down, up, 1)` with the shape of the adapted parameter (one layer);
+  with a `magnitude`, a DoRA site.
 
   In md's layout: for a linear kernel `(in, out)`, `down` is `[in, r]` and `up` is `[r, out]` (torch's
   `lora_A` `[r, in]` and `lora_B` `[out, r]` transposed); for a conv kernel `(*k, in, out)`, `down` is
   `[*k, in, r]` (the `lora_A` / `lora_down` conv permuted as the kernel) and `up` is `[r, out]` (the 1×1
   `lora_B` / `lora_up`). A parameter md keeps in the reference's own layout (`identity`) has `down = lora_B`
   `[out, r]` and `up = lora_A` `[r, *in]`.
+
+  DoRA (weight-decomposed LoRA): `magnitude` holds the per-output norms `m` the adapted weight is rescaled
+  to, shaped to broadcast against the weight in md's layout (size 1 on every axis but the output one), and
+  the merged weight is `m / ||W + Δ|| · (W + Δ)` with the norm over those size-1 axes (peft's rule, `Δ` the
+  scaled low-rank delta). Such a site can be merged only: the rescaling is not a low-rank delta.
   """
 
   down: Any  # [*in_dims, r]
   up: Any  # [r, *out_dims]
   scale: float  # alpha / r as the file defines it (the user's multiplier comes at merge time)
+  magnitude: Any = None  # DoRA: the per-output norms, broadcastable against the weight (md layout)
 
   @property
   def rank(self) -> int:
@@ -67,7 +74,13 @@ class Adapter(NamedTuple):
 
   def __repr__(self) -> str:
     ranks = sorted({w.rank for w in self.weights.values()})
+    dora = sum(w.magnitude is not None for w in self.weights.values())
     return (
-      f"Adapter({self.source!r}, format={self.format!r}, {len(self.weights)} sites, ranks {ranks}, "
-      f"{len(self.skipped)} skipped)"
+      f"Adapter({self.source!r}, format={self.format!r}, {len(self.weights)} sites, ranks {ranks}"
+      f"{f', {dora} DoRA' if dora else ''}, {len(self.skipped)} skipped)"
     )
+
+  @property
+  def dora(self) -> bool:
+    """Whether any site is a DoRA one (a `magnitude`): then the adapter can be merged only."""
+    return any(w.magnitude is not None for w in self.weights.values())

@@ -119,7 +119,8 @@ def save_peft(
     `{Site: module name}` as written.
 
   Raises:
-    ValueError: a site no reference name maps to, or one reached through a split (fused) tensor.
+    ValueError: a site no reference name maps to, or one reached through a split (fused) tensor; a DoRA
+      adapter (its magnitudes are not written here).
   """
   inverse: dict[Site, tuple[str, Target]] = {}
   for name in reference_names:
@@ -130,6 +131,8 @@ def save_peft(
       continue
     for t in (targets,) if isinstance(targets, Target) else targets:
       inverse[Site(tuple(t.path), t.layer)] = (name[: -len(".weight")], t)
+  if adapter.dora:
+    raise ValueError(f"{adapter.source}: a DoRA adapter; save_peft writes plain LoRA factors only")
   tensors, written, ranks = {}, {}, {}
   for site, w in adapter.weights.items():
     if site not in inverse:

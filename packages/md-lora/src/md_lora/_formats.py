@@ -77,6 +77,8 @@ _FACTORS = {
 _PEFT_FACTOR = _FACTORS["peft"]
 _KOHYA_FACTOR = _FACTORS["kohya"]
 _ALPHA = re.compile(r"(?P<module>.+)\.alpha")
+# peft / diffusers DoRA: the per-output norms of the adapted weight (`[out]`, conv `[1, out, 1, 1]`).
+_MAGNITUDE = re.compile(r"(?P<module>.+)\.lora_magnitude_vector(?:\.[A-Za-z_]\w*)?")
 _DIFF = re.compile(r"(?P<module>.+)\.(?P<kind>diff|diff_b)")
 # LyCORIS LoHa: delta = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r (Hadamard product of two low-rank factors);
 # on a convolution with Tucker cores each part is einsum("abkl,bq,ap->pqkl", hada_t, hada_w_b, hada_w_a).
@@ -223,6 +225,7 @@ class RawLoRA(NamedTuple):
   alpha: float | None  # None: the format gives none (scale 1)
   keys: tuple[str, ...]  # the file keys it came from
   bias: np.ndarray | None = None  # [out] PEFT `lora_B.bias`: a bias delta scaled as the weight's
+  magnitude: np.ndarray | None = None  # [out] peft DoRA `lora_magnitude_vector` (flattened)
 
 
 class RawDelta(NamedTuple):
@@ -358,6 +361,10 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
     m = lycoris.fullmatch(key)
     if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
       return m["module"], m["slot"]
+  if fmt == "peft":
+    m = _MAGNITUDE.fullmatch(key)
+    if m:
+      return m["module"], "magnitude"
   if fmt in ("comfyui", "peft"):
     m = _DIFF.fullmatch(key)
     if m:
@@ -456,7 +463,7 @@ def read_modules(
     if set(_LOKR_SLOTS) & set(found):
       modules.append(_lokr(path, module, name, found, tensors))
       continue
-    if not ({"a", "b", "mid", "alpha", "bias"} & set(found)):
+    if not ({"a", "b", "mid", "alpha", "bias", "magnitude"} & set(found)):
       continue
     if "a" not in found or "b" not in found:
       lacking = [names[x] for x in ("a", "b") if x not in found]
@@ -493,7 +500,16 @@ def read_modules(
           f"{path}: {found['bias']!r} has shape {bias.shape}, expected ({b.shape[0]},) as "
           f"{found['b']!r} {b.shape} has rows"
         )
-    modules.append(RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias))
+    magnitude = None
+    if "magnitude" in found:
+      magnitude = np.asarray(tensors[found["magnitude"]])
+      if magnitude.size != b.shape[0] or sum(d != 1 for d in magnitude.shape) > 1:
+        raise LoRAFileError(
+          f"{path}: {found['magnitude']!r} has shape {magnitude.shape}; a DoRA magnitude holds one norm "
+          f"per output ({b.shape[0]}, as {found['b']!r} {b.shape} has rows)"
+        )
+      magnitude = magnitude.reshape(-1)
+    modules.append(RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias, magnitude))
   return modules, deltas, leftovers, others, rslora
 
 

@@ -98,6 +98,25 @@ def _kernel_axes(a: np.ndarray, target: Target, shape: tuple[int, ...] | None) -
   return a.reshape(a.shape[0], *reference[1:])
 
 
+def magnitude_of(magnitude: np.ndarray, target: Target, ndim: int) -> np.ndarray:
+  """A DoRA magnitude `[out]` (the weight's output axis) in md's layout: size 1 on the other `ndim - 1` axes,
+  the output axis where the layout puts it (last; first for `identity`); a split of the output axis takes
+  its part. Raises ValueError for a split of the input axis (the norms would span the whole fused weight)."""
+  if target.split is not None:
+    index, parts, axis = target.split
+    if axis != 0:
+      raise ValueError(f"a DoRA magnitude cannot follow a split along axis {axis} of the weight")
+    if magnitude.shape[0] % parts:
+      raise ValueError(
+        f"cannot take part {index} of {parts} of a magnitude of {magnitude.shape[0]}"
+      )
+    size = magnitude.shape[0] // parts
+    magnitude = magnitude[index * size : (index + 1) * size]
+  if target.layout == "identity":
+    return magnitude.reshape(-1, *(1,) * (ndim - 1))
+  return magnitude.reshape(*(1,) * (ndim - 1), -1)
+
+
 def delta_factors(delta: np.ndarray, target: Target) -> tuple[np.ndarray, np.ndarray]:
   """A full delta (torch layout of the base tensor) → md-layout `(down, up)` with `tensordot(down, up, 1)`
   equal to it: `down` is the delta itself, `up` the identity (vectors: `down = [1]`, `up = [delta]`)."""
@@ -307,12 +326,15 @@ def load_lora(
       try:
         layer = shapes[site.path][1:] if site.layer is not None else shapes[site.path]
         down, up = lora_factors(mod.a, mod.b, target, tuple(layer))
+        magnitude = None
+        if mod.magnitude is not None:
+          magnitude = magnitude_of(mod.magnitude, target, len(layer))
       except ValueError as e:
         misshaped.append(
           f"{path}: {mod.keys[0]!r}: {mod.module!r} cannot follow {str(site)!r} ({e})"
         )
         continue
-      place(site, LoRAWeight(down, up, scale), mod.module, mod.keys[0], what)
+      place(site, LoRAWeight(down, up, scale, magnitude), mod.module, mod.keys[0], what)
     if mod.bias is not None:
       bias_key = next(k for k in mod.keys if k.endswith(".bias"))
       for target in targets_of(mod.module + ".bias", (bias_key,), mod.module):

@@ -1,4 +1,5 @@
-"""Merging adapters into a model's weights: `W + s · scale · tensordot(down, up)`, on the weights' devices."""
+"""Merging adapters into a model's weights: `W + s · scale · tensordot(down, up)`, on the weights' devices (DoRA
+sites: `m / ||W + Δ|| · (W + Δ)`, each against the base weight)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def merge(
   sharded; only the small factors travel), added in float32 and cast back to each weight's dtype. The
   input is left as it was.
 
+  A DoRA site (`LoRAWeight.magnitude`) adds `m / ||W + Δ|| · (W + Δ) - W` with `Δ` its scaled low-rank
+  delta and `W` the weight before this call, as peft runs several adapters side by side; the scale
+  multiplies `Δ` inside the norm (peft's `scale_layer`), so scale 0 still rescales `W` to `m`.
+
   Args:
     model_or_state: an NNX module, or its `nnx.State`.
     adapters: `(Adapter, scale)` pairs, e.g. `[(style, 0.8), (detail, 0.5)]`.
@@ -50,9 +55,17 @@ def merge(
 
   Raises:
     TypeError: a pair that is not `(Adapter, number)`.
-    ValueError: an adapter site the model does not have, or of another shape.
+    ValueError: an adapter site the model does not have, or of another shape; `sign=-1` (`unmerge`) with
+      a DoRA adapter (its rescaling cannot be taken back from the merged weight: keep the input).
   """
   scales = _scales(adapters)
+  if sign != 1.0:
+    for adapter, _ in adapters:
+      if adapter.dora:
+        raise ValueError(
+          f"{adapter.source}: a DoRA adapter cannot be unmerged (its renormalisation of each weight is "
+          "not a delta that subtracts); merge returns a new model and leaves the input as it was: keep that"
+        )
   graphdef = None
   state = model_or_state
   if isinstance(model_or_state, nnx.Module):
@@ -61,7 +74,7 @@ def merge(
   index = {tuple(p): i for i, (p, _) in enumerate(flat)}
 
   touched: dict[tuple, Any] = {}
-  factors: list[tuple[Site, Any, Any, float]] = []
+  factors: list[tuple[Site, Any, Any, float, Any]] = []
   for (adapter, s), _ in zip(adapters, scales):
     for site, w in adapter.weights.items():
       if site.path not in index:
@@ -74,12 +87,12 @@ def merge(
           f"{adapter.source}: delta for {str(site)!r} is {got}, the weight is {want}"
         )
       touched[site.path] = value
-      factors.append((site, w.down, w.up, sign * float(s) * w.scale))
+      factors.append((site, w.down, w.up, sign * float(s) * w.scale, w.magnitude))
   if not factors:
     return model_or_state
 
   paths = tuple(touched)
-  sites = tuple((f[0].path, f[0].layer) for f in factors)
+  sites = tuple((f[0].path, f[0].layer, f[4] is not None) for f in factors)
   weights = [touched[p] for p in paths]
   shardings = [getattr(w, "sharding", None) for w in weights]
   # On a mesh the merged weights keep their shardings; on one device they stay as placed (an uncommitted
@@ -91,6 +104,7 @@ def merge(
     [f[1] for f in factors],
     [f[2] for f in factors],
     jnp.asarray([f[3] for f in factors], jnp.float32),
+    [f[4] for f in factors],
   )
   replaced = dict(zip(paths, new))
   merged = nnx.from_flat_state(
@@ -103,12 +117,19 @@ def merge(
 def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
   """The merge program for one set of sites (cached: fusing, unfusing and other scales reuse it)."""
 
-  def apply(weights, downs, ups, mults):
-    acc = {p: weights[i].astype(jnp.float32) for i, p in enumerate(paths)}
-    for i, ((path, layer), d, u) in enumerate(zip(sites, downs, ups)):
+  def apply(weights, downs, ups, mults, magnitudes):
+    base = {p: weights[i].astype(jnp.float32) for i, p in enumerate(paths)}
+    acc = dict(base)
+    for i, ((path, layer, dora), d, u) in enumerate(zip(sites, downs, ups)):
       delta = mults[i] * jnp.tensordot(
         d.astype(jnp.float32), u.astype(jnp.float32), 1, precision=jax.lax.Precision.HIGHEST
       )
+      if dora:
+        m = magnitudes[i].astype(jnp.float32)
+        w = base[path] if layer is None else base[path][layer]
+        v = w + delta
+        axes = tuple(ax for ax in range(v.ndim) if m.shape[ax] == 1)
+        delta = m / jnp.sqrt(jnp.sum(v * v, axis=axes, keepdims=True)) * v - w
       acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
     return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
 

@@ -25,7 +25,7 @@ from flax import nnx
 import md_core
 from md_lora._adapter import Adapter
 from md_lora._load import load_lora
-from md_lora._merge import merge, unmerge
+from md_lora._merge import _value, merge, unmerge
 
 DEFAULT_MAX_RANK = 64
 
@@ -38,7 +38,7 @@ def to_slots(adapter: Adapter, scale: float = 1.0) -> dict[str, list[md_core.LoR
 
   Raises:
     ValueError: a site that is not the kernel of a layer (e.g. a plain parameter kept in the reference's
-      layout): such adapters can only be merged (`md_lora.merge`, `pipe.fuse_lora`).
+      layout), or a DoRA site: such adapters can only be merged (`md_lora.merge`, `pipe.fuse_lora`).
   """
   out: dict[str, list[md_core.LoRAWeight]] = {}
   bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]
@@ -47,6 +47,13 @@ def to_slots(adapter: Adapter, scale: float = 1.0) -> dict[str, list[md_core.LoR
       f"{adapter.source}: {len(bad)} adapted parameter(s) are not layer kernels and have no run-time "
       f"LoRA slot: {bad[:5]}; merge this adapter instead (pipe.load_lora(..., fuse=True) or "
       "md_lora.merge)"
+    )
+  if adapter.dora:
+    dora = [str(s) for s, w in adapter.weights.items() if w.magnitude is not None]
+    raise ValueError(
+      f"{adapter.source}: {len(dora)} DoRA site(s) ({dora[:3]}): DoRA rescales each adapted weight to its "
+      "magnitudes, which a run-time LoRA slot cannot hold; merge this adapter instead "
+      "(pipe.load_lora(..., fuse=True) or md_lora.merge)"
     )
   for site, w in adapter.weights.items():
     path = ".".join(str(p) for p in site.path[:-1])
@@ -68,6 +75,9 @@ class _Entry:
   scales: dict[str, float]  # component → the user's scale
   active: bool = True
   fused: dict[str, float] | None = None  # the scales it is merged into the weights with
+  # DoRA components fused: {component: {parameter path: what the fuse added}}, subtracted by the unfuse
+  # (a DoRA rescaling cannot be unmerged from its factors).
+  added: dict[str, dict[tuple, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -330,39 +340,67 @@ def _merged(pipe: Any, entry: _Entry, scales: Mapping[str, float], fn) -> None:
   for c, adapter in entry.adapters.items():
     module, splits = pipe._splits_of(c)
     state = splits[0].state if splits else nnx.state(module)
-    new = fn(state, [(adapter, scales[c])])
+    new = fn(c, state, adapter, scales[c])
     nnx.update(module, new)
     for split in splits:
       split.state = new
 
 
 def _fuse(pipe: Any, entry: _Entry) -> None:
-  _merged(pipe, entry, entry.scales, merge)
+  def fuse_one(component, state, adapter, scale):
+    new = merge(state, [(adapter, scale)])
+    if adapter.dora:  # keep what the fuse added to each weight it touched, for the unfuse
+      paths = {site.path for site in adapter.weights}
+      before, after = dict(nnx.to_flat_state(state)), dict(nnx.to_flat_state(new))
+      entry.added[component] = {
+        p: _value(after[p]) - _value(before[p]) for p in before if tuple(p) in paths
+      }
+    return new
+
+  _merged(pipe, entry, entry.scales, fuse_one)
   entry.fused = dict(entry.scales)
 
 
 def _unfuse(pipe: Any, entry: _Entry) -> None:
-  _merged(pipe, entry, entry.fused, unmerge)
+  def unfuse_one(component, state, adapter, scale):
+    added = entry.added.pop(component, None)
+    if added is None:
+      return unmerge(state, [(adapter, scale)])
+    flat = [
+      (p, v.replace(_value(v) - added[p]) if p in added else v) for p, v in nnx.to_flat_state(state)
+    ]
+    return nnx.from_flat_state(flat)
+
+  _merged(pipe, entry, entry.fused, unfuse_one)
   entry.fused = None
 
 
+def _is_dora(entry: _Entry) -> bool:
+  return any(adapter.dora for adapter in entry.adapters.values())
+
+
 def fuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
-  """`pipe.fuse_lora`: see `md_core.pipeline.Pipeline.fuse_lora`."""
+  """`pipe.fuse_lora`: see `md_core.pipeline.Pipeline.fuse_lora`. A DoRA adapter left inactive by an
+  unfuse is fused again (and active) when named."""
   reg = _registry(pipe)
   for n in _names(reg, names, "fuse_lora"):
     entry = reg.entries[n]
-    if entry.active and entry.fused is None:
+    if entry.fused is None and (entry.active or (names is not None and _is_dora(entry))):
+      entry.active = True
       _fuse(pipe, entry)
   _rebuild(pipe)
 
 
 def unfuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
-  """`pipe.unfuse_lora`: see `md_core.pipeline.Pipeline.unfuse_lora`."""
+  """`pipe.unfuse_lora`: see `md_core.pipeline.Pipeline.unfuse_lora`. A DoRA adapter, which run-time slots
+  cannot hold, stays loaded but inactive (`fuse_lora(name)` merges it again)."""
   reg = _registry(pipe)
   for n in reversed(_names(reg, names, "unfuse_lora")):
     entry = reg.entries[n]
     if entry.fused is not None:
       _unfuse(pipe, entry)
+      if _is_dora(entry):
+        entry.active = False
   _rebuild(pipe)
 
 

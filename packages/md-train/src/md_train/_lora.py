@@ -333,6 +333,10 @@ def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
   Raises:
     ValueError: an adapter that misses a module of `lora`, adapts others, or has another rank.
   """
+  if getattr(adapter, "dora", False):
+    raise ValueError(
+      f"{adapter.source}: a DoRA adapter; training continues plain LoRA factors only (no magnitudes)"
+    )
   by_site = {(tuple(s.path[:-1]), s.layer): w for s, w in adapter.weights.items()}
   want = {(tuple(_path_parts(p)), layer): m for m, (p, layer) in lora.modules.items()}
   missing = sorted(m for k, m in want.items() if k not in by_site)

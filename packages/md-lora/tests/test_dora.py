@@ -1,0 +1,105 @@
+"""DoRA (tests/fixtures/lora_dora, tools/fixtures/lora_dora.py): a peft `use_dora=True` LoRA on a tiny SD UNet's
+attention projections and resnet convs, saved by diffusers; merged by md at scales 1 and 0.5, the UNet's
+output equals peft's DoRA model. What DoRA cannot do (run-time slots, unmerge, re-saving as plain PEFT,
+continued training) says so, and a malformed magnitude is named."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import md_core
+import md_lora
+import md_sd
+from md_core.testing import fixture_path, load_arrays
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup():
+  base = fixture_path("lora_extract")
+  unet = md_sd.load_unet(base / "base", subfolder=None, progress=False)
+  io = load_arrays(base / "io.npz")
+  args = (
+    jnp.asarray(io["sample"]).transpose(0, 2, 3, 1),  # md is channels-last
+    jnp.asarray(io["timestep"]),
+    jnp.asarray(io["encoder_hidden_states"]),
+  )
+  root = fixture_path("lora_dora")
+  want = {k: v.transpose(0, 2, 3, 1) for k, v in load_arrays(root / "outputs.npz").items()}
+  adapter = md_lora.load_lora(root / "unet_dora.safetensors", md_sd.unet_key_map(unet.cfg), unet)
+  return unet, args, adapter, want
+
+
+def test_magnitudes_are_read_per_output(setup):
+  unet, _, adapter, _ = setup
+  assert adapter.format == "peft" and adapter.dora and "48 DoRA" in repr(adapter)
+  assert len(adapter.weights) == 48  # 8 attentions x 4 projections + 8 resnets x 2 convs
+  shapes = {tuple(p): v.shape for p, v in nnx.to_flat_state(nnx.state(unet))}
+  for site, w in adapter.weights.items():
+    kernel = shapes[site.path]
+    assert w.scale == 2.0  # lora_alpha 4 / r 2, from the header's metadata
+    assert np.shape(w.magnitude) == (1,) * (len(kernel) - 1) + (kernel[-1],), site
+
+
+def test_merged_matches_peft(setup):
+  unet, args, adapter, want = setup
+  graphdef, state = nnx.split(unet)
+  run = jax.jit(lambda state, args: nnx.merge(graphdef, state)(*args))
+  chex.assert_trees_all_close(np.asarray(run(state, args)), want["base"], atol=ATOL, rtol=0)
+  for case, scale in (("dora", 1.0), ("dora_half", 0.5)):
+    got = np.asarray(run(md_lora.merge(state, [(adapter, scale)]), args))
+    print(f"{case}: max abs {float(np.abs(got - want[case]).max()):.1e}")
+    assert float(np.abs(want[case] - want["base"]).max()) > 0.5
+    chex.assert_trees_all_close(got, want[case], atol=ATOL, rtol=0)
+
+
+def test_what_dora_cannot_do_is_named(setup, tmp_path):
+  unet, _, adapter, _ = setup
+  slotted = nnx.clone(unet)
+  md_core.add_lora_slots(slotted, 2)
+  with pytest.raises(
+    ValueError, match=r"unet_dora.safetensors: 48 DoRA site\(s\).*merge this adapter"
+  ):
+    md_lora.apply_runtime(nnx.state(slotted), [(adapter, 1.0)])
+  with pytest.raises(ValueError, match=r"a DoRA adapter cannot be unmerged"):
+    md_lora.unmerge(unet, [(adapter, 1.0)])
+  with pytest.raises(ValueError, match=r"a DoRA adapter; save_peft writes plain LoRA factors only"):
+    md_lora.save_peft(adapter, tmp_path / "x.safetensors", md_sd.unet_key_map(unet.cfg), [])
+
+
+M = "unet.down_blocks.0.resnets.0.conv1"
+
+
+@pytest.mark.parametrize(
+  "slots, match",
+  [
+    (
+      {"lora_A.weight": (2, 8, 3, 3), "lora_B.weight": (8, 2, 1, 1), "lora_magnitude_vector": (1, 6, 1, 1)},
+      r"'unet.down_blocks.0.resnets.0.conv1.lora_magnitude_vector' has shape \(1, 6, 1, 1\); a DoRA "
+      r"magnitude holds one norm per output \(8,",
+    ),
+    (
+      {"lora_A.weight": (2, 8, 3, 3), "lora_B.weight": (8, 2, 1, 1), "lora_magnitude_vector": (2, 4)},
+      r"lora_magnitude_vector' has shape \(2, 4\)",
+    ),
+    (
+      {"lora_A.weight": (2, 8, 3, 3), "lora_magnitude_vector": (8,)},
+      r"module 'unet.down_blocks.0.resnets.0.conv1' has no lora_B",
+    ),
+  ],
+)  # fmt: skip
+def test_malformed_magnitude_is_named(tmp_path, slots, match):
+  tensors = {f"{M}.{s}": np.ones(shape, np.float32) for s, shape in slots.items()}
+  md_core.save_safetensors(tmp_path / "bad.safetensors", tensors)
+  key_map = lambda name: (  # noqa: E731
+    md_core.Target(("down_blocks", 0, "resnets", 0, "conv1", "kernel"), "conv2d")
+    if name == "down_blocks.0.resnets.0.conv1.weight"
+    else None
+  )
+  shapes = {("down_blocks", 0, "resnets", 0, "conv1", "kernel"): (3, 3, 8, 8)}
+  with pytest.raises(md_lora.LoRAFileError, match="bad.safetensors: .*" + match):
+    md_lora.load_lora(tmp_path / "bad.safetensors", key_map, shapes)
