@@ -1,7 +1,9 @@
-"""DoRA (tests/fixtures/lora_dora, tools/fixtures/lora_dora.py): a peft `use_dora=True` LoRA on a tiny SD UNet's
-attention projections and resnet convs, saved by diffusers; merged by md at scales 1 and 0.5, the UNet's
-output equals peft's DoRA model. What DoRA cannot do (run-time slots, unmerge, re-saving as plain PEFT,
-continued training) says so, and a malformed magnitude is named."""
+"""DoRA on a tiny SD UNet's attention projections and resnet convs. peft's (tests/fixtures/lora_dora,
+tools/fixtures/lora_dora.py: `use_dora=True`, saved by diffusers): merged by md at scales 1 and 0.5, the UNet's
+output equals peft's DoRA model. LyCORIS' (tests/fixtures/lora_dora_lycoris, tools/fixtures/lora_dora_lycoris.py:
+`weight_decompose=True` LoCon with norms per output and per input, LoHa): merged at multipliers 1 and 0.6, the
+output equals LyCORIS' own `get_merged_weight`. What DoRA cannot do (run-time slots, unmerge, re-saving as
+plain PEFT, continued training) says so, and a malformed magnitude is named."""
 
 import chex
 import jax
@@ -57,6 +59,33 @@ def test_merged_matches_peft(setup):
     chex.assert_trees_all_close(got, want[case], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+  "name, cases",
+  [
+    ("locon_out", (("locon_out", 1.0), ("locon_out_0.6", 0.6))),
+    ("locon_in", (("locon_in", 1.0),)),
+    ("loha_out", (("loha_out", 1.0),)),
+  ],
+)
+def test_lycoris_dora_matches_lycoris(setup, name, cases):
+  unet, args, _, _ = setup
+  root = fixture_path("lora_dora_lycoris")
+  want = {k: v.transpose(0, 2, 3, 1) for k, v in load_arrays(root / "outputs.npz").items()}
+  adapter = md_lora.load_lora(root / f"{name}.safetensors", md_sd.unet_key_map(unet.cfg), unet)
+  assert adapter.format == "kohya" and adapter.dora
+  assert {w.dora_rule for w in adapter.weights.values()} == {"lycoris"}
+  # The norm axis: the output one (md's last), or the input one for `wd_on_out=False` files.
+  axis = -2 if name == "locon_in" else -1
+  assert all(np.shape(w.magnitude)[axis] > 1 for w in adapter.weights.values())
+  graphdef, state = nnx.split(unet)
+  run = jax.jit(lambda state, args: nnx.merge(graphdef, state)(*args))
+  for case, multiplier in cases:
+    got = np.asarray(run(md_lora.merge(state, [(adapter, multiplier)]), args))
+    print(f"{case}: max abs {float(np.abs(got - want[case]).max()):.1e}")
+    assert float(np.abs(want[case] - want["base"]).max()) > 0.5
+    chex.assert_trees_all_close(got, want[case], atol=ATOL, rtol=0)
+
+
 def test_what_dora_cannot_do_is_named(setup, tmp_path):
   unet, _, adapter, _ = setup
   slotted = nnx.clone(unet)
@@ -94,6 +123,32 @@ M = "unet.down_blocks.0.resnets.0.conv1"
 )  # fmt: skip
 def test_malformed_magnitude_is_named(tmp_path, slots, match):
   tensors = {f"{M}.{s}": np.ones(shape, np.float32) for s, shape in slots.items()}
+  _expect_error(tmp_path, tensors, match)
+
+
+K = "lora_unet_down_blocks_0_resnets_0_conv1"
+
+
+@pytest.mark.parametrize(
+  "shape, match",
+  [
+    ((6, 1, 1, 1), r"'lora_unet_down_blocks_0_resnets_0_conv1.dora_scale' has shape \(6, 1, 1, 1\); LyCORIS' "
+     r"dora_scale holds one norm per output \[8, 1, …\] or per input"),
+    ((8, 8, 1, 1), r"dora_scale' has shape \(8, 8, 1, 1\)"),
+    ((1, 1, 3, 1), r"dora_scale' has shape \(1, 1, 3, 1\)"),
+    ((1, 6, 1, 1), r"the DoRA magnitude is \(1, 1, 6, 1\) in md's layout, the weight \(3, 3, 8, 8\)"),
+  ],
+)  # fmt: skip
+def test_malformed_dora_scale_is_named(tmp_path, shape, match):
+  tensors = {
+    f"{K}.lora_down.weight": np.ones((2, 8, 3, 3), np.float32),
+    f"{K}.lora_up.weight": np.ones((8, 2, 1, 1), np.float32),
+    f"{K}.dora_scale": np.ones(shape, np.float32),
+  }
+  _expect_error(tmp_path, tensors, match)
+
+
+def _expect_error(tmp_path, tensors, match):
   md_core.save_safetensors(tmp_path / "bad.safetensors", tensors)
   key_map = lambda name: (  # noqa: E731
     md_core.Target(("down_blocks", 0, "resnets", 0, "conv1", "kernel"), "conv2d")

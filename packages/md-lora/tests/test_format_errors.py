@@ -89,14 +89,14 @@ def test_truncated_and_unknown_files(tmp_path, model):
 
   mixed = tmp_path / "mixed.safetensors"
   tensors = dict(md_core.SafetensorsFile(_musubi(tmp_path / "plain.safetensors")))
-  md_core.save_safetensors(mixed, tensors | {"lora_unet_head_head.dora_scale": np.ones(2)})
+  md_core.save_safetensors(mixed, tensors | {"lora_unet_head_head.oft_diag": np.ones(2)})
   with pytest.raises(
     md_lora.LoRAFileError,
-    match=r"mixed.safetensors: 'lora_unet_head_head.dora_scale' is a LyCORIS / DoRA / OFT tensor \(dora_scale\), which md does not read yet",
+    match=r"mixed.safetensors: 'lora_unet_head_head.oft_diag' is a LyCORIS / DoRA / OFT tensor \(oft_diag\), which md does not read yet",
   ):
     md_lora.load_lora(mixed, md_wan.convert_key, model)
-  adapter = md_lora.load_lora(mixed, md_wan.convert_key, model, allow_unmatched=[r".*\.dora_scale"])
-  assert adapter.skipped == ("lora_unet_head_head.dora_scale",) and len(adapter.weights) == 2
+  adapter = md_lora.load_lora(mixed, md_wan.convert_key, model, allow_unmatched=[r".*\.oft_diag"])
+  assert adapter.skipped == ("lora_unet_head_head.oft_diag",) and len(adapter.weights) == 2
 
   with pytest.raises(md_lora.LoRAFileError, match=r"good.safetensors: format='lycoris'; md reads"):
     md_lora.load_lora(good, md_wan.convert_key, model, format="lycoris")

@@ -32,16 +32,19 @@ class LoRAWeight(NamedTuple):
   `lora_B` / `lora_up`). A parameter md keeps in the reference's own layout (`identity`) has `down = lora_B`
   `[out, r]` and `up = lora_A` `[r, *in]`.
 
-  DoRA (weight-decomposed LoRA): `magnitude` holds the per-output norms `m` the adapted weight is rescaled
-  to, shaped to broadcast against the weight in md's layout (size 1 on every axis but the output one), and
-  the merged weight is `m / ||W + Δ|| · (W + Δ)` with the norm over those size-1 axes (peft's rule, `Δ` the
-  scaled low-rank delta). Such a site can be merged only: the rescaling is not a low-rank delta.
+  DoRA (weight-decomposed LoRA): `magnitude` holds the norms `m` the adapted weight is rescaled to, shaped
+  to broadcast against the weight in md's layout (size 1 on every axis but one: the output axis, or the
+  input axis for LyCORIS files made with `wd_on_out=False`), and the norm of `W + Δ` runs over the size-1
+  axes. With a user scale k, `dora_rule` "peft" (`lora_magnitude_vector`) merges `m / ||W + kΔ|| · (W + kΔ)`;
+  "lycoris" (`dora_scale`) merges `(W + Δ) · (k (g - 1) + 1)` with `g = m / (||W + Δ|| + eps)`, LyCORIS'
+  `get_merged_weight`. Such a site can be merged only: the rescaling is not a low-rank delta.
   """
 
   down: Any  # [*in_dims, r]
   up: Any  # [r, *out_dims]
   scale: float  # alpha / r as the file defines it (the user's multiplier comes at merge time)
-  magnitude: Any = None  # DoRA: the per-output norms, broadcastable against the weight (md layout)
+  magnitude: Any = None  # DoRA: the norms, broadcastable against the weight (md layout)
+  dora_rule: str = "peft"  # how a scale applies: "peft" (inside Δ) or "lycoris" (on the rescaling)
 
   @property
   def rank(self) -> int:

@@ -22,6 +22,8 @@ Four formats, told apart by their key names (`format=` forces one):
 LyCORIS LoHa (`.hada_w1_a` …) and LoKr (`.lokr_w1`, `.lokr_w2_a` …) modules, in kohya or ComfyUI names, are
 read as exact LoRAs of rank r1·r2, on linear layers and convolutions (Tucker cores `hada_t1` / `hada_t2` /
 `lokr_t2` too); LoCon's Tucker core `lora_mid` is folded into `lora_down` (an exact LoRA of the same rank).
+DoRA norms (peft's `lora_magnitude_vector`, LyCORIS' `dora_scale`) come with their module as its magnitude
+(`LoRAWeight.magnitude`, merged only).
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
@@ -79,6 +81,8 @@ _KOHYA_FACTOR = _FACTORS["kohya"]
 _ALPHA = re.compile(r"(?P<module>.+)\.alpha")
 # peft / diffusers DoRA: the per-output norms of the adapted weight (`[out]`, conv `[1, out, 1, 1]`).
 _MAGNITUDE = re.compile(r"(?P<module>.+)\.lora_magnitude_vector(?:\.[A-Za-z_]\w*)?")
+# LyCORIS DoRA (`weight_decompose`): the norms `[out, 1, …]` (per output) or `[1, in, 1, …]` (per input).
+_DORA_SCALE = re.compile(r"(?P<module>.+)\.dora_scale")
 _DIFF = re.compile(r"(?P<module>.+)\.(?P<kind>diff|diff_b)")
 # LyCORIS LoHa: delta = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r (Hadamard product of two low-rank factors);
 # on a convolution with Tucker cores each part is einsum("abkl,bq,ap->pqkl", hada_t, hada_w_b, hada_w_a).
@@ -225,7 +229,10 @@ class RawLoRA(NamedTuple):
   alpha: float | None  # None: the format gives none (scale 1)
   keys: tuple[str, ...]  # the file keys it came from
   bias: np.ndarray | None = None  # [out] PEFT `lora_B.bias`: a bias delta scaled as the weight's
-  magnitude: np.ndarray | None = None  # [out] peft DoRA `lora_magnitude_vector` (flattened)
+  # DoRA norms in the weight's torch layout, one axis not 1 (0: per output, 1: per input); trailing axes
+  # may be missing. `dora_rule`: "peft" (`lora_magnitude_vector`) or "lycoris" (`dora_scale`).
+  magnitude: np.ndarray | None = None
+  dora_rule: str = "peft"
 
 
 class RawDelta(NamedTuple):
@@ -365,6 +372,9 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
     m = _MAGNITUDE.fullmatch(key)
     if m:
       return m["module"], "magnitude"
+  m = _DORA_SCALE.fullmatch(key)
+  if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
+    return m["module"], "dora_scale"
   if fmt in ("comfyui", "peft"):
     m = _DIFF.fullmatch(key)
     if m:
@@ -414,7 +424,7 @@ def read_modules(
   for key in tensors:
     found = _split_key(key, fmt)
     if found is None:
-      lycoris = re.search(r"\.(dora_scale|lora_magnitude_vector|oft_\w+)", key)
+      lycoris = re.search(r"\.(dora_scale|lora_magnitude_vector|oft_\w+|boft_\w+)", key)
       why = (
         f"is a LyCORIS / DoRA / OFT tensor ({lycoris[1]}), which md does not read yet"
         if lycoris
@@ -458,12 +468,15 @@ def read_modules(
       if slot in found:
         deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
     if (set(_LOHA_SLOTS) | {"hada_t1", "hada_t2"}) & set(found):
-      modules.append(_loha(path, module, name, found, tensors, default_alpha, some_alpha))
+      raw = _loha(path, module, name, found, tensors, default_alpha, some_alpha)
+      modules.append(_with_dora_scale(path, module, found, tensors, raw))
       continue
     if set(_LOKR_SLOTS) & set(found):
-      modules.append(_lokr(path, module, name, found, tensors))
+      modules.append(
+        _with_dora_scale(path, module, found, tensors, _lokr(path, module, name, found, tensors))
+      )
       continue
-    if not ({"a", "b", "mid", "alpha", "bias", "magnitude"} & set(found)):
+    if not ({"a", "b", "mid", "alpha", "bias", "magnitude", "dora_scale"} & set(found)):
       continue
     if "a" not in found or "b" not in found:
       lacking = [names[x] for x in ("a", "b") if x not in found]
@@ -508,9 +521,38 @@ def read_modules(
           f"{path}: {found['magnitude']!r} has shape {magnitude.shape}; a DoRA magnitude holds one norm "
           f"per output ({b.shape[0]}, as {found['b']!r} {b.shape} has rows)"
         )
-      magnitude = magnitude.reshape(-1)
-    modules.append(RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias, magnitude))
+      magnitude = magnitude.reshape(
+        -1, *(1,) * (b.ndim - 1)
+      )  # peft's conv norms are [1, out, 1, 1]
+    raw = RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias, magnitude)
+    modules.append(_with_dora_scale(path, module, found, tensors, raw))
   return modules, deltas, leftovers, others, rslora
+
+
+def _with_dora_scale(
+  path: pathlib.Path,
+  module: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+  raw: RawLoRA,
+) -> RawLoRA:
+  """`raw` with its module's LyCORIS `dora_scale` (if any) as a DoRA magnitude under LyCORIS' rule."""
+  if "dora_scale" not in found:
+    return raw
+  key = found["dora_scale"]
+  scale = np.asarray(tensors[key])
+  axes = [i for i, d in enumerate(scale.shape) if d != 1]
+  if (
+    scale.ndim < 2
+    or len(axes) > 1
+    or (axes and axes[0] > 1)
+    or (axes == [0] and scale.shape[0] != raw.b.shape[0])
+  ):
+    raise LoRAFileError(
+      f"{path}: {key!r} has shape {scale.shape}; LyCORIS' dora_scale holds one norm per output "
+      f"[{raw.b.shape[0]}, 1, …] or per input [1, in, 1, …] of module {module!r}"
+    )
+  return raw._replace(magnitude=scale, dora_rule="lycoris")
 
 
 def _fold_mid(

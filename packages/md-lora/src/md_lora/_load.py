@@ -98,23 +98,28 @@ def _kernel_axes(a: np.ndarray, target: Target, shape: tuple[int, ...] | None) -
   return a.reshape(a.shape[0], *reference[1:])
 
 
-def magnitude_of(magnitude: np.ndarray, target: Target, ndim: int) -> np.ndarray:
-  """A DoRA magnitude `[out]` (the weight's output axis) in md's layout: size 1 on the other `ndim - 1` axes,
-  the output axis where the layout puts it (last; first for `identity`); a split of the output axis takes
-  its part. Raises ValueError for a split of the input axis (the norms would span the whole fused weight)."""
+def magnitude_of(magnitude: np.ndarray, target: Target, shape: tuple[int, ...]) -> np.ndarray:
+  """A DoRA magnitude in the weight's torch layout (one axis not 1: 0 per output, 1 per input; trailing 1s
+  may be missing) → md's layout for a weight of md shape `shape` (one layer), as the weight is permuted; a
+  split of the weight along the magnitude's axis takes its part. Raises ValueError for a split along the
+  other axis (the norms would span the whole fused weight) or a magnitude that does not fit `shape`."""
+  magnitude = magnitude.reshape(*magnitude.shape, *(1,) * (len(shape) - magnitude.ndim))
+  axis = next((i for i, d in enumerate(magnitude.shape) if d != 1), 0)
   if target.split is not None:
-    index, parts, axis = target.split
-    if axis != 0:
-      raise ValueError(f"a DoRA magnitude cannot follow a split along axis {axis} of the weight")
-    if magnitude.shape[0] % parts:
+    index, parts, split = target.split
+    if magnitude.shape[split] == 1 and magnitude.size > 1:
       raise ValueError(
-        f"cannot take part {index} of {parts} of a magnitude of {magnitude.shape[0]}"
+        f"a DoRA magnitude along axis {axis} cannot follow a split along axis {split} of the weight"
       )
-    size = magnitude.shape[0] // parts
-    magnitude = magnitude[index * size : (index + 1) * size]
-  if target.layout == "identity":
-    return magnitude.reshape(-1, *(1,) * (ndim - 1))
-  return magnitude.reshape(*(1,) * (ndim - 1), -1)
+    size = magnitude.shape[split] // parts
+    if magnitude.shape[split] % parts:
+      raise ValueError(f"cannot take part {index} of {parts} of a magnitude of {magnitude.shape}")
+    magnitude = np.take(magnitude, np.arange(index * size, (index + 1) * size), axis=split)
+  if target.layout != "identity":
+    magnitude = np.transpose(magnitude, _PERMUTATIONS[target.layout])
+  if magnitude.ndim != len(shape) or any(m not in (1, s) for m, s in zip(magnitude.shape, shape)):
+    raise ValueError(f"the DoRA magnitude is {magnitude.shape} in md's layout, the weight {shape}")
+  return magnitude
 
 
 def delta_factors(delta: np.ndarray, target: Target) -> tuple[np.ndarray, np.ndarray]:
@@ -328,13 +333,14 @@ def load_lora(
         down, up = lora_factors(mod.a, mod.b, target, tuple(layer))
         magnitude = None
         if mod.magnitude is not None:
-          magnitude = magnitude_of(mod.magnitude, target, len(layer))
+          magnitude = magnitude_of(mod.magnitude, target, tuple(layer))
       except ValueError as e:
         misshaped.append(
           f"{path}: {mod.keys[0]!r}: {mod.module!r} cannot follow {str(site)!r} ({e})"
         )
         continue
-      place(site, LoRAWeight(down, up, scale, magnitude), mod.module, mod.keys[0], what)
+      weight = LoRAWeight(down, up, scale, magnitude, mod.dora_rule)
+      place(site, weight, mod.module, mod.keys[0], what)
     if mod.bias is not None:
       bias_key = next(k for k in mod.keys if k.endswith(".bias"))
       for target in targets_of(mod.module + ".bias", (bias_key,), mod.module):

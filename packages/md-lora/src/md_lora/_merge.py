@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from md_lora._adapter import Adapter, Site
+from md_lora._adapter import Adapter
 
 
 def _scales(adapters: Sequence[tuple[Adapter, float]]) -> list[float]:
@@ -74,7 +74,7 @@ def merge(
   index = {tuple(p): i for i, (p, _) in enumerate(flat)}
 
   touched: dict[tuple, Any] = {}
-  factors: list[tuple[Site, Any, Any, float, Any]] = []
+  factors: list[tuple] = []
   for (adapter, s), _ in zip(adapters, scales):
     for site, w in adapter.weights.items():
       if site.path not in index:
@@ -87,12 +87,14 @@ def merge(
           f"{adapter.source}: delta for {str(site)!r} is {got}, the weight is {want}"
         )
       touched[site.path] = value
-      factors.append((site, w.down, w.up, sign * float(s) * w.scale, w.magnitude))
+      factors.append(
+        (site, w.down, w.up, sign * float(s) * w.scale, w.magnitude, w.dora_rule, w.scale, s)
+      )
   if not factors:
     return model_or_state
 
   paths = tuple(touched)
-  sites = tuple((f[0].path, f[0].layer, f[4] is not None) for f in factors)
+  sites = tuple((f[0].path, f[0].layer, f[5] if f[4] is not None else None) for f in factors)
   weights = [touched[p] for p in paths]
   shardings = [getattr(w, "sharding", None) for w in weights]
   # On a mesh the merged weights keep their shardings; on one device they stay as placed (an uncommitted
@@ -105,6 +107,7 @@ def merge(
     [f[2] for f in factors],
     jnp.asarray([f[3] for f in factors], jnp.float32),
     [f[4] for f in factors],
+    jnp.asarray([[f[6], f[7]] for f in factors], jnp.float32),
   )
   replaced = dict(zip(paths, new))
   merged = nnx.from_flat_state(
@@ -117,19 +120,26 @@ def merge(
 def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
   """The merge program for one set of sites (cached: fusing, unfusing and other scales reuse it)."""
 
-  def apply(weights, downs, ups, mults, magnitudes):
+  def apply(weights, downs, ups, mults, magnitudes, scales):
     base = {p: weights[i].astype(jnp.float32) for i, p in enumerate(paths)}
     acc = dict(base)
-    for i, ((path, layer, dora), d, u) in enumerate(zip(sites, downs, ups)):
-      delta = mults[i] * jnp.tensordot(
+    for i, ((path, layer, rule), d, u) in enumerate(zip(sites, downs, ups)):
+      product = jnp.tensordot(
         d.astype(jnp.float32), u.astype(jnp.float32), 1, precision=jax.lax.Precision.HIGHEST
       )
-      if dora:
+      delta = mults[i] * product
+      if rule is not None:  # DoRA: the weight rescaled to its magnitudes (see LoRAWeight)
         m = magnitudes[i].astype(jnp.float32)
         w = base[path] if layer is None else base[path][layer]
-        v = w + delta
+        file_scale, user_scale = scales[i, 0], scales[i, 1]
+        v = w + (delta if rule == "peft" else file_scale * product)
         axes = tuple(ax for ax in range(v.ndim) if m.shape[ax] == 1)
-        delta = m / jnp.sqrt(jnp.sum(v * v, axis=axes, keepdims=True)) * v - w
+        norm = jnp.sqrt(jnp.sum(v * v, axis=axes, keepdims=True))
+        if rule == "peft":
+          delta = m / norm * v - w
+        else:
+          g = m / (norm + jnp.finfo(jnp.float32).eps)
+          delta = v * (user_scale * (g - 1.0) + 1.0) - w
       acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
     return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
 
