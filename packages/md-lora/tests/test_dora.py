@@ -74,6 +74,10 @@ def test_lycoris_dora_matches_lycoris(setup, name, cases):
   adapter = md_lora.load_lora(root / f"{name}.safetensors", md_sd.unet_key_map(unet.cfg), unet)
   assert adapter.format == "kohya" and adapter.dora
   assert {w.dora_rule for w in adapter.weights.values()} == {"lycoris"}
+  report = md_lora.lora_report(adapter).splitlines()
+  assert f"{len(adapter.weights)} DoRA" in report[0] and all(
+    " dora=lycoris" in line for line in report[1:]
+  )
   # The norm axis: the output one (md's last), or the input one for `wd_on_out=False` files.
   axis = -2 if name == "locon_in" else -1
   assert all(np.shape(w.magnitude)[axis] > 1 for w in adapter.weights.values())

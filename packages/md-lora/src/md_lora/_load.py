@@ -401,12 +401,14 @@ def load_lora(
 def lora_report(adapter: Adapter) -> str:
   """Every adapted md site with the file module it came from, its rank and scale; then the skipped keys.
 
-  One line per site: `blocks/attn1/to_q/kernel[3]  <- blocks.3.attn1.to_q  r=4 scale=2`.
+  One line per site: `blocks/attn1/to_q/kernel[3]  <- blocks.3.attn1.to_q  r=4 scale=2` (a DoRA site adds
+  `dora=peft` or `dora=lycoris`).
   """
   lines = [repr(adapter)]
   for site in sorted(adapter.weights, key=str):
     w = adapter.weights[site]
-    lines.append(f"  {str(site)}  <- {adapter.names[site]}  r={w.rank} scale={w.scale:g}")
+    dora = "" if w.magnitude is None else f" dora={w.dora_rule}"
+    lines.append(f"  {str(site)}  <- {adapter.names[site]}  r={w.rank} scale={w.scale:g}{dora}")
   lines += [f"  skipped: {k}" for k in adapter.skipped]
   return "\n".join(lines)
 
