@@ -7,7 +7,6 @@ plain PEFT, continued training) says so, and a malformed magnitude is named."""
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,25 +14,17 @@ from flax import nnx
 import md_core
 import md_lora
 import md_sd
-from md_core.testing import fixture_path, load_arrays
+from md_core.testing import fixture_path
 
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def setup():
-  base = fixture_path("lora_extract")
-  unet = md_sd.load_unet(base / "base", subfolder=None, progress=False)
-  io = load_arrays(base / "io.npz")
-  args = (
-    jnp.asarray(io["sample"]).transpose(0, 2, 3, 1),  # md is channels-last
-    jnp.asarray(io["timestep"]),
-    jnp.asarray(io["encoder_hidden_states"]),
-  )
+def setup(tiny_sd_unet, channels_last_outputs):
+  unet, args = tiny_sd_unet
   root = fixture_path("lora_dora")
-  want = {k: v.transpose(0, 2, 3, 1) for k, v in load_arrays(root / "outputs.npz").items()}
   adapter = md_lora.load_lora(root / "unet_dora.safetensors", md_sd.unet_key_map(unet.cfg), unet)
-  return unet, args, adapter, want
+  return unet, args, adapter, channels_last_outputs(root)
 
 
 def test_magnitudes_are_read_per_output(setup):
@@ -67,10 +58,10 @@ def test_merged_matches_peft(setup):
     ("loha_out", (("loha_out", 1.0),)),
   ],
 )
-def test_lycoris_dora_matches_lycoris(setup, name, cases):
+def test_lycoris_dora_matches_lycoris(setup, channels_last_outputs, name, cases):
   unet, args, _, _ = setup
   root = fixture_path("lora_dora_lycoris")
-  want = {k: v.transpose(0, 2, 3, 1) for k, v in load_arrays(root / "outputs.npz").items()}
+  want = channels_last_outputs(root)
   adapter = md_lora.load_lora(root / f"{name}.safetensors", md_sd.unet_key_map(unet.cfg), unet)
   assert adapter.format == "kohya" and adapter.dora
   assert {w.dora_rule for w in adapter.weights.values()} == {"lycoris"}

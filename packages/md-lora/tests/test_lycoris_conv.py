@@ -5,7 +5,6 @@ model (the explicit LyCORIS merge for LoCon); malformed cores are named."""
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,7 +12,7 @@ from flax import nnx
 import md_core
 import md_lora
 import md_sd
-from md_core.testing import fixture_path, load_arrays
+from md_core.testing import fixture_path
 
 ATOL = 1e-5
 CASES = ("loha_tucker", "loha_flat", "lokr_tucker", "lokr_flat", "locon")
@@ -21,20 +20,12 @@ RANKS = {"loha_tucker": 4, "loha_flat": 4, "lokr_tucker": 2, "lokr_flat": 2, "lo
 
 
 @pytest.fixture(scope="module")
-def setup():
-  base = fixture_path("lora_extract")
-  unet = md_sd.load_unet(base / "base", subfolder=None, progress=False)
-  io = load_arrays(base / "io.npz")
-  args = (
-    jnp.asarray(io["sample"]).transpose(0, 2, 3, 1),  # md is channels-last
-    jnp.asarray(io["timestep"]),
-    jnp.asarray(io["encoder_hidden_states"]),
-  )
+def setup(tiny_sd_unet, channels_last_outputs):
+  unet, args = tiny_sd_unet
   root = fixture_path("lora_lycoris_conv")
-  want = {k: v.transpose(0, 2, 3, 1) for k, v in load_arrays(root / "outputs.npz").items()}
   key_map = md_sd.unet_key_map(unet.cfg)
   adapters = {c: md_lora.load_lora(root / f"{c}.safetensors", key_map, unet) for c in CASES}
-  return unet, args, adapters, want
+  return unet, args, adapters, channels_last_outputs(root)
 
 
 def _forward(graphdef):
