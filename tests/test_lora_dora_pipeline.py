@@ -1,10 +1,10 @@
-"""DoRA through the pipeline API on the tiny SD pipeline: a run-time load says that DoRA can only be fused;
-`fuse=True` gives the weights `md_lora.merge` gives (whose numerics packages/md-lora/tests/test_dora.py
-checks against peft), and `unfuse_lora` / `unload_lora` give the weights back, though a DoRA rescaling
-cannot be unmerged from its factors (the pipeline keeps what the fuse added)."""
+"""DoRA through the pipeline API on the tiny SD pipeline: at run time (gain slots added at the first DoRA load)
+the UNet gives the merged model's output (`md_lora.merge`, whose numerics packages/md-lora/tests/test_dora.py
+checks against peft); `fuse_lora` gives the merged weights, and `unfuse_lora` / `unload_lora` give the
+weights back, though a DoRA rescaling cannot be unmerged from its factors (the pipeline keeps what the fuse
+added)."""
 
 import numpy as np
-import pytest
 from flax import nnx
 
 import md_core
@@ -39,37 +39,46 @@ def _dora_file(path, pipe) -> None:
   md_core.save_safetensors(path, tensors)
 
 
-def test_dora_fuses_and_unfuses_through_the_pipeline(tmp_path):
+def _unet_out(unet, state=None):
+  """The UNet (or `state` in its graph) on fixed small inputs."""
+  graphdef, own = nnx.split(unet)
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((2, 8, 8, unet.cfg.in_channels)).astype(np.float32)
+  dim = int(np.ravel(unet.cfg.cross_attention_dim)[0])
+  ctx = rng.standard_normal((2, 7, dim)).astype(np.float32)
+  return np.asarray(nnx.merge(graphdef, own if state is None else state)(x, 500.0, ctx))
+
+
+def test_dora_through_the_pipeline(tmp_path):
   pipe = md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd")
   path = tmp_path / "dora.safetensors"
   _dora_file(path, pipe)
-  with pytest.raises(ValueError, match=r"dora.safetensors: 2 DoRA site\(s\).*fuse=True"):
-    pipe.load_lora(path)
-  assert not pipe.loras
   before = _kernels(pipe)
   adapter = md_lora.load_lora(path, md_sd.unet_key_map(pipe.unet.cfg), pipe.unet)
-  want = {
-    tuple(p): np.asarray(v.get_value())
-    for p, v in nnx.to_flat_state(md_lora.merge(nnx.state(pipe.unet), [(adapter, 0.8)]))
-  }
-  pipe.load_lora(path, name="d", scale=0.8, fuse=True)
-  fused = _kernels(pipe)
-  changed = [p for p in before if not np.array_equal(before[p], fused[p])]
-  assert len(changed) == 2 and all(p[-1] == "kernel" for p in changed)
-  for p in before:
-    np.testing.assert_array_equal(fused[p], want[p])
-  pipe.unfuse_lora("d")
-  assert not pipe.loras["d"]["fused"] and not pipe.loras["d"]["active"]  # slots cannot hold DoRA
-  for p in before:
-    np.testing.assert_allclose(_kernels(pipe)[p], before[p], rtol=0, atol=1e-6)
-  with pytest.raises(ValueError, match=r"DoRA site\(s\).*fuse=True"):
-    pipe.set_adapters({"d": 1.0})
-  assert not pipe.loras["d"]["active"]
+  merged_state = md_lora.merge(nnx.state(pipe.unet), [(adapter, 0.8)])
+  want = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(merged_state)}
+  want_out = _unet_out(pipe.unet, merged_state)
+
+  # At run time: gain slots come with the first DoRA load; the output is the merged model's.
+  pipe.load_lora(path, name="d", scale=0.8)
+  assert md_core.lora_gains(pipe.unet) and pipe.loras["d"]["active"]
+  np.testing.assert_allclose(_unet_out(pipe.unet), want_out, rtol=0, atol=1e-5)
+
+  # Fused: the weights `md_lora.merge` gives, the slots empty; unfused: the weights back, in the slots again.
   pipe.fuse_lora("d")
-  assert pipe.loras["d"]["active"] and pipe.loras["d"]["fused"]
-  for p in before:  # on the unfused weights, equal to the originals to float32 rounding
-    np.testing.assert_allclose(_kernels(pipe)[p], want[p], rtol=0, atol=1e-6)
+  fused = _kernels(pipe)
+  changed = [p for p in before if p in fused and not np.array_equal(before[p], fused[p])]
+  assert sorted(p[-1] for p in changed) == ["kernel", "kernel"]
+  for p in changed:
+    np.testing.assert_array_equal(fused[p], want[p])
+  np.testing.assert_allclose(_unet_out(pipe.unet), want_out, rtol=0, atol=1e-5)
+  pipe.unfuse_lora("d")
+  assert not pipe.loras["d"]["fused"] and pipe.loras["d"]["active"]
+  for p in changed:
+    np.testing.assert_allclose(_kernels(pipe)[p], before[p], rtol=0, atol=1e-6)
+  np.testing.assert_allclose(_unet_out(pipe.unet), want_out, rtol=0, atol=1e-5)
+  pipe.fuse_lora("d")
   pipe.unload_lora("d")
   assert not pipe.loras
-  for p in before:
+  for p in changed:
     np.testing.assert_allclose(_kernels(pipe)[p], before[p], rtol=0, atol=1e-6)

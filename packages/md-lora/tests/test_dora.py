@@ -2,8 +2,9 @@
 tools/fixtures/lora_dora.py: `use_dora=True`, saved by diffusers): merged by md at scales 1 and 0.5, the UNet's
 output equals peft's DoRA model. LyCORIS' (tests/fixtures/lora_dora_lycoris, tools/fixtures/lora_dora_lycoris.py:
 `weight_decompose=True` LoCon with norms per output and per input, LoHa): merged at multipliers 1 and 0.6, the
-output equals LyCORIS' own `get_merged_weight`. What DoRA cannot do (run-time slots, unmerge, re-saving as
-plain PEFT, continued training) says so, and a malformed magnitude is named."""
+output equals LyCORIS' own `get_merged_weight`; in run-time slots with gain slots, all of them and a plain
+LoRA in one compiled program. What DoRA cannot do (input-axis norms at run time, unmerge, re-saving as plain
+PEFT, continued training) says so, and a malformed magnitude is named."""
 
 import chex
 import jax
@@ -81,14 +82,63 @@ def test_lycoris_dora_matches_lycoris(setup, channels_last_outputs, name, cases)
     chex.assert_trees_all_close(got, want[case], atol=ATOL, rtol=0)
 
 
+def test_runtime_slots_match_without_recompiling(setup, channels_last_outputs):
+  """peft and LyCORIS DoRA adapters and a plain LoRA in the same gain-slotted program: each output equals
+  its reference, and the program compiles once."""
+  unet, args, peft_dora, want = setup
+  want = want | channels_last_outputs(fixture_path("lora_dora_lycoris"))
+  want_conv = channels_last_outputs(fixture_path("lora_lycoris_conv"))
+  key_map = md_sd.unet_key_map(unet.cfg)
+  lycoris = {
+    n: md_lora.load_lora(fixture_path("lora_dora_lycoris") / f"{n}.safetensors", key_map, unet)
+    for n in ("locon_out", "loha_out")
+  }
+  plain = md_lora.load_lora(fixture_path("lora_lycoris_conv") / "locon.safetensors", key_map, unet)
+  slotted = nnx.clone(unet)
+  md_core.add_lora_slots(slotted, 4, gain=True)
+  assert md_core.lora_gains(slotted) and not md_core.lora_gains(unet)
+  graphdef, state = nnx.split(slotted)
+  traces = []
+
+  @jax.jit
+  def run(state, args):
+    traces.append(1)
+    return nnx.merge(graphdef, state)(*args)
+
+  cases = [
+    ("dora", peft_dora, 1.0, want),
+    ("dora_half", peft_dora, 0.5, want),
+    ("locon_out", lycoris["locon_out"], 1.0, want),
+    ("locon_out_0.6", lycoris["locon_out"], 0.6, want),
+    ("loha_out", lycoris["loha_out"], 1.0, want),
+    ("locon", plain, 1.0, want_conv),
+    ("base", None, 0.0, want),
+  ]
+  for case, adapter, scale, reference in cases:
+    pairs = [] if adapter is None else [(adapter, scale)]
+    got = np.asarray(run(md_lora.apply_runtime(state, pairs), args))
+    print(f"{case} run time: max abs {float(np.abs(got - reference[case]).max()):.1e}")
+    chex.assert_trees_all_close(got, reference[case], atol=ATOL, rtol=0)
+  assert len(traces) == 1
+
+
 def test_what_dora_cannot_do_is_named(setup, tmp_path):
   unet, _, adapter, _ = setup
   slotted = nnx.clone(unet)
-  md_core.add_lora_slots(slotted, 2)
+  md_core.add_lora_slots(slotted, 2)  # no gain slots
   with pytest.raises(
-    ValueError, match=r"unet_dora.safetensors: 48 DoRA site\(s\).*merge this adapter"
+    ValueError, match=r"has no gain slot for a DoRA adapter; add the slots with gain=True"
   ):
     md_lora.apply_runtime(nnx.state(slotted), [(adapter, 1.0)])
+  with pytest.raises(ValueError, match=r"a DoRA adapter at run time needs the model's state"):
+    md_lora.to_slots(adapter, 1.0)
+  per_input = md_lora.load_lora(
+    fixture_path("lora_dora_lycoris") / "locon_in.safetensors", md_sd.unet_key_map(unet.cfg), unet
+  )
+  with pytest.raises(
+    ValueError, match=r"DoRA norms along the layer's input axis .* merge this adapter"
+  ):
+    md_lora.to_slots(per_input, 1.0, unet)
   with pytest.raises(ValueError, match=r"a DoRA adapter cannot be unmerged"):
     md_lora.unmerge(unet, [(adapter, 1.0)])
   with pytest.raises(ValueError, match=r"a DoRA adapter; save_peft writes plain LoRA factors only"):

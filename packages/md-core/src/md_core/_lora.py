@@ -42,6 +42,10 @@ class LoRAWeight(NamedTuple):
   b: Any
   scale: float = 1.0
   layer: int | None = None
+  # DoRA: this adapter's factor `g` `[out]` (or `[layers, out]`) on the layer's base output, `x @ W · g`
+  # (its `b` already scaled by it); adapters together give the base output `1 + sum(g_i - 1)`. Needs the
+  # layer's gain slot (`add_lora_slots(..., gain=True)`).
+  gain: Any = None
 
 
 def _path_str(path: Sequence[Any]) -> str:
@@ -73,6 +77,7 @@ def add_lora_slots(
   *,
   targets: Callable[[str], bool] | Iterable[str] | None = None,
   dtype: Any = jnp.float32,
+  gain: bool = False,
 ) -> list[str]:
   """Adds zero LoRA slots of rank `rank` to the Dense and Conv layers of `model` that `targets` selects.
 
@@ -86,6 +91,8 @@ def add_lora_slots(
     targets: a predicate on the dotted path, or a collection of paths / path suffixes (e.g.
       `("to_q", "to_k", "to_v", "to_out.0")`); None: every Dense and Conv.
     dtype: the slots' dtype (adapters stay f32 or bf16 beside a quantized or bf16 weight).
+    gain: also a per-output gain slot `lora_gain` `[..., out]` (ones), which multiplies the layer's base
+      output: what DoRA adapters need at run time (`LoRAWeight.gain`).
 
   Returns:
     The paths that got slots, sorted.
@@ -121,6 +128,20 @@ def add_lora_slots(
     a, b = _placed_like(kernel.get_value(), a, b, len(lead))
     layer.lora_a = LoRASlot(a, logical_axes=tuple(axes[:-1]) + (None,))
     layer.lora_b = LoRASlot(b, logical_axes=tuple(axes[: len(lead)]) + (None, axes[-1]))
+    if gain:
+      g = jnp.ones((*lead, n_out), jnp.float32)
+      sharding = getattr(b, "sharding", None)
+      if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (b.ndim - len(sharding.spec))
+        g = jax.device_put(
+          g,
+          jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1])
+          ),
+        )
+      elif sharding is not None:
+        g = jax.device_put(g, sharding)
+      layer.lora_gain = LoRASlot(g, logical_axes=tuple(axes[: len(lead)]) + (axes[-1],))
   return chosen
 
 
@@ -149,6 +170,17 @@ def _slot_leaves(state: Any) -> dict[str, tuple[Any, Any]]:
     if key and key[-1] == "lora_a":
       out[_path_str(key[:-1])] = (key, key[:-1] + ("lora_b",))
   return out
+
+
+def _gain_leaves(state: Any) -> dict[str, Any]:
+  """`{dense path: lora_gain key}` of the layers with a gain slot."""
+  return {_path_str(k[:-1]): k for k, _ in nnx.to_flat_state(state) if k and k[-1] == "lora_gain"}
+
+
+def lora_gains(state_or_model: Any) -> bool:
+  """Whether the model's LoRA slots have gain slots (`add_lora_slots(..., gain=True)`)."""
+  state = state_or_model if isinstance(state_or_model, nnx.State) else nnx.state(state_or_model)
+  return bool(_gain_leaves(state))
 
 
 def lora_paths(state_or_model: Any) -> list[str]:
@@ -194,6 +226,7 @@ def set_lora(
   if isinstance(adapters, Mapping):
     adapters = [adapters]
   slots = _slot_leaves(state)
+  gains = _gain_leaves(state)
   flat = dict(nnx.to_flat_state(state))
   for adapter in adapters:
     for path in adapter:
@@ -207,6 +240,7 @@ def set_lora(
     in_dims, rank, n_out = tuple(a_slot.shape[len(lead) : -1]), a_slot.shape[-1], b_slot.shape[-1]
     a_new = np.zeros(a_slot.shape, np.float32)
     b_new = np.zeros(b_slot.shape, np.float32)
+    g_new = np.ones((*lead, n_out), np.float32)
     used = 0
     for adapter in adapters:
       ws = adapter.get(path)
@@ -228,6 +262,18 @@ def set_lora(
         if hi > rank:
           continue  # reported below with the total
         b = b * np.float32(w.scale)
+        if w.gain is not None:
+          if path not in gains:
+            raise ValueError(
+              f"set_lora: {path!r} has no gain slot for a DoRA adapter; add the slots with gain=True"
+            )
+          g = np.asarray(w.gain, np.float32)
+          if g.shape[-1] != n_out:
+            raise ValueError(f"set_lora: {path!r} takes a gain [.., {n_out}]; got {tuple(g.shape)}")
+          if w.layer is not None:
+            g_new[int(w.layer)] += g.reshape(n_out) - 1.0
+          else:
+            g_new += g - 1.0
         if w.layer is not None:
           if not lead:
             raise ValueError(f"set_lora: {path!r} is not a stacked layer; layer={w.layer} given")
@@ -247,6 +293,9 @@ def set_lora(
     # Several adapters at once: (x @ [A1 A2]) @ [B1; B2] = x A1 B1 + x A2 B2; the rest stays zero.
     new[ka] = (a_new.astype(a_slot.dtype), a_slot.sharding)
     new[kb] = (b_new.astype(b_slot.dtype), b_slot.sharding)
+    if path in gains:
+      g_slot = flat[gains[path]].get_value()
+      new[gains[path]] = (g_new.astype(g_slot.dtype), g_slot.sharding)
   keys = list(new)
   placed = jax.device_put([new[k][0] for k in keys], [new[k][1] for k in keys])  # one transfer
   new = dict(zip(keys, placed))

@@ -81,6 +81,7 @@ class Dense(nnx.Module):
   # Run-time LoRA slots (`md_core.add_lora_slots`): None unless added.
   lora_a: nnx.Variable | None = None
   lora_b: nnx.Variable | None = None
+  lora_gain: nnx.Variable | None = None  # DoRA at run time: `[out]` on the base output (gain=True)
   # Quantized weights (`md_core.quantize`): the kernel holds int8 / float8 values and these its
   # per-output-channel scales, the mode and the kernel's dtype before; None unless quantized.
   kernel_scale: nnx.Variable | None = None
@@ -102,6 +103,8 @@ class Dense(nnx.Module):
       y = quant.quantized_matmul(x, self.kernel[...], self.kernel_scale[...], self.quant_mode)
     else:
       y = matmul(x, self.kernel[...].astype(dtype))
+    if self.lora_gain is not None:  # DoRA adapters at run time: the base output's per-output factor
+      y = y * _last(self.lora_gain[...].astype(dtype), y.ndim)
     if self.bias is not None:
       y = y + _last(self.bias[...].astype(dtype), y.ndim)
     if self.lora_a is not None:
@@ -219,6 +222,7 @@ class Conv(nnx.Module):
   # Run-time LoRA slots (`md_core.add_lora_slots`): `lora_a` `[*k, in, R]`, `lora_b` `[R, out]`.
   lora_a: nnx.Variable | None = None
   lora_b: nnx.Variable | None = None
+  lora_gain: nnx.Variable | None = None  # DoRA at run time: `[out]` on the base output (gain=True)
 
   # Quantized weights (`md_core.quantize`; weight-only in every mode): the kernel holds int8 / float8
   # values, `kernel_scale` `[out]` their per-output-channel scales; None unless quantized.
@@ -263,6 +267,8 @@ class Conv(nnx.Module):
       # int8 / float8 kernel; the convolution itself runs in the compute dtype).
       kernel = kernel * _last(self.kernel_scale[...].astype(dtype), kernel.ndim)
     y = self._conv(x, kernel, self.groups)
+    if self.lora_gain is not None:  # DoRA adapters at run time: the base output's per-output factor
+      y = y * _last(self.lora_gain[...].astype(dtype), y.ndim)
     if self.bias is not None:
       y = y + _last(self.bias[...].astype(dtype), y.ndim)
     if self.lora_a is not None:

@@ -259,14 +259,15 @@ class Pipeline:
     return module, found
 
   def add_lora_slots(
-    self, rank: int, *, component: str = "transformer", targets: Any = None
+    self, rank: int, *, component: str = "transformer", targets: Any = None, gain: bool = False
   ) -> list[str]:
-    """Adds run-time LoRA slots of `rank` to a component's Dense layers (see `md_core.add_lora_slots`);
-    the programs compile once for them, and `set_lora` then swaps adapters without recompiling."""
+    """Adds run-time LoRA slots of `rank` to a component's Dense layers (see `md_core.add_lora_slots`;
+    `gain=True` for DoRA adapters); the programs compile once for them, and `set_lora` then swaps
+    adapters without recompiling."""
     from md_core._lora import add_lora_slots  # noqa: PLC0415
 
     module, splits = self._splits_of(component)
-    paths = add_lora_slots(module, rank, targets=targets)
+    paths = add_lora_slots(module, rank, targets=targets, gain=gain)
     for split in splits:
       split.refresh()
     self._memo.clear()  # the state's tree changed: programs compiled before take the old one
@@ -319,8 +320,8 @@ class Pipeline:
       scale: its multiplier, or `{component: scale}` (e.g. Wan 2.2's two experts).
       component: the component(s) to adapt (default: every one in `lora_components`; Wan 2.2:
         `"transformer"` for the high-noise expert, `"transformer_2"` for the low-noise one).
-      fuse: merge it into the weights now (`W + s·B·A` on the weights' devices) instead of slots; a
-        DoRA file (peft `lora_magnitude_vector`) can only be fused.
+      fuse: merge it into the weights now (`W + s·B·A` on the weights' devices) instead of slots (a
+        DoRA file at run time adds per-output gain slots beside them at its first load: one compile).
       max_rank: the slot rank (only at the first load).
       targets: which layers get slots (only at the first load).
       **read_options: passed to `md_lora.load_lora` (`prefix=`, `format=`, `allow_unmatched=`…).
@@ -356,13 +357,12 @@ class Pipeline:
 
   def fuse_lora(self, names: str | Sequence[str] | None = None) -> None:
     """Merges the active adapters (or `names`) into the weights at their scales and takes them out of
-    the slots (the programs keep running without recompiling). A DoRA adapter named here is fused again
-    after an unfuse left it inactive."""
+    the slots (the programs keep running without recompiling)."""
     _lora_runtime().fuse(self, names)
 
   def unfuse_lora(self, names: str | Sequence[str] | None = None) -> None:
-    """Subtracts fused adapters from the weights again; they stay active, in the slots (DoRA adapters,
-    which slots cannot hold, stay loaded but inactive: the pipeline kept what their fuse added)."""
+    """Subtracts fused adapters from the weights again; they stay active, in the slots (a DoRA adapter's
+    rescaling, which its factors cannot undo, is subtracted as its fuse added it)."""
     _lora_runtime().unfuse(self, names)
 
   @property

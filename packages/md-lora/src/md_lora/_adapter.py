@@ -37,7 +37,8 @@ class LoRAWeight(NamedTuple):
   input axis for LyCORIS files made with `wd_on_out=False`), and the norm of `W + Δ` runs over the size-1
   axes. With a user scale k, `dora_rule` "peft" (`lora_magnitude_vector`) merges `m / ||W + kΔ|| · (W + kΔ)`;
   "lycoris" (`dora_scale`) merges `(W + Δ) · (k (g - 1) + 1)` with `g = m / (||W + Δ|| + eps)`, LyCORIS'
-  `get_merged_weight`. Such a site can be merged only: the rescaling is not a low-rank delta.
+  `get_merged_weight`. The rescaling is not a low-rank delta: at run time (`to_slots`) it rides on a
+  per-output gain slot of the layer, for norms along the output axis.
   """
 
   down: Any  # [*in_dims, r]
@@ -85,5 +86,6 @@ class Adapter(NamedTuple):
 
   @property
   def dora(self) -> bool:
-    """Whether any site is a DoRA one (a `magnitude`): then the adapter can be merged only."""
+    """Whether any site is a DoRA one (a `magnitude`): its run-time slots need gain slots, and it cannot be
+    unmerged."""
     return any(w.magnitude is not None for w in self.weights.values())

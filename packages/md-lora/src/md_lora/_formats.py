@@ -23,7 +23,7 @@ LyCORIS LoHa (`.hada_w1_a` …) and LoKr (`.lokr_w1`, `.lokr_w2_a` …) modules,
 read as exact LoRAs of rank r1·r2, on linear layers and convolutions (Tucker cores `hada_t1` / `hada_t2` /
 `lokr_t2` too); LoCon's Tucker core `lora_mid` is folded into `lora_down` (an exact LoRA of the same rank).
 DoRA norms (peft's `lora_magnitude_vector`, LyCORIS' `dora_scale`) come with their module as its magnitude
-(`LoRAWeight.magnitude`, merged only).
+(`LoRAWeight.magnitude`).
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 

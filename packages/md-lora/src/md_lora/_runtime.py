@@ -20,6 +20,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 import md_core
@@ -30,15 +31,23 @@ from md_lora._merge import _value, merge, unmerge
 DEFAULT_MAX_RANK = 64
 
 
-def to_slots(adapter: Adapter, scale: float = 1.0) -> dict[str, list[md_core.LoRAWeight]]:
+def to_slots(
+  adapter: Adapter, scale: float = 1.0, state: Any = None
+) -> dict[str, list[md_core.LoRAWeight]]:
   """An adapter as run-time slot weights: `{layer path: [md_core.LoRAWeight(a, b, scale, layer)]}`.
 
   A site `(…, layer, "kernel")` becomes the slot of the Dense / Conv at `…layer` (dotted path); a site of
   a scanned stack keeps its `layer` index. `scale` multiplies the file's alpha / r.
 
+  A DoRA site needs the model's `state` (its base kernels): the layer's output is `g · (x @ W + Δx)`, so
+  the slot weight carries the per-output factor `g` (`LoRAWeight.gain`, for the layer's gain slot) and
+  its `b` times `g`; peft's rule: `g = m / ||W + kΔ||` with `Δ` at the user's scale k; LyCORIS':
+  `g = k (m / (||W + Δ|| + eps) - 1) + 1` with `Δ` at the file's scale (the merged weights, run lazily).
+
   Raises:
     ValueError: a site that is not the kernel of a layer (e.g. a plain parameter kept in the reference's
-      layout), or a DoRA site: such adapters can only be merged (`md_lora.merge`, `pipe.fuse_lora`).
+      layout), a DoRA site with norms along the input axis or on a quantized kernel (merge such adapters:
+      `md_lora.merge`, `pipe.fuse_lora`), or a DoRA adapter without `state`.
   """
   out: dict[str, list[md_core.LoRAWeight]] = {}
   bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]
@@ -48,22 +57,60 @@ def to_slots(adapter: Adapter, scale: float = 1.0) -> dict[str, list[md_core.LoR
       f"LoRA slot: {bad[:5]}; merge this adapter instead (pipe.load_lora(..., fuse=True) or "
       "md_lora.merge)"
     )
+  flat = None
   if adapter.dora:
-    dora = [str(s) for s, w in adapter.weights.items() if w.magnitude is not None]
-    raise ValueError(
-      f"{adapter.source}: {len(dora)} DoRA site(s) ({dora[:3]}): DoRA rescales each adapted weight to its "
-      "magnitudes, which a run-time LoRA slot cannot hold; merge this adapter instead "
-      "(pipe.load_lora(..., fuse=True) or md_lora.merge)"
-    )
+    if state is None:
+      raise ValueError(
+        f"{adapter.source}: a DoRA adapter at run time needs the model's state (its base kernels): "
+        "to_slots(adapter, scale, state)"
+      )
+    state = nnx.state(state) if isinstance(state, nnx.Module) else state
+    flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
   for site, w in adapter.weights.items():
     path = ".".join(str(p) for p in site.path[:-1])
-    out.setdefault(path, []).append(md_core.LoRAWeight(w.down, w.up, scale * w.scale, site.layer))
+    if w.magnitude is None:
+      out.setdefault(path, []).append(md_core.LoRAWeight(w.down, w.up, scale * w.scale, site.layer))
+      continue
+    factor, gain = _dora_gain(adapter, site, w, float(scale), flat)
+    up = np.asarray(w.up, np.float32) * gain
+    out.setdefault(path, []).append(md_core.LoRAWeight(w.down, up, factor, site.layer, gain))
   return out
 
 
+def _dora_gain(
+  adapter: Adapter, site: Any, w: Any, scale: float, flat: dict
+) -> tuple[float, np.ndarray]:
+  """`(scale of Δ, per-output factor g)` of a DoRA site at run time (see `to_slots`)."""
+  m = np.asarray(w.magnitude, np.float32)
+  if m.ndim and (m.shape[-1] == 1 and m.size > 1 or any(d != 1 for d in m.shape[:-1])):
+    raise ValueError(
+      f"{adapter.source}: {str(site)!r}: DoRA norms along the layer's input axis (LyCORIS' "
+      "wd_on_out=False) rescale its inputs, which run-time slots cannot hold; merge this adapter "
+      "(pipe.load_lora(..., fuse=True) or md_lora.merge)"
+    )
+  if site.path[:-1] + ("kernel_scale",) in flat:
+    raise ValueError(
+      f"{adapter.source}: {str(site)!r} is a quantized kernel; a DoRA adapter at run time needs its float "
+      "weights: merge it before quantizing"
+    )
+  kernel = np.asarray(_value(flat[site.path]), np.float32)
+  if site.layer is not None:
+    kernel = kernel[site.layer]
+  delta = np.tensordot(np.asarray(w.down, np.float32), np.asarray(w.up, np.float32), 1)
+  axes = tuple(range(kernel.ndim - 1))
+  m = m.reshape(-1)
+  if w.dora_rule == "peft":
+    v = kernel + (scale * w.scale) * delta
+    return scale * w.scale, m / np.sqrt((v * v).sum(axes))
+  v = kernel + w.scale * delta
+  g = m / (np.sqrt((v * v).sum(axes)) + np.finfo(np.float32).eps)
+  return w.scale, scale * (g - 1.0) + 1.0
+
+
 def apply_runtime(state: Any, adapters: Sequence[tuple[Adapter, float]]) -> Any:
-  """A module state with `(adapter, scale)` pairs in its LoRA slots (all others zero); see `to_slots`."""
-  return md_core.set_lora(state, [to_slots(a, s) for a, s in adapters])
+  """A module state with `(adapter, scale)` pairs in its LoRA slots (all others zero); see `to_slots`
+  (DoRA adapters need gain slots: `md_core.add_lora_slots(..., gain=True)`)."""
+  return md_core.set_lora(state, [to_slots(a, s, state) for a, s in adapters])
 
 
 # --- the pipeline API ------------------------------------------------------------------------------------
@@ -174,17 +221,19 @@ def _has_slots(pipe: Any, component: str) -> bool:
   return bool(_slot_paths(pipe, component))
 
 
-def _ensure_slots(pipe: Any, component: str) -> None:
-  if not _has_slots(pipe, component):
+def _ensure_slots(pipe: Any, component: str, gain: bool = False) -> None:
+  """Slots on `component` (added at the first run-time load; again, with gain slots, at the first DoRA
+  one: one more compile)."""
+  if not _has_slots(pipe, component) or (gain and not md_core.lora_gains(getattr(pipe, component))):
     reg = _registry(pipe)
-    paths = pipe.add_lora_slots(reg.max_rank, component=component, targets=reg.targets)
+    paths = pipe.add_lora_slots(reg.max_rank, component=component, targets=reg.targets, gain=gain)
     reg.slots[component] = frozenset(paths)
 
 
 def _check_fits(pipe: Any, component: str, adapter: Adapter) -> None:
   """Every site of `adapter` has a slot in `component` (else: which ones, and what to do)."""
   slots = _slot_paths(pipe, component)
-  layers = to_slots(adapter)
+  layers = {".".join(str(p) for p in site.path[:-1]) for site in adapter.weights}
   missing = sorted(p for p in layers if p not in slots)
   if missing:
     raise ValueError(
@@ -206,13 +255,15 @@ def _rebuild(pipe: Any) -> None:
       if e.active and e.fused is None and component in e.adapters
     ]
     if pairs:
-      _ensure_slots(pipe, component)
+      _ensure_slots(pipe, component, gain=any(a.dora for a, _ in pairs))
       for adapter, _ in pairs:
         _check_fits(pipe, component, adapter)
     elif not _has_slots(pipe, component):
       continue
+    module, splits = pipe._splits_of(component)
+    state = splits[0].state if splits else nnx.state(module)
     try:
-      pipe.set_lora([to_slots(a, s) for a, s in pairs], component=component)
+      pipe.set_lora([to_slots(a, s, state) for a, s in pairs], component=component)
     except ValueError as e:
       raise ValueError(
         f"{e}; the adapters active at once share the slots of max_rank={md_core.lora_rank(getattr(pipe, component))}"
@@ -270,7 +321,9 @@ def load(
     reg.entries[name] = entry
     return name
   for c, adapter in adapters.items():
-    to_slots(adapter)  # every site must be a layer kernel
+    to_slots(
+      adapter, 1.0, getattr(pipe, c)
+    )  # every site must be a layer kernel (DoRA: a fitting one)
     if _has_slots(pipe, c):
       _check_fits(pipe, c, adapter)
   reg.entries[name] = entry
@@ -375,32 +428,23 @@ def _unfuse(pipe: Any, entry: _Entry) -> None:
   entry.fused = None
 
 
-def _is_dora(entry: _Entry) -> bool:
-  return any(adapter.dora for adapter in entry.adapters.values())
-
-
 def fuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
-  """`pipe.fuse_lora`: see `md_core.pipeline.Pipeline.fuse_lora`. A DoRA adapter left inactive by an
-  unfuse is fused again (and active) when named."""
+  """`pipe.fuse_lora`: see `md_core.pipeline.Pipeline.fuse_lora`."""
   reg = _registry(pipe)
   for n in _names(reg, names, "fuse_lora"):
     entry = reg.entries[n]
-    if entry.fused is None and (entry.active or (names is not None and _is_dora(entry))):
-      entry.active = True
+    if entry.active and entry.fused is None:
       _fuse(pipe, entry)
   _rebuild(pipe)
 
 
 def unfuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
-  """`pipe.unfuse_lora`: see `md_core.pipeline.Pipeline.unfuse_lora`. A DoRA adapter, which run-time slots
-  cannot hold, stays loaded but inactive (`fuse_lora(name)` merges it again)."""
+  """`pipe.unfuse_lora`: see `md_core.pipeline.Pipeline.unfuse_lora`."""
   reg = _registry(pipe)
   for n in reversed(_names(reg, names, "unfuse_lora")):
     entry = reg.entries[n]
     if entry.fused is not None:
       _unfuse(pipe, entry)
-      if _is_dora(entry):
-        entry.active = False
   _rebuild(pipe)
 
 
