@@ -8,6 +8,7 @@ PEFT, continued training) says so, and a malformed magnitude is named."""
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,7 +16,7 @@ from flax import nnx
 import md_core
 import md_lora
 import md_sd
-from md_core.testing import fixture_path
+from md_core.testing import fixture_path, load_arrays
 
 ATOL = 1e-5
 
@@ -203,3 +204,41 @@ def _expect_error(tmp_path, tensors, match):
   shapes = {("down_blocks", 0, "resnets", 0, "conv1", "kernel"): (3, 3, 8, 8)}
   with pytest.raises(md_lora.LoRAFileError, match="bad.safetensors: .*" + match):
     md_lora.load_lora(tmp_path / "bad.safetensors", key_map, shapes)
+
+
+def test_runtime_dora_on_a_scanned_stack_equals_the_merge():
+  """DoRA sites on every layer of the tiny Wan transformer's scanned stack (peft's rule, scale 0.7): the
+  gain-slotted run (per-layer gains) equals the merged model, whose rule test_merged_matches_peft checks."""
+  import md_wan
+
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / "t2v")
+  io = load_arrays(fixture_path("wan_transformer") / "t2v.npz")
+  args = tuple(jnp.asarray(io[k]) for k in ("hidden_states", "timestep", "encoder_hidden_states"))
+  kernels = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+  rng = np.random.default_rng(0)
+  weights = {}
+  for path in [p for p in kernels if p[-1] == "kernel" and "to_q" in p]:
+    layers, n_in, n_out = kernels[path].shape
+    for layer in range(layers):
+      norms = np.linalg.norm(kernels[path][layer], axis=0) * rng.uniform(0.7, 1.3, n_out)
+      down = 0.3 * rng.standard_normal((n_in, 2))
+      up = 0.3 * rng.standard_normal((2, n_out))
+      weights[md_lora.Site(path, layer)] = md_lora.LoRAWeight(
+        down.astype(np.float32),
+        up.astype(np.float32),
+        0.5,
+        norms.reshape(1, n_out).astype(np.float32),
+      )
+  adapter = md_lora.Adapter(weights, dict.fromkeys(weights, "made here"), "made here", "peft")
+  assert len(weights) == 4  # to_q of attn1 and attn2, two layers each
+
+  def run(module, state):
+    graphdef = nnx.graphdef(module)
+    return np.asarray(jax.jit(lambda s, a: nnx.merge(graphdef, s)(*a, None))(state, args))
+
+  want = run(model, md_lora.merge(nnx.state(model), [(adapter, 0.7)]))
+  assert float(np.abs(want - run(model, nnx.state(model))).max()) > 0.03
+  slotted = nnx.clone(model)
+  md_core.add_lora_slots(slotted, 4, gain=True)
+  got = run(slotted, md_lora.apply_runtime(nnx.state(slotted), [(adapter, 0.7)]))
+  chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
