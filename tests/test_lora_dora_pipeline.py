@@ -82,3 +82,22 @@ def test_dora_through_the_pipeline(tmp_path):
   assert not pipe.loras
   for p in changed:
     np.testing.assert_allclose(_kernels(pipe)[p], before[p], rtol=0, atol=1e-6)
+
+
+def test_dora_after_a_plain_lora_adds_gain_slots(tmp_path):
+  """A plain LoRA at run time first (slots without gains), then a DoRA one: the slots are added again with
+  gains, and the two together give `md_lora.merge` of both (the DoRA against the base weights, as peft
+  sums adapters)."""
+  pipe = md_sd.load_pipeline(testing.fixture_path("sd_pipeline") / "sd")
+  plain_file = testing.fixture_path("lora") / "sd_a.safetensors"
+  dora_file = tmp_path / "dora.safetensors"
+  _dora_file(dora_file, pipe)
+  key_map = md_sd.unet_key_map(pipe.unet.cfg)
+  plain = md_lora.load_lora(plain_file, key_map, pipe.unet)
+  dora = md_lora.load_lora(dora_file, key_map, pipe.unet)
+  want = _unet_out(pipe.unet, md_lora.merge(nnx.state(pipe.unet), [(plain, 1.0), (dora, 0.8)]))
+  pipe.load_lora(plain_file, name="a")
+  assert md_core.lora_rank(pipe.unet) == 64 and not md_core.lora_gains(pipe.unet)
+  pipe.load_lora(dora_file, name="d", scale=0.8)
+  assert md_core.lora_gains(pipe.unet) and pipe.loras["a"]["active"] and pipe.loras["d"]["active"]
+  np.testing.assert_allclose(_unet_out(pipe.unet), want, rtol=0, atol=1e-5)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from md_lora._adapter import Adapter
+from md_lora._adapter import Adapter, LoRAWeight, Site
 
 
 def _scales(adapters: Sequence[tuple[Adapter, float]]) -> list[float]:
@@ -74,7 +74,7 @@ def merge(
   index = {tuple(p): i for i, (p, _) in enumerate(flat)}
 
   touched: dict[tuple, Any] = {}
-  factors: list[tuple] = []
+  factors: list[tuple[Site, LoRAWeight, float]] = []  # (site, weight, the user's scale · sign)
   for (adapter, s), _ in zip(adapters, scales):
     for site, w in adapter.weights.items():
       if site.path not in index:
@@ -87,14 +87,16 @@ def merge(
           f"{adapter.source}: delta for {str(site)!r} is {got}, the weight is {want}"
         )
       touched[site.path] = value
-      factors.append(
-        (site, w.down, w.up, sign * float(s) * w.scale, w.magnitude, w.dora_rule, w.scale, s)
-      )
+      factors.append((site, w, sign * float(s)))
   if not factors:
     return model_or_state
 
   paths = tuple(touched)
-  sites = tuple((f[0].path, f[0].layer, f[5] if f[4] is not None else None) for f in factors)
+  # (path, layer, DoRA rule or None): the program's static structure.
+  sites = tuple(
+    (site.path, site.layer, w.dora_rule if w.magnitude is not None else None)
+    for site, w, _ in factors
+  )
   weights = [touched[p] for p in paths]
   shardings = [getattr(w, "sharding", None) for w in weights]
   # On a mesh the merged weights keep their shardings; on one device they stay as placed (an uncommitted
@@ -103,11 +105,11 @@ def merge(
   out_shardings = tuple(shardings) if named else None
   new = _program(paths, sites, out_shardings)(
     weights,
-    [f[1] for f in factors],
-    [f[2] for f in factors],
-    jnp.asarray([f[3] for f in factors], jnp.float32),
-    [f[4] for f in factors],
-    jnp.asarray([[f[6], f[7]] for f in factors], jnp.float32),
+    [w.down for _, w, _ in factors],
+    [w.up for _, w, _ in factors],
+    jnp.asarray([k * w.scale for _, w, k in factors], jnp.float32),  # Δ's scale, peft's rule
+    [w.magnitude for _, w, _ in factors],
+    jnp.asarray([[w.scale, k] for _, w, k in factors], jnp.float32),  # LyCORIS': file scale, user's
   )
   replaced = dict(zip(paths, new))
   merged = nnx.from_flat_state(

@@ -49,23 +49,8 @@ def to_slots(
       layout), a DoRA site with norms along the input axis or on a quantized kernel (merge such adapters:
       `md_lora.merge`, `pipe.fuse_lora`), or a DoRA adapter without `state`.
   """
+  flat = _check_runtime(adapter, state)
   out: dict[str, list[md_core.LoRAWeight]] = {}
-  bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]
-  if bad:
-    raise ValueError(
-      f"{adapter.source}: {len(bad)} adapted parameter(s) are not layer kernels and have no run-time "
-      f"LoRA slot: {bad[:5]}; merge this adapter instead (pipe.load_lora(..., fuse=True) or "
-      "md_lora.merge)"
-    )
-  flat = None
-  if adapter.dora:
-    if state is None:
-      raise ValueError(
-        f"{adapter.source}: a DoRA adapter at run time needs the model's state (its base kernels): "
-        "to_slots(adapter, scale, state)"
-      )
-    state = nnx.state(state) if isinstance(state, nnx.Module) else state
-    flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
   for site, w in adapter.weights.items():
     path = ".".join(str(p) for p in site.path[:-1])
     if w.magnitude is None:
@@ -77,22 +62,48 @@ def to_slots(
   return out
 
 
+def _check_runtime(adapter: Adapter, state: Any) -> dict | None:
+  """Raises what keeps `adapter` out of run-time slots (see `to_slots`), computing nothing; returns the
+  flat state a DoRA adapter's gains are computed from (None for a plain adapter)."""
+  bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]
+  if bad:
+    raise ValueError(
+      f"{adapter.source}: {len(bad)} adapted parameter(s) are not layer kernels and have no run-time "
+      f"LoRA slot: {bad[:5]}; merge this adapter instead (pipe.load_lora(..., fuse=True) or "
+      "md_lora.merge)"
+    )
+  if not adapter.dora:
+    return None
+  if state is None:
+    raise ValueError(
+      f"{adapter.source}: a DoRA adapter at run time needs the model's state (its base kernels): "
+      "to_slots(adapter, scale, state)"
+    )
+  state = nnx.state(state) if isinstance(state, nnx.Module) else state
+  flat = {tuple(p): v for p, v in nnx.to_flat_state(state)}
+  for site, w in adapter.weights.items():
+    if w.magnitude is None:
+      continue
+    m = np.shape(w.magnitude)
+    if any(d != 1 for d in m[:-1]) or (m and m[-1] == 1 and math.prod(m) > 1):
+      raise ValueError(
+        f"{adapter.source}: {str(site)!r}: DoRA norms along the layer's input axis (LyCORIS' "
+        "wd_on_out=False) rescale its inputs, which run-time slots cannot hold; merge this adapter "
+        "(pipe.load_lora(..., fuse=True) or md_lora.merge)"
+      )
+    if site.path[:-1] + ("kernel_scale",) in flat:
+      raise ValueError(
+        f"{adapter.source}: {str(site)!r} is a quantized kernel; a DoRA adapter at run time needs its "
+        "float weights: merge it before quantizing"
+      )
+  return flat
+
+
 def _dora_gain(
   adapter: Adapter, site: Any, w: Any, scale: float, flat: dict
 ) -> tuple[float, np.ndarray]:
   """`(scale of Δ, per-output factor g)` of a DoRA site at run time (see `to_slots`)."""
   m = np.asarray(w.magnitude, np.float32)
-  if m.ndim and (m.shape[-1] == 1 and m.size > 1 or any(d != 1 for d in m.shape[:-1])):
-    raise ValueError(
-      f"{adapter.source}: {str(site)!r}: DoRA norms along the layer's input axis (LyCORIS' "
-      "wd_on_out=False) rescale its inputs, which run-time slots cannot hold; merge this adapter "
-      "(pipe.load_lora(..., fuse=True) or md_lora.merge)"
-    )
-  if site.path[:-1] + ("kernel_scale",) in flat:
-    raise ValueError(
-      f"{adapter.source}: {str(site)!r} is a quantized kernel; a DoRA adapter at run time needs its float "
-      "weights: merge it before quantizing"
-    )
   kernel = np.asarray(_value(flat[site.path]), np.float32)
   if site.layer is not None:
     kernel = kernel[site.layer]
@@ -321,9 +332,7 @@ def load(
     reg.entries[name] = entry
     return name
   for c, adapter in adapters.items():
-    to_slots(
-      adapter, 1.0, getattr(pipe, c)
-    )  # every site must be a layer kernel (DoRA: a fitting one)
+    _check_runtime(adapter, getattr(pipe, c))  # refused before the entry is added; computes nothing
     if _has_slots(pipe, c):
       _check_fits(pipe, c, adapter)
   reg.entries[name] = entry
