@@ -206,14 +206,8 @@ def _expect_error(tmp_path, tensors, match):
     md_lora.load_lora(tmp_path / "bad.safetensors", key_map, shapes)
 
 
-def test_runtime_dora_on_a_scanned_stack_equals_the_merge():
-  """DoRA sites on every layer of the tiny Wan transformer's scanned stack (peft's rule, scale 0.7): the
-  gain-slotted run (per-layer gains) equals the merged model, whose rule test_merged_matches_peft checks."""
-  import md_wan
-
-  model = md_wan.load_transformer(fixture_path("wan_transformer") / "t2v")
-  io = load_arrays(fixture_path("wan_transformer") / "t2v.npz")
-  args = tuple(jnp.asarray(io[k]) for k in ("hidden_states", "timestep", "encoder_hidden_states"))
+def _wan_dora(model):
+  """peft-rule DoRA sites on every layer's `to_q` of the tiny Wan transformer's scanned stack."""
   kernels = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
   rng = np.random.default_rng(0)
   weights = {}
@@ -229,8 +223,24 @@ def test_runtime_dora_on_a_scanned_stack_equals_the_merge():
         0.5,
         norms.reshape(1, n_out).astype(np.float32),
       )
-  adapter = md_lora.Adapter(weights, dict.fromkeys(weights, "made here"), "made here", "peft")
   assert len(weights) == 4  # to_q of attn1 and attn2, two layers each
+  return md_lora.Adapter(weights, dict.fromkeys(weights, "made here"), "made here", "peft")
+
+
+@pytest.fixture(scope="module")
+def wan():
+  import md_wan
+
+  model = md_wan.load_transformer(fixture_path("wan_transformer") / "t2v")
+  io = load_arrays(fixture_path("wan_transformer") / "t2v.npz")
+  args = tuple(jnp.asarray(io[k]) for k in ("hidden_states", "timestep", "encoder_hidden_states"))
+  return model, args, _wan_dora(model)
+
+
+def test_runtime_dora_on_a_scanned_stack_equals_the_merge(wan):
+  """DoRA sites on every layer of the tiny Wan transformer's scanned stack (peft's rule, scale 0.7): the
+  gain-slotted run (per-layer gains) equals the merged model, whose rule test_merged_matches_peft checks."""
+  model, args, adapter = wan
 
   def run(module, state):
     graphdef = nnx.graphdef(module)
@@ -242,3 +252,43 @@ def test_runtime_dora_on_a_scanned_stack_equals_the_merge():
   md_core.add_lora_slots(slotted, 4, gain=True)
   got = run(slotted, md_lora.apply_runtime(nnx.state(slotted), [(adapter, 0.7)]))
   chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_runtime_gains_are_computed_where_the_kernels_are(wan):
+  """The gains come from one jitted program on the kernels' devices: with the stacked kernels sharded
+  over two devices along their output axis they equal the one-device gains and the NumPy rule
+  `m / ||W + kΔ||`; another scale reuses the program."""
+  model, _, adapter = wan
+  state = nnx.state(model)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "x"))
+  paths = {site.path for site in adapter.weights}
+  sharded = nnx.from_flat_state(
+    [
+      (p, v.replace(jax.device_put(v.get_value(), split)) if tuple(p) in paths else v)
+      for p, v in nnx.to_flat_state(state)
+    ]
+  )
+  assert all(
+    len(v.get_value().sharding.device_set) == 2
+    for p, v in nnx.to_flat_state(sharded)
+    if tuple(p) in paths
+  )
+  for scale in (0.7, 0.3):
+    one = md_lora.to_slots(adapter, scale, state)
+    two = md_lora.to_slots(adapter, scale, sharded)
+    kernels = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+    for site, w in adapter.weights.items():
+      path = ".".join(str(p) for p in site.path[:-1])
+      (a,) = [x for x in one[path] if x.layer == site.layer]
+      (b,) = [x for x in two[path] if x.layer == site.layer]
+      v = kernels[site.path][site.layer] + scale * w.scale * (w.down @ w.up)
+      rule = w.magnitude.reshape(-1) / np.linalg.norm(v, axis=0)
+      np.testing.assert_allclose(a.gain, rule, rtol=2e-6)
+      np.testing.assert_allclose(b.gain, a.gain, rtol=2e-6)
+      assert a.scale == b.scale == scale * w.scale
+  sites = [(site, w) for site, w in adapter.weights.items()]
+  order = tuple(dict.fromkeys(site.path for site, _ in sites))
+  spec = tuple((order.index(site.path), site.layer, w.dora_rule) for site, w in sites)
+  # Compiled once per placement of the kernels (one device, two), not per scale.
+  assert md_lora._runtime._gain_program(spec)._cache_size() == 2

@@ -13,6 +13,7 @@ weights' devices, in their dtype) and takes them out of the slots; unfusing subt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -20,11 +21,13 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import md_core
-from md_lora._adapter import Adapter
+from md_lora._adapter import Adapter, OFTWeight
 from md_lora._load import load_lora
 from md_lora._merge import _value, merge, unmerge
 
@@ -46,17 +49,19 @@ def to_slots(
 
   Raises:
     ValueError: a site that is not the kernel of a layer (e.g. a plain parameter kept in the reference's
-      layout), a DoRA site with norms along the input axis or on a quantized kernel (merge such adapters:
-      `md_lora.merge`, `pipe.fuse_lora`), or a DoRA adapter without `state`.
+      layout), an OFT / BOFT site (a rotation), a DoRA site with norms along the input axis or on a
+      quantized kernel (merge such adapters: `md_lora.merge`, `pipe.fuse_lora`), or a DoRA adapter
+      without `state`.
   """
   flat = _check_runtime(adapter, state)
+  gains = _dora_gains(adapter, float(scale), flat) if adapter.dora else {}
   out: dict[str, list[md_core.LoRAWeight]] = {}
   for site, w in adapter.weights.items():
     path = ".".join(str(p) for p in site.path[:-1])
     if w.magnitude is None:
       out.setdefault(path, []).append(md_core.LoRAWeight(w.down, w.up, scale * w.scale, site.layer))
       continue
-    factor, gain = _dora_gain(adapter, site, w, float(scale), flat)
+    factor, gain = gains[site]
     up = np.asarray(w.up, np.float32) * gain
     out.setdefault(path, []).append(md_core.LoRAWeight(w.down, up, factor, site.layer, gain))
   return out
@@ -65,6 +70,13 @@ def to_slots(
 def _check_runtime(adapter: Adapter, state: Any) -> dict | None:
   """Raises what keeps `adapter` out of run-time slots (see `to_slots`), computing nothing; returns the
   flat state a DoRA adapter's gains are computed from (None for a plain adapter)."""
+  if adapter.oft:
+    rotated = [str(site) for site, w in adapter.weights.items() if isinstance(w, OFTWeight)]
+    raise ValueError(
+      f"{adapter.source}: {len(rotated)} site(s) are LyCORIS OFT / BOFT rotations (e.g. "
+      f"{rotated[0]!r}), which run-time LoRA slots cannot hold (a rotation of the weight, not a "
+      "low-rank delta); merge it: pipe.load_lora(..., fuse=True) or md_lora.merge"
+    )
   bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]
   if bad:
     raise ValueError(
@@ -99,23 +111,54 @@ def _check_runtime(adapter: Adapter, state: Any) -> dict | None:
   return flat
 
 
-def _dora_gain(
-  adapter: Adapter, site: Any, w: Any, scale: float, flat: dict
-) -> tuple[float, np.ndarray]:
-  """`(scale of Δ, per-output factor g)` of a DoRA site at run time (see `to_slots`)."""
-  m = np.asarray(w.magnitude, np.float32)
-  kernel = np.asarray(_value(flat[site.path]), np.float32)
-  if site.layer is not None:
-    kernel = kernel[site.layer]
-  delta = np.tensordot(np.asarray(w.down, np.float32), np.asarray(w.up, np.float32), 1)
-  axes = tuple(range(kernel.ndim - 1))
-  m = m.reshape(-1)
-  if w.dora_rule == "peft":
-    v = kernel + (scale * w.scale) * delta
-    return scale * w.scale, m / np.sqrt((v * v).sum(axes))
-  v = kernel + w.scale * delta
-  g = m / (np.sqrt((v * v).sum(axes)) + np.finfo(np.float32).eps)
-  return w.scale, scale * (g - 1.0) + 1.0
+def _dora_gains(adapter: Adapter, scale: float, flat: dict) -> dict[Any, tuple[float, np.ndarray]]:
+  """`{site: (scale of Δ, per-output factor g)}` for an adapter's DoRA sites (see `to_slots`), computed
+  by one jitted program on the base kernels' devices: only the factors and the `[out]` gains travel, the
+  kernels stay where they are (sharded kernels stay sharded)."""
+  sites = [(site, w) for site, w in adapter.weights.items() if w.magnitude is not None]
+  paths = tuple(dict.fromkeys(site.path for site, _ in sites))
+  spec = tuple((paths.index(site.path), site.layer, w.dora_rule) for site, w in sites)
+  got = _gain_program(spec)(
+    [_value(flat[p]) for p in paths],
+    [w.down for _, w in sites],
+    [w.up for _, w in sites],
+    [w.magnitude for _, w in sites],
+    jnp.asarray([w.scale for _, w in sites], jnp.float32),
+    jnp.float32(scale),
+  )
+  got = jax.device_get(got)
+  return {
+    site: (scale * w.scale if w.dora_rule == "peft" else w.scale, np.asarray(g, np.float32))
+    for (site, w), g in zip(sites, got)
+  }
+
+
+@functools.lru_cache(maxsize=16)
+def _gain_program(spec: tuple):
+  """The gains program for one adapter's DoRA sites: `spec` holds each site's (kernel index, layer of a
+  scanned stack or None, rule); the user's scale is an input, so rescaling reuses the program."""
+
+  def gains(kernels, downs, ups, magnitudes, file_scales, scale):
+    out = []
+    for i, (k, layer, rule) in enumerate(spec):
+      w = kernels[k] if layer is None else kernels[k][layer]
+      w = w.astype(jnp.float32)
+      delta = jnp.tensordot(
+        downs[i].astype(jnp.float32), ups[i].astype(jnp.float32), 1,
+        precision=jax.lax.Precision.HIGHEST,
+      )  # fmt: skip
+      m = magnitudes[i].astype(jnp.float32).reshape(-1)
+      axes = tuple(range(w.ndim - 1))
+      if rule == "peft":  # Δ at the user's scale inside the norm
+        v = w + (scale * file_scales[i]) * delta
+        out.append(m / jnp.sqrt(jnp.sum(v * v, axis=axes)))
+      else:  # LyCORIS: Δ at the file's scale, the user's scale interpolates the rescaling
+        v = w + file_scales[i] * delta
+        g = m / (jnp.sqrt(jnp.sum(v * v, axis=axes)) + jnp.finfo(jnp.float32).eps)
+        out.append(scale * (g - 1.0) + 1.0)
+    return out
+
+  return jax.jit(gains)
 
 
 def apply_runtime(state: Any, adapters: Sequence[tuple[Adapter, float]]) -> Any:
