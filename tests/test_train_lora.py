@@ -364,3 +364,29 @@ def test_conv_and_linear_lora_export_round_trips(tmp_path):
   assert len(adapter.weights) == len(lora.modules)
   again = mdt.load_lora_factors(lora, mdt.split_lora(unet)[1], adapter)
   chex.assert_trees_all_close(_flat(again), _flat(params), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+  "fixture, file, match",
+  [
+    (
+      "lora_dora",
+      "unet_dora.safetensors",
+      r"a DoRA adapter; training continues plain LoRA factors",
+    ),
+    ("lora_oft", "oft.safetensors", r"an OFT adapter \(rotations\); training continues plain LoRA"),
+  ],
+)
+def test_continued_training_refuses_dora_and_oft(fixture, file, match):
+  """Continued training takes plain LoRA factors; a DoRA file (magnitudes) or an OFT file (rotations) is
+  refused by name before any factor is read."""
+  folder = fixture_path("lora_extract") / "base"
+  unet = md_sd.load_unet(folder, subfolder=None, progress=False)
+  keymap = md_sd.unet_key_map(unet.cfg)
+  adapter = md_lora.load_lora(fixture_path(fixture) / file, keymap, unet)
+  lora = mdt.add_lora(
+    unet, mdt.LoRAConfig(rank=2, alpha=2.0, targets=("to_q",)), convert_key=keymap,
+    reference_names=list(md_core.open_checkpoint(folder)),
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=match):
+    mdt.load_lora_factors(lora, mdt.split_lora(unet)[1], adapter)

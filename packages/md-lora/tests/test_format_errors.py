@@ -79,13 +79,23 @@ def test_truncated_and_unknown_files(tmp_path, model):
   with pytest.raises(md_core.SafetensorsError, match="cut.safetensors.*truncated"):
     md_lora.load_lora(tmp_path / "cut.safetensors", md_wan.convert_key, model)
 
-  oft = {"lora_unet_blocks_0_self_attn_q.oft_blocks": np.ones((4, 4), np.float32)}  # LyCORIS OFT
+  oft = {
+    "lora_unet_blocks_0_self_attn_q.oft_blocks": np.ones((4, 4), np.float32)
+  }  # LyCORIS OFT, 2-D
   md_core.save_safetensors(tmp_path / "oft.safetensors", oft)
   with pytest.raises(
     md_lora.LoRAFileError,
-    match=r"oft.safetensors: unknown LoRA format.*LyCORIS LoHa / LoKr",
+    match=r"oft.safetensors: OFT module .* has shape \(4, 4\); LyCORIS' oft_blocks are \[num, b, b\]",
   ):
     md_lora.load_lora(tmp_path / "oft.safetensors", md_wan.convert_key, model)
+
+  unknown = {"lora_unet_blocks_0_self_attn_q.glora_w1a": np.ones((4, 4), np.float32)}
+  md_core.save_safetensors(tmp_path / "unknown.safetensors", unknown)
+  with pytest.raises(
+    md_lora.LoRAFileError,
+    match=r"unknown.safetensors: unknown LoRA format.*LyCORIS LoHa / LoKr",
+  ):
+    md_lora.load_lora(tmp_path / "unknown.safetensors", md_wan.convert_key, model)
 
   mixed = tmp_path / "mixed.safetensors"
   tensors = dict(md_core.SafetensorsFile(_musubi(tmp_path / "plain.safetensors")))

@@ -1,4 +1,4 @@
-"""The canonical adapter: LoRA factors in md's layout, keyed by md parameter paths."""
+"""The canonical adapter: LoRA factors (or OFT rotations) in md's layout, keyed by md parameter paths."""
 
 from __future__ import annotations
 
@@ -58,11 +58,48 @@ class LoRAWeight(NamedTuple):
     return np.float32(self.scale) * np.tensordot(down, up, 1)
 
 
+class OFTWeight(NamedTuple):
+  """An orthogonal fine-tuning site (LyCORIS OFT / BOFT): the adapted weight rotated along its output axis,
+  `W' = rescale · R W` in torch's layout `(out, in, …)`; in md's layout (`(in, out)`, `(*k, in, out)`) the
+  rotation acts on the kernel's last axis. Not a low-rank delta: only `md_lora.merge` applies it.
+
+  `R` comes from the blocks as LyCORIS makes it: each block's skew part `Q = B - Bᵀ`, scaled onto the
+  Frobenius-norm bound `constraint` when all blocks' `Q` together exceed it, gives the Cayley rotation
+  `(I + Q)(I - Q)⁻¹`; a user scale k takes each block (each stage's) to `k·R + (1 - k)·I`, and `rescale`
+  multiplies the rotated weight whatever k is (LyCORIS' `get_merged_weight(multiplier=k)`).
+  Diagonal OFT (`butterfly=False`, blocks `[1, num, b, b]`): the output axis split into `num` groups of `b`,
+  group n mapped by block nᵀ (LyCORIS' `"k n m, k n ... -> k m ..."`). BOFT (`butterfly=True`, blocks
+  `[stages, num, b, b]`): stage i gathers outputs `2^i · b/2` apart into blocks of `b` (the butterfly),
+  applies block n to its group, and scatters them back; the stages apply in order.
+  """
+
+  blocks: Any  # [stages, num, b, b] as the file stores them (diagonal OFT: stages = 1)
+  constraint: float  # bound on the norm of the skew matrices (LyCORIS: alpha · out); <= 0: none
+  rescale: Any = None  # [out] factors on the rotated weight, or None
+  butterfly: bool = False  # BOFT (True) or diagonal OFT (False)
+
+  @property
+  def size(self) -> int:
+    """The output size the blocks tile (`num · b`)."""
+    shape = np.shape(self.blocks)
+    return int(shape[1] * shape[2])
+
+  def __getattr__(self, name: str) -> Any:
+    if name in LoRAWeight._fields or name in ("rank", "delta"):
+      raise AttributeError(
+        f"an OFT / BOFT site (OFTWeight) rotates the weight and has no LoRA {name!r}: it is not a "
+        "low-rank delta (not for run-time slots, save_peft or LoRA training); merge it with "
+        "md_lora.merge or pipe.load_lora(..., fuse=True)"
+      )
+    raise AttributeError(f"'OFTWeight' object has no attribute {name!r}")
+
+
 class Adapter(NamedTuple):
   """One LoRA file read for one model.
 
   Attributes:
-    weights: `{Site: LoRAWeight}` for every adapted md parameter (per layer for stacked ones).
+    weights: `{Site: LoRAWeight or OFTWeight}` for every adapted md parameter (per layer for stacked
+      ones); an `OFTWeight` is a LyCORIS OFT / BOFT rotation (merge only).
     names: `{Site: reference module name}` it came from (`down_blocks.0.attentions.0.proj_in`).
     source: the file read (or a description, e.g. "extracted").
     format: the file format: "peft" (diffusers / PEFT `lora_A` / `lora_B`) or "kohya" (`lora_down` /
@@ -70,22 +107,31 @@ class Adapter(NamedTuple):
     skipped: file keys the caller allowed to stay unmatched (`allow_unmatched`).
   """
 
-  weights: dict[Site, LoRAWeight]
+  weights: dict[Site, LoRAWeight | OFTWeight]
   names: dict[Site, str]
   source: str
   format: str
   skipped: tuple[str, ...] = ()
 
   def __repr__(self) -> str:
-    ranks = sorted({w.rank for w in self.weights.values()})
-    dora = sum(w.magnitude is not None for w in self.weights.values())
+    lora = [w for w in self.weights.values() if isinstance(w, LoRAWeight)]
+    ranks = sorted({w.rank for w in lora})
+    dora = sum(w.magnitude is not None for w in lora)
+    oft = len(self.weights) - len(lora)
     return (
       f"Adapter({self.source!r}, format={self.format!r}, {len(self.weights)} sites, ranks {ranks}"
-      f"{f', {dora} DoRA' if dora else ''}, {len(self.skipped)} skipped)"
+      f"{f', {dora} DoRA' if dora else ''}{f', {oft} OFT' if oft else ''}, "
+      f"{len(self.skipped)} skipped)"
     )
 
   @property
   def dora(self) -> bool:
     """Whether any site is a DoRA one (a `magnitude`): its run-time slots need gain slots, and it cannot be
     unmerged."""
-    return any(w.magnitude is not None for w in self.weights.values())
+    return any(isinstance(w, LoRAWeight) and w.magnitude is not None for w in self.weights.values())
+
+  @property
+  def oft(self) -> bool:
+    """Whether any site is an OFT / BOFT rotation (`OFTWeight`): the adapter can only be merged (no
+    run-time slots, no PEFT file, no LoRA training); `unmerge` takes the rotation back exactly."""
+    return any(isinstance(w, OFTWeight) for w in self.weights.values())

@@ -23,7 +23,9 @@ LyCORIS LoHa (`.hada_w1_a` …) and LoKr (`.lokr_w1`, `.lokr_w2_a` …) modules,
 read as exact LoRAs of rank r1·r2, on linear layers and convolutions (Tucker cores `hada_t1` / `hada_t2` /
 `lokr_t2` too); LoCon's Tucker core `lora_mid` is folded into `lora_down` (an exact LoRA of the same rank).
 DoRA norms (peft's `lora_magnitude_vector`, LyCORIS' `dora_scale`) come with their module as its magnitude
-(`LoRAWeight.magnitude`).
+(`LoRAWeight.magnitude`). LyCORIS' OFT (`.oft_blocks` [num, b, b]) and BOFT (`.oft_blocks` [stages, num, b, b]),
+with `.alpha` (the constraint) and an optional `.rescale`, are read as rotations (`RawOFT`, then
+`OFTWeight`); other OFT tensors (PEFT's `oft_R`, `boft_R`…) are named and refused.
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
@@ -101,6 +103,10 @@ _LOKR_SLOTS = (
   "lokr_t1",
   "lokr_t2",
 )
+# LyCORIS OFT / BOFT: blocks of a rotation of the weight's output axis (`oft_blocks`: diagonal OFT [num, b, b],
+# BOFT [stages, num, b, b]), a per-output `rescale` [out, 1, ...]; the module's `.alpha` is the constraint.
+_OFT = re.compile(r"(?P<module>.+)\.(?P<slot>oft_blocks|rescale)")
+_OFT_SLOTS = ("oft_blocks", "rescale")
 _XLABS = re.compile(
   r"(?:diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.\w+\.(down|up)\.weight"
 )
@@ -235,6 +241,17 @@ class RawLoRA(NamedTuple):
   dora_rule: str = "peft"
 
 
+class RawOFT(NamedTuple):
+  """One LyCORIS OFT / BOFT module as stored, checked (see `md_lora.OFTWeight` for the math)."""
+
+  module: str
+  blocks: np.ndarray  # [stages, num, b, b] (diagonal OFT: stages = 1)
+  alpha: float  # LyCORIS' constraint per output: the norm bound is alpha · num · b (<= 0: none)
+  rescale: np.ndarray | None  # [out] or None
+  butterfly: bool
+  keys: tuple[str, ...]
+
+
 class RawDelta(NamedTuple):
   """A full (not low-rank) delta on one tensor, as lightx2v's `diff` / `diff_b` keys hold them."""
 
@@ -274,15 +291,14 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   """
   if any(_XLABS.fullmatch(k) for k in keys):
     return "xlabs"
-  comfy = (_FACTORS["comfyui"], _DIFF, _LOHA, _LOKR)
+  comfy = (_FACTORS["comfyui"], _DIFF, _LOHA, _LOKR, _OFT)
   factors = [k for k in keys if any(p.fullmatch(k) for p in comfy)]
   if factors and sum(k.startswith(COMFY_PREFIXES[:2]) for k in factors) * 2 > len(factors):
     return "comfyui"
   if any(_PEFT_FACTOR.fullmatch(k) for k in keys):
     return "peft"
   if any(
-    (_KOHYA_FACTOR.fullmatch(k) or _LOHA.fullmatch(k) or _LOKR.fullmatch(k))
-    and k.startswith("lora_")
+    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT)) and k.startswith("lora_")
     for k in keys
   ):
     return "kohya"
@@ -290,7 +306,7 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   raise LoRAFileError(
     f"{where}: unknown LoRA format: no `lora_A`/`lora_B` (diffusers / PEFT), `lora_down`/`lora_up` "
     f"(kohya), `diffusion_model.` (ComfyUI) or `processor.*_lora` (XLabs) keys among {len(keys)} "
-    f"tensors (first: {shown}); md reads {FORMATS} and LyCORIS LoHa / LoKr"
+    f"tensors (first: {shown}); md reads {FORMATS} and LyCORIS LoHa / LoKr / OFT / BOFT"
   )
 
 
@@ -364,7 +380,7 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
   m = _ALPHA.fullmatch(key)
   if m:
     return m["module"], "alpha"
-  for lycoris in (_LOHA, _LOKR):
+  for lycoris in (_LOHA, _LOKR, _OFT):
     m = lycoris.fullmatch(key)
     if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
       return m["module"], m["slot"]
@@ -408,11 +424,12 @@ def read_modules(
   prefix: str | None,
   config: Any = None,
   default_alpha: float | None = None,
-) -> tuple[list[RawLoRA], list[RawDelta], list[tuple[str, str]], list[str], bool]:
+) -> tuple[list[RawLoRA], list[RawDelta], list[RawOFT], list[tuple[str, str]], list[str], bool]:
   """Groups a file's keys into modules of the chosen component.
 
   Returns:
-    (modules, deltas, leftovers, others, rslora): `deltas` are full `diff` / `diff_b` deltas;
+    (modules, deltas, rotations, leftovers, others, rslora): `deltas` are full `diff` / `diff_b` deltas;
+    `rotations` LyCORIS OFT / BOFT modules;
     `leftovers` are `(key, why)` for keys that are no factor of this component; `others` keys of the
     pipeline's other components (`COMPONENTS`); `rslora`: scales are alpha / sqrt(r).
     A problem with a module (rank mismatch, a bad or missing alpha) raises LoRAFileError.
@@ -424,12 +441,15 @@ def read_modules(
   for key in tensors:
     found = _split_key(key, fmt)
     if found is None:
-      lycoris = re.search(r"\.(dora_scale|lora_magnitude_vector|oft_\w+|boft_\w+)", key)
-      why = (
-        f"is a LyCORIS / DoRA / OFT tensor ({lycoris[1]}), which md does not read yet"
-        if lycoris
-        else f"is no tensor of a {fmt} LoRA"
-      )
+      lycoris = re.search(r"\.(dora_scale|lora_magnitude_vector|(?:oft|boft)_\w+)", key)
+      why = f"is no tensor of a {fmt} LoRA"
+      if lycoris:
+        why = f"is a LyCORIS / DoRA / OFT tensor ({lycoris[1]}), which md does not read yet"
+      if lycoris and "oft_" in lycoris[1]:  # PEFT's OFT / BOFT (`oft_R`, `boft_R`), older LyCORIS…
+        why += (
+          f" in a {fmt} file (md reads LyCORIS' OFT / BOFT: `.oft_blocks` / `.alpha` / `.rescale`, "
+          "kohya or ComfyUI names)"
+        )
       leftovers.append((key, why))
       continue
     module, slot = found
@@ -446,6 +466,7 @@ def read_modules(
   some_alpha = any("alpha" in found for found in parts.values())
   modules: list[RawLoRA] = []
   deltas: list[RawDelta] = []
+  rotations: list[RawOFT] = []
   others: list[str] = []
   names = {"a": "lora_A", "b": "lora_B"} if fmt in ("peft", "comfyui") else {}
   if fmt == "kohya":
@@ -467,6 +488,9 @@ def read_modules(
     for slot, kind in (("diff", "weight"), ("diff_b", "bias")):
       if slot in found:
         deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
+    if set(_OFT_SLOTS) & set(found):
+      rotations.append(_oft(path, module, name, found, tensors))
+      continue
     if (set(_LOHA_SLOTS) | {"hada_t1", "hada_t2"}) & set(found):
       raw = _loha(path, module, name, found, tensors, default_alpha, some_alpha)
       modules.append(_with_dora_scale(path, module, found, tensors, raw))
@@ -526,7 +550,7 @@ def read_modules(
       )  # peft's conv norms are [1, out, 1, 1]
     raw = RawLoRA(name, np.asarray(a), np.asarray(b), alpha, keys, bias, magnitude)
     modules.append(_with_dora_scale(path, module, found, tensors, raw))
-  return modules, deltas, leftovers, others, rslora
+  return modules, deltas, rotations, leftovers, others, rslora
 
 
 def _with_dora_scale(
@@ -734,3 +758,60 @@ def _lokr(
   b = np.kron(u1, u2)  # [o1·o2, r1·r2]
   a = np.kron(v1, v2)  # [r1·r2, i1·i2·k…]
   return RawLoRA(name, a, b, scale * a.shape[0], tuple(found.values()))
+
+
+def _oft(
+  path: pathlib.Path,
+  module: str,
+  name: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+) -> RawOFT:
+  """A LyCORIS OFT / BOFT module, its shapes checked: diagonal OFT `oft_blocks` [num, b, b], BOFT
+  [stages, num, b, b] (b even, each stage's butterfly span `2^i · b` tiling the output: num divisible by
+  `2^(stages-1)`), `alpha` one number, `rescale` one factor per output [num·b, 1, ...]."""
+  extra = sorted(set(found) - {*_OFT_SLOTS, "alpha"})
+  if extra:
+    keys = ", ".join(repr(found[k]) for k in extra)
+    raise LoRAFileError(
+      f"{path}: OFT module {module!r} also has {keys}; an OFT module holds only oft_blocks, alpha "
+      "and rescale"
+    )
+  if "oft_blocks" not in found:
+    raise LoRAFileError(f"{path}: OFT module {module!r} has {found['rescale']!r} but no oft_blocks")
+  key = found["oft_blocks"]
+  blocks = np.asarray(tensors[key])
+  shape = blocks.shape
+  what = f"{path}: OFT module {module!r}: {key!r} has shape {shape}"
+  if blocks.ndim not in (3, 4) or shape[-1] != shape[-2] or 0 in shape:
+    raise LoRAFileError(
+      f"{what}; LyCORIS' oft_blocks are [num, b, b] (diagonal OFT) or [stages, num, b, b] (BOFT)"
+    )
+  butterfly = blocks.ndim == 4
+  if butterfly:
+    stages, num, b = shape[0], shape[1], shape[2]
+    if b % 2 or num % 2 ** (stages - 1):
+      raise LoRAFileError(
+        f"{what}; BOFT blocks are [stages, num, b, b] with b even and num divisible by "
+        f"2^(stages - 1) = {2 ** (stages - 1)} (stage i mixes outputs 2^i·b/2 apart)"
+      )
+  else:
+    blocks = blocks[None]
+  if "alpha" not in found:
+    raise LoRAFileError(
+      f"{path}: OFT module {module!r} has no {module + '.alpha'!r} (LyCORIS writes its constraint "
+      "there, 0 for none)"
+    )
+  alpha = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}")
+  out = blocks.shape[1] * blocks.shape[2]
+  rescale = None
+  if "rescale" in found:
+    rescale = np.asarray(tensors[found["rescale"]])
+    if rescale.size != out or any(d != 1 for d in rescale.shape[1:]):
+      raise LoRAFileError(
+        f"{path}: OFT module {module!r}: {found['rescale']!r} has shape {rescale.shape}; a rescale "
+        f"holds one factor per output [{out}, 1, ...] ({key!r} {shape} tiles {out} outputs)"
+      )
+    rescale = rescale.reshape(out)
+  keys = (key, *(k for k in found.values() if k != key))  # the blocks' key names the module
+  return RawOFT(name, blocks, alpha, rescale, butterfly, keys)

@@ -15,12 +15,13 @@ from flax import nnx
 
 import md_core
 from md_core import KeyMap, Target, path_str
-from md_lora._adapter import Adapter, LoRAWeight, Site
+from md_lora._adapter import Adapter, LoRAWeight, OFTWeight, Site
 from md_lora._formats import (
   FORMATS,
   LoRAFileError,
   RawDelta,
   RawLoRA,
+  RawOFT,
   detect_format,
   read_modules,
 )
@@ -155,12 +156,17 @@ def _covers(pieces: Sequence[tuple[str, Any]], rows: int) -> bool:
 
 
 def _translate(
-  modules: list[RawLoRA], deltas: list[RawDelta], paths: Sequence[tuple], layout: str | None
-) -> tuple[list[RawLoRA], list[RawDelta], list[tuple[str, str]]]:
-  """Module names of `layout` → diffusers names, a fused module split into its parts' rows."""
+  modules: list[RawLoRA],
+  deltas: list[RawDelta],
+  rotations: list[RawOFT],
+  paths: Sequence[tuple],
+  layout: str | None,
+) -> tuple[list[RawLoRA], list[RawDelta], list[RawOFT], list[tuple[str, str]]]:
+  """Module names of `layout` → diffusers names, a fused module split into its parts' rows (an OFT
+  rotation, which mixes the rows of its whole module, only renamed)."""
   move = translator(layout, paths)
   if move is None:
-    return modules, deltas, []
+    return modules, deltas, rotations, []
   features = {m.module: m.a.shape[1] for m in modules}
   unknown: list[tuple[str, str]] = []
   why = f"is no module md knows in the {layout} layout"
@@ -206,7 +212,23 @@ def _translate(
         out_deltas.append(d._replace(module=name))
       elif len(rows):
         out_deltas.append(d._replace(module=name, delta=d.delta[rows]))
-  return out_modules, out_deltas, unknown
+  out_rotations = []
+  for rot in rotations:
+    out = rot.blocks.shape[1] * rot.blocks.shape[2]
+    pieces = move(rot.module, out, 0)
+    if pieces is None:
+      unknown.append((rot.keys[0], why + f" ({rot.module!r})"))
+    elif len(pieces) != 1 or pieces[0][1] is not None:
+      parts = ", ".join(name for name, _ in pieces)
+      unknown.append(
+        (
+          rot.keys[0],
+          f"is an OFT rotation of fused {rot.module!r}, which md does not split ({parts})",
+        )
+      )
+    else:
+      out_rotations.append(rot._replace(module=pieces[0][0]))
+  return out_modules, out_deltas, out_rotations, unknown
 
 
 def _nearest(module: str, paths: Sequence[str]) -> str:
@@ -273,33 +295,42 @@ def load_lora(
   if format is not None and format not in FORMATS:
     raise LoRAFileError(f"{path}: format={format!r}; md reads {FORMATS}")
   fmt = format or detect_format(keys, str(path))
-  modules, deltas, leftovers, others, rslora = read_modules(
+  modules, deltas, rotations, leftovers, others, rslora = read_modules(
     tensors, metadata, path, fmt, prefix, config, default_alpha
   )
   shapes = param_shapes(params_or_model)
   known = [path_str(p) for p in shapes]
   source_names = [m.module for m in modules] + [d.module for d in deltas]
-  source_ids = {m.keys[0] for m in modules} | {d.key for d in deltas}
+  source_names += [r.module for r in rotations]
+  source_ids = (
+    {m.keys[0] for m in modules} | {d.key for d in deltas} | {r.keys[0] for r in rotations}
+  )
   layout = detect_layout(source_names)
-  modules, deltas, untranslated = _translate(modules, deltas, list(shapes), layout)
+  modules, deltas, rotations, untranslated = _translate(
+    modules, deltas, rotations, list(shapes), layout
+  )
   leftovers += untranslated
 
-  weights: dict[Site, LoRAWeight] = {}
+  weights: dict[Site, LoRAWeight | OFTWeight] = {}
   names: dict[Site, str] = {}
   unmatched: list[tuple[tuple[str, ...], str, str]] = []  # (keys, module, why)
   misshaped: list[str] = []
   bad_ids = {k for k, _ in untranslated}  # the first key of each source module with a problem
 
-  def place(site: Site, weight: LoRAWeight, module: str, key: str, what: str) -> None:
+  def place(site: Site, weight: LoRAWeight | OFTWeight, module: str, key: str, what: str) -> None:
     shape = shapes[site.path]
     want = shape[1:] if site.layer is not None else shape
-    got = tuple(np.shape(weight.down)[:-1]) + tuple(np.shape(weight.up)[1:])
+    if isinstance(weight, OFTWeight):
+      got, want = weight.size, want[-1] if want else None
+      problem = f"{what} of {module!r} rotate {got} outputs, the model's {str(site)!r} is {shape} "
+      problem += f"({want} outputs)"
+    else:
+      got = tuple(np.shape(weight.down)[:-1]) + tuple(np.shape(weight.up)[1:])
+      problem = f"the delta of {module!r} ({what}) is {got} in md's layout, the model's "
+      problem += f"{str(site)!r} is {want}"
     if got != want:
       bad_ids.add(key)
-      misshaped.append(
-        f"{path}: {key!r}: the delta of {module!r} ({what}) is {got} in md's layout, the model's "
-        f"{str(site)!r} is {want}"
-      )
+      misshaped.append(f"{path}: {key!r}: {problem}")
     elif site in weights:
       raise LoRAFileError(f"{path}: {module!r} and {names[site]!r} both adapt {str(site)!r}")
     else:
@@ -347,6 +378,22 @@ def load_lora(
         site = Site(tuple(target.path), target.layer)
         down, up = delta_factors(mod.bias, target)
         place(site, LoRAWeight(down, up, scale), mod.module, bias_key, f"bias {mod.bias.shape}")
+  for rot in rotations:
+    kind = "BOFT" if rot.butterfly else "OFT"
+    what = f"{kind} blocks {rot.blocks.shape[1:] if not rot.butterfly else rot.blocks.shape}"
+    for target in targets_of(rot.module + ".weight", rot.keys, rot.module):
+      site = Site(tuple(target.path), target.layer)
+      if target.split is not None or target.layout == "identity":
+        bad_ids.add(rot.keys[0])
+        how = "part of a fused tensor" if target.split is not None else "kept in torch's layout"
+        misshaped.append(
+          f"{path}: {rot.keys[0]!r}: {kind} module {rot.module!r} cannot follow {str(site)!r} ({how}: "
+          "md rotates a whole kernel's last axis only)"
+        )
+        continue
+      out = rot.blocks.shape[1] * rot.blocks.shape[2]
+      weight = OFTWeight(rot.blocks, rot.alpha * out, rot.rescale, rot.butterfly)
+      place(site, weight, rot.module, rot.keys[0], what)
   for d in deltas:
     for target in targets_of(f"{d.module}.{d.kind}", (d.key,), d.module):
       site = Site(tuple(target.path), target.layer)
@@ -402,11 +449,21 @@ def lora_report(adapter: Adapter) -> str:
   """Every adapted md site with the file module it came from, its rank and scale; then the skipped keys.
 
   One line per site: `blocks/attn1/to_q/kernel[3]  <- blocks.3.attn1.to_q  r=4 scale=2` (a DoRA site adds
-  `dora=peft` or `dora=lycoris`).
+  `dora=peft` or `dora=lycoris`; an OFT site reads `oft blocks=4x2` or `boft stages=2 blocks=2x4`, its
+  norm bound and `rescale`).
   """
   lines = [repr(adapter)]
   for site in sorted(adapter.weights, key=str):
     w = adapter.weights[site]
+    if isinstance(w, OFTWeight):
+      stages, num, b = np.shape(w.blocks)[:3]
+      kind = f"boft stages={stages}" if w.butterfly else "oft"
+      bound = f" constraint={w.constraint:g}" if w.constraint > 0 else ""
+      rescale = " rescale" if w.rescale is not None else ""
+      lines.append(
+        f"  {str(site)}  <- {adapter.names[site]}  {kind} blocks={num}x{b}{bound}{rescale}"
+      )
+      continue
     dora = "" if w.magnitude is None else f" dora={w.dora_rule}"
     lines.append(f"  {str(site)}  <- {adapter.names[site]}  r={w.rank} scale={w.scale:g}{dora}")
   lines += [f"  skipped: {k}" for k in adapter.skipped]

@@ -1,19 +1,23 @@
 """Merging adapters into a model's weights: `W + s · scale · tensordot(down, up)`, on the weights' devices (DoRA
-sites: `m / ||W + Δ|| · (W + Δ)`, each against the base weight)."""
+sites: `m / ||W + Δ|| · (W + Δ)`; OFT / BOFT sites: `rescale · R W`; each against the base weight)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import numbers
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from md_lora._adapter import Adapter, LoRAWeight, Site
+from md_lora._adapter import Adapter, LoRAWeight, OFTWeight, Site
+
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _scales(adapters: Sequence[tuple[Adapter, float]]) -> list[float]:
@@ -44,11 +48,14 @@ def merge(
   A DoRA site (`LoRAWeight.magnitude`) adds `m / ||W + Δ|| · (W + Δ) - W` with `Δ` its scaled low-rank
   delta and `W` the weight before this call, as peft runs several adapters side by side; the scale
   multiplies `Δ` inside the norm (peft's `scale_layer`), so scale 0 still rescales `W` to `m`.
+  An OFT / BOFT site (`OFTWeight`) adds `rescale · R_k W - W`, its rotation taken toward the identity
+  by the scale k as LyCORIS' `get_merged_weight(multiplier=k)` does (see `OFTWeight`).
 
   Args:
     model_or_state: an NNX module, or its `nnx.State`.
     adapters: `(Adapter, scale)` pairs, e.g. `[(style, 0.8), (detail, 0.5)]`.
-    sign: -1 removes them again (see `unmerge`).
+    sign: -1 removes them again (see `unmerge`): OFT rotations are inverted after the other
+      adapters' deltas are taken off.
 
   Returns:
     A new module (for a module) or state (for a state) with the merged weights.
@@ -56,7 +63,8 @@ def merge(
   Raises:
     TypeError: a pair that is not `(Adapter, number)`.
     ValueError: an adapter site the model does not have, or of another shape; `sign=-1` (`unmerge`) with
-      a DoRA adapter (its rescaling cannot be taken back from the merged weight: keep the input).
+      a DoRA adapter (its rescaling cannot be taken back from the merged weight: keep the input), with
+      two OFT rotations of one weight in one call, or with an OFT `rescale` holding a zero.
   """
   scales = _scales(adapters)
   if sign != 1.0:
@@ -66,6 +74,7 @@ def merge(
           f"{adapter.source}: a DoRA adapter cannot be unmerged (its renormalisation of each weight is "
           "not a delta that subtracts); merge returns a new model and leaves the input as it was: keep that"
         )
+    _check_unmerge_oft(adapters)
   graphdef = None
   state = model_or_state
   if isinstance(model_or_state, nnx.Module):
@@ -81,22 +90,29 @@ def merge(
         raise ValueError(f"{adapter.source}: {str(site)!r} is not a parameter of this model")
       value = _value(flat[index[site.path]][1])
       want = tuple(value.shape[1:] if site.layer is not None else value.shape)
-      got = tuple(w.down.shape[:-1]) + tuple(w.up.shape[1:])
-      if got != want:
-        raise ValueError(
-          f"{adapter.source}: delta for {str(site)!r} is {got}, the weight is {want}"
-        )
+      if isinstance(w, OFTWeight):
+        rescale = None if w.rescale is None else np.shape(w.rescale)
+        if not want or w.size != want[-1] or rescale not in (None, (w.size,)):
+          raise ValueError(
+            f"{adapter.source}: the OFT blocks {np.shape(w.blocks)} for {str(site)!r} rotate "
+            f"{w.size} outputs (rescale {rescale}), the weight is {want}"
+          )
+      else:
+        got = tuple(w.down.shape[:-1]) + tuple(w.up.shape[1:])
+        if got != want:
+          raise ValueError(
+            f"{adapter.source}: delta for {str(site)!r} is {got}, the weight is {want}"
+          )
       touched[site.path] = value
       factors.append((site, w, sign * float(s)))
   if not factors:
     return model_or_state
 
   paths = tuple(touched)
-  # (path, layer, DoRA rule or None): the program's static structure.
-  sites = tuple(
-    (site.path, site.layer, w.dora_rule if w.magnitude is not None else None)
-    for site, w, _ in factors
-  )
+  # (path, layer, kind): the program's static structure; kind None (LoRA), a DoRA rule ("peft" /
+  # "lycoris"), or ("oft" | "boft", inverted) for a rotation.
+  sites = tuple((site.path, site.layer, _kind(w, sign)) for site, w, _ in factors)
+  lora = [isinstance(w, LoRAWeight) for _, w, _ in factors]
   weights = [touched[p] for p in paths]
   shardings = [getattr(w, "sharding", None) for w in weights]
   # On a mesh the merged weights keep their shardings; on one device they stay as placed (an uncommitted
@@ -105,11 +121,23 @@ def merge(
   out_shardings = tuple(shardings) if named else None
   new = _program(paths, sites, out_shardings)(
     weights,
-    [w.down for _, w, _ in factors],
-    [w.up for _, w, _ in factors],
-    jnp.asarray([k * w.scale for _, w, k in factors], jnp.float32),  # Δ's scale, peft's rule
-    [w.magnitude for _, w, _ in factors],
-    jnp.asarray([[w.scale, k] for _, w, k in factors], jnp.float32),  # LyCORIS': file scale, user's
+    [w.down if is_lora else None for (_, w, _), is_lora in zip(factors, lora)],
+    [w.up if is_lora else None for (_, w, _), is_lora in zip(factors, lora)],
+    # Δ's scale (peft's rule); 0 for a rotation
+    jnp.asarray(
+      [k * w.scale if is_lora else 0.0 for (_, w, k), is_lora in zip(factors, lora)], jnp.float32
+    ),
+    [w.magnitude if is_lora else None for (_, w, _), is_lora in zip(factors, lora)],
+    # LyCORIS' DoRA: (file scale, user's); a rotation: (norm bound, the user's scale without the sign)
+    jnp.asarray(
+      [
+        [w.scale, k] if is_lora else [w.constraint, k * sign]
+        for (_, w, k), is_lora in zip(factors, lora)
+      ],
+      jnp.float32,
+    ),
+    [None if is_lora else w.blocks for (_, w, _), is_lora in zip(factors, lora)],
+    [None if is_lora else w.rescale for (_, w, _), is_lora in zip(factors, lora)],
   )
   replaced = dict(zip(paths, new))
   merged = nnx.from_flat_state(
@@ -118,14 +146,81 @@ def merge(
   return merged if graphdef is None else nnx.merge(graphdef, merged)
 
 
+def _kind(w: LoRAWeight | OFTWeight, sign: float) -> Any:
+  if isinstance(w, OFTWeight):
+    return ("boft" if w.butterfly else "oft", sign < 0)
+  return w.dora_rule if w.magnitude is not None else None
+
+
+def _check_unmerge_oft(adapters: Sequence[tuple[Adapter, float]]) -> None:
+  """What keeps an unmerge from taking OFT rotations back exactly: two on one weight in one call (merged
+  together, each rotated the same base weight: their sum is no rotation to invert), a zero rescale."""
+  rotated = Counter(
+    site
+    for adapter, _ in adapters
+    for site, w in adapter.weights.items()
+    if isinstance(w, OFTWeight)
+  )
+  twice = [str(site) for site, n in rotated.items() if n > 1]
+  if twice:
+    raise ValueError(
+      f"unmerge: {len(twice)} weight(s) carry OFT rotations of several of these adapters, e.g. "
+      f"{twice[0]!r}; unmerge them one call per adapter, in the reverse order of their merges (or keep "
+      "the model merge was given)"
+    )
+  for adapter, _ in adapters:
+    for site, w in adapter.weights.items():
+      if isinstance(w, OFTWeight) and w.rescale is not None and not np.all(np.asarray(w.rescale)):
+        raise ValueError(
+          f"{adapter.source}: {str(site)!r}: its OFT rescale holds a zero, which merging cannot take "
+          "back; keep the model merge was given"
+        )
+
+
+def _rotations(blocks: jax.Array, bound: jax.Array, scale: jax.Array) -> jax.Array:
+  """`k·R + (1 - k)·I` for every block `[stages, num, b, b]`: `R = (I + Q)(I - Q)⁻¹` with `Q = B - Bᵀ`,
+  scaled onto the norm bound (over all blocks) where it exceeds a positive one."""
+  blocks = blocks.astype(jnp.float32)
+  eye = jnp.broadcast_to(jnp.eye(blocks.shape[-1], dtype=jnp.float32), blocks.shape)
+  q = blocks - jnp.swapaxes(blocks, -1, -2)
+  norm = jnp.sqrt(jnp.sum(q * q)) + 1e-8
+  q = jnp.where((bound > 0) & (norm > bound), q * (bound / norm), q)
+  # (I + Q) and (I - Q)⁻¹ commute: R = (I - Q)⁻¹ (I + Q), one solve per block.
+  r = jnp.linalg.solve(eye - q, eye + q)
+  return scale * r + (1.0 - scale) * eye
+
+
+def _rotate(w: jax.Array, mats: jax.Array, butterfly: bool, inverse: bool) -> jax.Array:
+  """`w` (md layout, outputs last) with every stage's blocks `mats` `[stages, num, b, b]` applied to its
+  outputs (see `OFTWeight`); `inverse`: the stages in reverse order (`mats` then hold the inverses)."""
+  *lead, out = w.shape
+  stages, num, b, _ = mats.shape
+  if not butterfly:  # output group n times block n: torch's `"k n m, k n ... -> k m ..."`
+    x = jnp.einsum("...kn,knm->...km", w.reshape(*lead, num, b), mats[0], precision=_HIGHEST)
+    return x.reshape(w.shape)
+  order = range(stages - 1, -1, -1) if inverse else range(stages)
+  for i in order:
+    span = 2**i * (b // 2)  # stage i pairs outputs `span` apart into blocks of b
+    x = w.reshape(*lead, out // (2 * span), 2, span)
+    x = jnp.swapaxes(x, -1, -2).reshape(*lead, num, b)
+    x = jnp.einsum("...nj,nij->...ni", x, mats[i], precision=_HIGHEST)
+    x = jnp.swapaxes(x.reshape(*lead, out // (2 * span), span, 2), -1, -2)
+    w = x.reshape(*lead, out)
+  return w
+
+
 @functools.lru_cache(maxsize=16)
 def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
   """The merge program for one set of sites (cached: fusing, unfusing and other scales reuse it)."""
 
-  def apply(weights, downs, ups, mults, magnitudes, scales):
+  def apply(weights, downs, ups, mults, magnitudes, scales, blocks, rescales):
     base = {p: weights[i].astype(jnp.float32) for i, p in enumerate(paths)}
     acc = dict(base)
+    rotations = []
     for i, ((path, layer, rule), d, u) in enumerate(zip(sites, downs, ups)):
+      if isinstance(rule, tuple):  # OFT / BOFT: below, after every delta
+        rotations.append(i)
+        continue
       product = jnp.tensordot(
         d.astype(jnp.float32), u.astype(jnp.float32), 1, precision=jax.lax.Precision.HIGHEST
       )
@@ -143,11 +238,34 @@ def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
           g = m / (norm + jnp.finfo(jnp.float32).eps)
           delta = v * (user_scale * (g - 1.0) + 1.0) - w
       acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
+    for i in rotations:
+      path, layer, (kind, inverse) = sites[i]
+      mats = _rotations(blocks[i], scales[i, 0], scales[i, 1])
+      rescale = rescales[i]
+      if rescale is not None:  # [out] against the weight's last axis
+        ndim = base[path].ndim - (layer is not None)
+        rescale = rescale.astype(jnp.float32).reshape((1,) * (ndim - 1) + (-1,))
+      if not inverse:  # rescale · R W, against the weight before this call
+        w = base[path] if layer is None else base[path][layer]
+        rotated = _rotate(w, mats, kind == "boft", False)
+        delta = (rotated if rescale is None else rotated * rescale) - w
+        acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
+        continue
+      # unmerge: W = R⁻¹ (W' / rescale), W' the weight with the other adapters' deltas taken off
+      w = acc[path] if layer is None else acc[path][layer]
+      w = w if rescale is None else w / rescale
+      w = _rotate(w, jnp.linalg.inv(mats), kind == "boft", True)
+      acc[path] = w if layer is None else acc[path].at[layer].set(w)
     return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
 
   return jax.jit(apply, out_shardings=None if out_shardings is None else list(out_shardings))
 
 
 def unmerge(model_or_state: Any, adapters: Sequence[tuple[Adapter, float]]) -> Any:
-  """Subtracts what `merge` added (exact in float32; low-precision weights keep a rounding residue)."""
+  """Subtracts what `merge` added (exact in float32; low-precision weights keep a rounding residue).
+
+  OFT / BOFT rotations are inverted (`R⁻¹ (W' / rescale)`, after the other adapters' deltas are taken
+  off), up to float32 rounding; one rotation per weight and call (unmerge several adapters that rotate
+  the same weight one call each, in the reverse order of their merges). DoRA adapters are refused.
+  """
   return merge(model_or_state, adapters, sign=-1.0)

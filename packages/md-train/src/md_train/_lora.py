@@ -337,6 +337,10 @@ def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
     raise ValueError(
       f"{adapter.source}: a DoRA adapter; training continues plain LoRA factors only (no magnitudes)"
     )
+  if getattr(adapter, "oft", False):
+    raise ValueError(
+      f"{adapter.source}: an OFT adapter (rotations); training continues plain LoRA factors only"
+    )
   by_site = {(tuple(s.path[:-1]), s.layer): w for s, w in adapter.weights.items()}
   want = {(tuple(_path_parts(p)), layer): m for m, (p, layer) in lora.modules.items()}
   missing = sorted(m for k, m in want.items() if k not in by_site)
