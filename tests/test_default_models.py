@@ -28,15 +28,15 @@ def pipe():
 
 
 # The regression floor: every other prompt of `quality_prompts()` (8 held-out and 8 trained colour x shape
-# pairs), seed 0, 10 steps, guidance 3. Measured on the shipped model (2026-12-06, the 3.3 M-parameter
-# transformer, batch 8 x 8000 steps, 2-core CPU): colour 16/16, background 16/16, direction 16/16, shape
-# 11/16 (6 held-out, 5 trained). Colour and background floors are one miss under the measurement per
-# group; direction is held over all 16 prompts two misses under (14), shape one miss under (10). The
-# 0.95 M-parameter model before it scored 14 directions and 9 shapes, the 2026-12-05 model 6 and 2
-# (models/shapes-wan/README.md).
+# pairs), seed 0, 10 steps, guidance 3. Measured on the shipped model (2026-12-07, the 3.3 M-parameter
+# transformer, seed 2, batch 8 x 8000 steps, the whole recipe on a 2-core Xeon): colour 16/16, background
+# 16/16, direction 15/16, shape 13/16 (7 held-out, 6 trained). Colour and background floors are one miss
+# under the measurement per group; direction and shape are held over all 16 prompts one miss under (14,
+# 12). The model before it (2026-12-06) scored 16 directions and 11 shapes, the 0.95 M-parameter one 14
+# and 9, the 2026-12-05 model 6 and 2 (models/shapes-wan/README.md).
 FLOOR = {"held_out": dict(colour=7, background=7), "train": dict(colour=7, background=7)}
 DIRECTION_FLOOR = 14
-SHAPE_FLOOR = 10
+SHAPE_FLOOR = 12
 
 
 def test_quality_regression_floor(pipe):
@@ -56,9 +56,10 @@ def test_quality_regression_floor(pipe):
 
 # Random search (md_serve.search, shapes verifier: colour, shape, direction and background) on one prompt
 # per held-out pair, 10 steps, guidance 3, budget 8; the first candidate is the seed-0 sample.
-# Measured on the shipped model (2026-12-03, 2-core CPU): per prompt 0.5 0.5 0.25 0.5 0.25 for the
-# seed-0 samples (mean 0.40), 0.75 1.0 0.5 1.0 1.0 for the best of 8 (mean 0.85). The floor keeps about
-# half of that gain, for other CPUs' numerics. The 2026-12-04 model passes it too (`-m slow`, 43 s).
+# Measured on the 2026-12-03 model (2-core CPU): per prompt 0.5 0.5 0.25 0.5 0.25 for the seed-0 samples
+# (mean 0.40), 0.75 1.0 0.5 1.0 1.0 for the best of 8 (mean 0.85). The floor keeps about half of that
+# gain, for other CPUs' numerics, or the ceiling where the seed-0 samples leave less room: the shipped
+# model (2026-12-07) scores 1.0 1.0 1.0 1.0 0.75 at seed 0 (mean 0.95) and 1.0 for every best of 8.
 SEARCH_GAIN = 0.25
 
 
@@ -76,7 +77,7 @@ def test_search_beats_the_seed_0_sample_on_held_out_pairs(pipe):
   eight = [float(r.scores[0]) for r in found]
   assert all(r.samples == 8 and r.history[0][0] == 10 for r in found)
   assert all(e >= o for e, o in zip(eight, one)), (one, eight)
-  assert np.mean(eight) >= np.mean(one) + SEARCH_GAIN, (one, eight)
+  assert np.mean(eight) >= min(np.mean(one) + SEARCH_GAIN, 1.0), (one, eight)
   # The result is what the verifier said of it: the sample scores the same when scored again.
   again = md_serve.ShapesVerifier().score(np.stack([r.images[0] for r in found]), list(prompts))
   np.testing.assert_allclose(again, eight, atol=1e-6)
