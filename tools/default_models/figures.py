@@ -3,7 +3,7 @@
 uv run python tools/default_models/figures.py runs/shapes-wan-vae-still runs/shapes-wan models/shapes-wan
 
 A stage may be given as a PNG panel instead of its run folder (e.g. models/shapes-wan/loss-vae.png, the
-shipped VAE stage's curve, whose run folder only exists where that stage was trained); it is pasted as is.
+2026-12-03 VAE stage's curve, whose run folder only existed where that stage was trained); it is pasted as is.
 
 Writes models/shapes-wan/loss.png (each stage's training loss against its step, log scale) and
 models/shapes-wan/samples.png (one row per prompt: the 9 frames of a 20-step, guidance-3 video, seed 0).
