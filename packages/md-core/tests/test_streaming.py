@@ -169,10 +169,83 @@ def test_blocked_permute_equals_numpy_transpose(monkeypatch, shape, perm, dtype)
   transpose and cast: linear, conv2d (OIHW -> HWIO) and conv3d layouts, and the identity."""
   src = np.random.default_rng(0).normal(size=shape).astype(np.float32)
   monkeypatch.setattr(_stream, "_BLOCK_BYTES", 2 * src[0].nbytes + 1)
+  monkeypatch.setattr(_stream, "_MIN_ROWS", 2)
   dst = _stream._aligned_empty(tuple(shape[i] for i in perm), np.dtype(dtype))
   _stream._copy_permuted(dst, src, perm)
   np.testing.assert_array_equal(dst, np.transpose(src, perm).astype(dtype))
   assert dst.ctypes.data % _stream._ALIGN == 0
+
+
+def _awkward_float32(shape) -> np.ndarray:
+  """Random float32 values with the cases a bfloat16 rounding can get wrong: ties to even (both ways),
+  the largest finite values (which round to infinity), infinities, signed zeros, subnormals, NaNs whose
+  payload sits only in the low 16 bits (a rounding bias added to them reaches the exponent)."""
+  rng = np.random.default_rng(1)
+  bits = rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32)
+  flat = bits.reshape(-1)
+  special = np.array(
+    [
+      0x3F808000,  # tie, even below: rounds down
+      0x3F818000,  # tie, odd below: rounds up
+      0x7F7FFFFF,  # float32 max: rounds to inf
+      0xFF7FFFFF,
+      0x7F800000,  # +inf
+      0xFF800000,
+      0x00000000,
+      0x80000000,
+      0x00000001,  # smallest subnormal
+      0x807FFFFF,
+      0x7F800001,  # NaN, payload in the low bits only
+      0xFFC00000,
+    ],
+    np.uint32,
+  )
+  flat[: special.size] = special
+  return bits.view(np.float32)
+
+
+@pytest.mark.parametrize(
+  ("shape", "perm"), [((37, 11), (1, 0)), ((9, 5, 3, 3), (2, 3, 1, 0)), ((13, 6), (0, 1))]
+)
+@pytest.mark.parametrize("nan", [True, False])
+@pytest.mark.parametrize("file_backed", [True, False])
+def test_float32_to_bfloat16_rounding_matches_ml_dtypes_bit_for_bit(
+  tmp_path, monkeypatch, shape, perm, nan, file_backed
+):
+  """The host path's integer rounding of float32 to bfloat16 (to nearest even) gives the bits of NumPy's
+  cast to ml_dtypes' bfloat16 for every value, tiles of 2-3 rows included; a block holding a NaN takes
+  the plain cast, the other blocks the rounding, and the source is never written (memory-mapped file
+  read with `preadv`, or an array in memory)."""
+  src = _awkward_float32(shape)
+  if not nan:
+    src[np.isnan(src)] = 1.5
+  if file_backed:
+    src.tofile(tmp_path / "w.bin")
+    src = np.memmap(tmp_path / "w.bin", np.float32, "r", shape=shape)
+  before = np.array(src)
+  monkeypatch.setattr(_stream, "_BLOCK_BYTES", 2 * src[0].nbytes + 1)
+  monkeypatch.setattr(_stream, "_MIN_ROWS", 2)
+  dst = _stream._aligned_empty(tuple(shape[i] for i in perm), np.dtype(ml_dtypes.bfloat16))
+  _stream._copy_permuted(dst, src, perm)
+  with np.errstate(invalid="ignore", over="ignore"):
+    want = np.transpose(before, perm).astype(ml_dtypes.bfloat16)
+  np.testing.assert_array_equal(dst.view(np.uint16), want.view(np.uint16))
+  np.testing.assert_array_equal(np.asarray(src).view(np.uint32), before.view(np.uint32))
+  assert (_stream._bfloat16_bits(np.array(before)) is None) == nan
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_threaded_permute_splits_rows_exactly(tmp_path, workers, dtype):
+  """A large single tensor on a CPU device is copied by several threads, each a range of its leading rows
+  (a conv kernel OIHW -> HWIO here): the result is NumPy's whole transpose and cast."""
+  shape, perm = (41, 7, 3, 3), (2, 3, 1, 0)
+  src = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+  src.tofile(tmp_path / "w.bin")
+  mapped = np.memmap(tmp_path / "w.bin", np.float32, "r", shape=shape)
+  dst = _stream._aligned_empty(tuple(shape[i] for i in perm), np.dtype(dtype))
+  _stream._copy_permuted_threaded(dst, mapped, perm, workers)
+  np.testing.assert_array_equal(dst, np.transpose(src, perm).astype(dtype))
 
 
 def _rss_anon() -> int:

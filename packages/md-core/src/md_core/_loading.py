@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -161,7 +164,8 @@ def load_weights(
     from md_core import progress as _progress
 
     items = _progress.track(items, desc=f"loading {type(model).__name__}")
-  for path, var in items:
+
+  def value_of(path, var):
     abstract = variable_value(var)
     shape = tuple(abstract.shape)
     pieces = plan.get(path)
@@ -170,18 +174,36 @@ def load_weights(
       out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32)
       value = fill_missing(path, shape, out_dtype) if fill_missing else np.zeros(shape, out_dtype)
       value = np.asarray(value).astype(out_dtype, copy=False)
-      value = jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
-    else:
-      ordered = sorted(pieces, key=lambda p: p[1].layer or 0)
-      # Memory-mapped views: each device reads only its slice of each tensor (see _stream).
-      arrays = [(np.asarray(checkpoint[k]), t) for k, t in ordered]
-      stored = np.result_type(*(a.dtype for a, _ in arrays))
-      out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32, stored)
-      if pieces[0][1].layer is not None:
-        value = _stream.place_stacked(shape, arrays, out_dtype, sharding)
+      return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+    ordered = sorted(pieces, key=lambda p: p[1].layer or 0)
+    # Memory-mapped views: each device reads only its slice of each tensor (see _stream).
+    arrays = [(np.asarray(checkpoint[k]), t) for k, t in ordered]
+    stored = np.result_type(*(a.dtype for a, _ in arrays))
+    out_dtype = target_dtype(path, abstract.dtype, dtype, keep_f32, stored)
+    if pieces[0][1].layer is not None:
+      return _stream.place_stacked(shape, arrays, out_dtype, sharding)
+    return _stream.place_tensor(*arrays[0], out_dtype, sharding)
+
+  def small(path, var) -> bool:
+    """A single tensor the host converts whole (no device program, no host copy beyond the placed
+    buffer), so several can be converted at once without holding more memory."""
+    pieces = plan.get(path)
+    if not pieces or len(pieces) != 1 or pieces[0][1].layer is not None:
+      return False
+    return math.prod(variable_value(var).shape) * 4 <= _stream.HOST_BYTES
+
+  # NumPy's copies release the GIL: the many small tensors convert on a thread per core, the large ones
+  # (threaded inside `_stream`) and the stacked ones one at a time.
+  workers = min(os.cpu_count() or 1, 8)
+  pending = []
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for path, var in items:
+      if workers > 1 and small(path, var):
+        pending.append((var, pool.submit(value_of, path, var)))
       else:
-        value = _stream.place_tensor(*arrays[0], out_dtype, sharding)
-    set_variable_value(var, value)
+        set_variable_value(var, value_of(path, var))
+    for var, future in pending:
+      set_variable_value(var, future.result())
   loaded = nnx.merge(graphdef, state)
   if return_report:
     return loaded, LoadReport(loaded=len(plan), unused=tuple(unused), missing=tuple(missing))

@@ -36,6 +36,7 @@ Sharding = jax.sharding.Sharding | None
 HOST_BYTES = 16 * 2**20
 _ALIGN = mmap.PAGESIZE
 _BLOCK_BYTES = 256 * 2**10
+_MIN_ROWS = 64
 _HOST_THREADS = 8
 
 
@@ -94,13 +95,16 @@ def _on_host_device(sharding: Sharding) -> bool:
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   """An uninitialised host array in its own anonymous mapping: page-aligned, so jax's CPU client takes it
-  without a copy, and on huge pages where the kernel allows (fewer page faults while it is filled)."""
+  without a copy.
+
+  No `MADV_HUGEPAGE`: with the common THP setting `defrag=madvise` it makes every fault of the mapping
+  compact memory for a 2 MiB page synchronously; on a 2-core VM touching 2.8 GB took 1.6-6.8 s with it
+  against 0.9-1.3 s without, and the Wan 2.1 1.3B bfloat16 load fell from 6.9-7.8 s to 4.3-4.4 s
+  (bench/README.md). Where THP is `always` the kernel still gives huge pages."""
   nbytes = int(np.prod(shape)) * dtype.itemsize
   if nbytes == 0:
     return np.empty(shape, dtype)
   block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-  if hasattr(mmap, "MADV_HUGEPAGE"):
-    block.madvise(mmap.MADV_HUGEPAGE)
   return np.frombuffer(block, dtype=dtype).reshape(shape)
 
 
@@ -126,9 +130,9 @@ def _file_span(src: np.ndarray) -> tuple[str, int] | None:
 _reader = threading.local()
 
 
-def _read_rows(fd: int, offset: int, src: np.ndarray, start: int, stop: int) -> np.ndarray:
+def _read_rows(fd: int, offset: int, src: np.ndarray, start: int, stop: int) -> np.ndarray | None:
   """`src[start:stop]` of a file-backed `src` (starting at `offset` in `fd`), read with `preadv` into a
-  buffer this thread reuses; the mapping itself where the read comes back short."""
+  buffer this thread reuses (the caller may write into it); None where the read comes back short."""
   row = src[0].nbytes
   need = (stop - start) * row
   buf = getattr(_reader, "buf", None)
@@ -136,22 +140,62 @@ def _read_rows(fd: int, offset: int, src: np.ndarray, start: int, stop: int) -> 
     buf = _reader.buf = np.empty(max(need, _BLOCK_BYTES), np.uint8)
   out = buf[:need]
   if os.preadv(fd, [memoryview(out)], offset + start * row) != need:
-    return src[start:stop]
+    return None
   return out.view(src.dtype).reshape((stop - start, *src.shape[1:]))
 
 
+_BFLOAT16 = np.dtype(jnp.bfloat16)
+
+
+def _bfloat16_bits(rows: np.ndarray) -> np.ndarray | None:
+  """float32 `rows` (a buffer the caller owns; overwritten) rounded to bfloat16, to nearest even, as a
+  strided bfloat16 view of their upper halves: the rounding in three vectorised integer passes, where
+  NumPy's cast to ml_dtypes' bfloat16 converts one element at a time (0.7-1.2 GB/s against 1.1-2.3 GB/s
+  with the transpose after it). None where a NaN is present (adding the rounding bias could carry a NaN's
+  payload into the exponent and make it infinite): the caller casts those rows the plain way."""
+  if np.isnan(rows).any():
+    return None
+  bits = rows.view(np.uint32)
+  lsb = (bits >> 16) & 1
+  bits += 0x7FFF
+  bits += lsb
+  upper = 1 if np.little_endian else 0
+  return bits.view(np.uint16)[..., upper::2].view(_BFLOAT16)
+
+
 def _copy_permuted(dst: np.ndarray, src: np.ndarray, perm: tuple[int, ...]) -> None:
-  """`dst[...] = src.transpose(perm)` (cast as needed), a block of the source's leading rows at a time:
-  NumPy's whole-array strided transpose misses the cache on every element of large matrices. A source
-  that is a contiguous view of a memory-mapped file is read with `preadv` into a reused buffer instead of
-  through the mapping (0.72 against 0.49 GB/s per core: the mapping's pages fault in one by one)."""
+  """`dst[...] = src.transpose(perm)` (cast as needed) in tiles: a block of at least `_MIN_ROWS` of the
+  source's leading rows at a time, and within it slices of its second axis of at most `_BLOCK_BYTES`, so
+  each tile is transposed in cache and each destination row receives `_MIN_ROWS` or more contiguous
+  elements (NumPy's whole-array strided transpose misses the cache on every element of large matrices;
+  blocks of 7 rows of a 1536 x 8960 matrix wrote 14-28 bytes per destination row). A source that is a
+  contiguous view of a memory-mapped file is read with `preadv` into a reused buffer instead of through the
+  mapping (0.72 against 0.49 GB/s per core: the mapping's pages fault in one by one); float32 to
+  bfloat16 rounds in that buffer (`_bfloat16_bits`)."""
   if src.size == 0:
     return
   if src.ndim == 0:
     np.copyto(dst, src, casting="unsafe")
     return
   axis = perm.index(0)  # where the source's leading axis lands
-  block = max(1, _BLOCK_BYTES // src[0].nbytes)
+  identity = perm == tuple(range(src.ndim))
+  block = max(_MIN_ROWS, _BLOCK_BYTES // max(1, src[0].nbytes))
+  to_bfloat16 = src.dtype == np.float32 and dst.dtype == _BFLOAT16
+  # NaNs and values past bfloat16's range cast quietly, as XLA's cast on the devices does.
+  with np.errstate(invalid="ignore", over="ignore"):
+    _copy_blocks(dst, src, perm, axis, block, to_bfloat16, identity)
+
+
+def _copy_blocks(
+  dst: np.ndarray,
+  src: np.ndarray,
+  perm: tuple[int, ...],
+  axis: int,
+  block: int,
+  to_bfloat16: bool,
+  identity: bool,
+) -> None:
+  """`_copy_permuted`'s loop over blocks of `block` leading rows."""
   span = _file_span(src) if hasattr(os, "preadv") else None
   fd = None
   if span is not None:
@@ -162,12 +206,44 @@ def _copy_permuted(dst: np.ndarray, src: np.ndarray, perm: tuple[int, ...]) -> N
   try:
     for start in range(0, src.shape[0], block):
       stop = min(start + block, src.shape[0])
-      rows = src[start:stop] if fd is None else _read_rows(fd, span[1], src, start, stop)
-      where = (slice(None),) * axis + (slice(start, stop),)
-      np.copyto(dst[where], np.transpose(rows, perm), casting="unsafe")
+      rows = None if fd is None else _read_rows(fd, span[1], src, start, stop)
+      if rows is None:
+        rows = src[start:stop]
+        if to_bfloat16:
+          rows = np.array(rows, order="C")  # the rounding writes into its own copy
+      if to_bfloat16 and (bits := _bfloat16_bits(rows)) is not None:
+        rows = bits
+      where = [slice(None)] * src.ndim
+      where[axis] = slice(start, stop)
+      if identity or src.ndim == 1:
+        np.copyto(dst[tuple(where)], rows, casting="unsafe")
+        continue
+      inner = rows[:, :1].nbytes  # bytes of one index of the second axis, over the block's rows
+      width = max(1, _BLOCK_BYTES // max(1, inner))
+      second = perm.index(1)  # where the source's second axis lands
+      for lo in range(0, src.shape[1], width):
+        where[second] = slice(lo, lo + width)
+        np.copyto(dst[tuple(where)], np.transpose(rows[:, lo : lo + width], perm), casting="unsafe")
   finally:
     if fd is not None:
       os.close(fd)
+
+
+def _copy_permuted_threaded(
+  dst: np.ndarray, src: np.ndarray, perm: tuple[int, ...], workers: int
+) -> None:
+  """`_copy_permuted` with the source's leading rows split into `workers` ranges copied on as many threads
+  (NumPy's copies and `preadv` release the GIL; the ranges land in disjoint slices of `dst`)."""
+  axis = perm.index(0)
+  bounds = np.linspace(0, src.shape[0], workers + 1).astype(int)
+
+  def part(i):
+    where = [slice(None)] * src.ndim
+    where[axis] = slice(bounds[i], bounds[i + 1])
+    _copy_permuted(dst[tuple(where)], src[bounds[i] : bounds[i + 1]], perm)
+
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    list(pool.map(part, range(workers)))
 
 
 def _put(view: np.ndarray, dtype: np.dtype, sharding: Sharding) -> jax.Array:
@@ -224,12 +300,17 @@ def place_tensor(
   """One reference tensor → the parameter `target` names: split, permuted, cast to `dtype`, placed."""
   view = source_view(array, target)
   perm = _permutation(target, view.ndim)
-  # (On one CPU device a large single tensor still goes through the device program: XLA's permute and
-  # cast use every core and beat NumPy's, 5.6 s against 11.0 s for the SD 1.5 UNet; bench/README.md.)
-  if view.size * max(view.dtype.itemsize, np.dtype(dtype).itemsize) <= HOST_BYTES:
+  nbytes = view.size * max(view.dtype.itemsize, np.dtype(dtype).itemsize)
+  # On one CPU device a large tensor is copied on the host too, its leading rows split over a thread per
+  # core (the tiled copy beats XLA's permute and cast there; bench/README.md, 2026-12-07).
+  if nbytes <= HOST_BYTES or _on_host_device(sharding):
     shape = tuple(view.shape[i] for i in perm)
     value = _aligned_empty(shape, np.dtype(dtype))
-    _copy_permuted(value, view, perm)
+    workers = min(os.cpu_count() or 1, _HOST_THREADS, view.shape[0] if view.ndim else 1)
+    if workers > 1 and nbytes > HOST_BYTES:
+      _copy_permuted_threaded(value, view, perm, workers)
+    else:
+      _copy_permuted(value, view, perm)
     return _place_host(value, sharding)
   raw = _put(view, _device_dtype(view.dtype, dtype), _source_sharding(sharding, perm))
   return _converter(perm, np.dtype(dtype), sharding)(raw).block_until_ready()
