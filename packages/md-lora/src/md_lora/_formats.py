@@ -10,8 +10,9 @@ Four formats, told apart by their key names (`format=` forces one):
   kohya:   `lora_unet_<module with _ for .>.lora_down.weight` / `.lora_up.weight` / `.alpha` (kohya-ss
            sd-scripts, A1111, musubi-tuner): UNet names in diffusers' tree or SGM's (`input_blocks_4_1_…`,
            kohya's SDXL files), text encoders `lora_te_` / `lora_te1_` / `lora_te2_`, Flux in BFL names,
-           Wan in its original names. A module without `.alpha` in a file whose other modules have one is
-           an error (`default_alpha=` assumes one); a file without any alpha gets alpha = r, as sd-scripts.
+           Wan in its original names; LyCORIS' own wrapper writes the same names under `lycoris_`. A
+           module without `.alpha` in a file whose other modules have one is an error (`default_alpha=`
+           assumes one); a file without any alpha gets alpha = r, as sd-scripts.
   comfyui: `diffusion_model.<module>.lora_A|lora_down.weight` / `lora_B|lora_up.weight` / `.alpha`, names as
            the model's original code has them (BFL Flux, Wan: also lightx2v's distillation LoRAs, LTX-2),
            plus full deltas `<module>.diff` (weight) and `<module>.diff_b` (bias), not scaled; alpha = r where
@@ -45,7 +46,9 @@ FORMATS = ("peft", "kohya", "comfyui", "xlabs")
 
 # The component prefixes a file may carry; with `prefix=None` the one most keys start with is used.
 PEFT_PREFIXES = ("unet.", "transformer.", "base_model.model.", "diffusion_model.", "")
-KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
+# `lycoris_`: LyCORIS' own network wrapper (`create_lycoris` / `LycorisNetwork.save_weights`) names the wrapped
+# model's modules as kohya does, under its own prefix.
+KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_", "lycoris_")
 COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.", "")
 # Components of a pipeline a file may hold beside the one read: their keys are skipped, not errors.
 COMPONENTS = (
@@ -298,7 +301,8 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   if any(_PEFT_FACTOR.fullmatch(k) for k in keys):
     return "peft"
   if any(
-    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT)) and k.startswith("lora_")
+    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT))
+    and k.startswith(("lora_", "lycoris_"))
     for k in keys
   ):
     return "kohya"
