@@ -1,0 +1,52 @@
+"""Flux.1 LoRAs through the whole pipeline against diffusers' `FluxPipeline.load_lora_weights`
+(tests/fixtures/lora_flux_pipeline, tools/fixtures/lora_flux_pipeline.py): the tiny dev-like pipeline with one
+file, two files with their own scales, and one file fused; md at run time (one compiled denoiser for every
+case) and fused. The denoiser parity against diffusers is in tests/test_lora_families.py."""
+
+import numpy as np
+import pytest
+
+import md_flux
+from md_core import testing
+
+PROMPTS = ["a photo of a cat", "an astronaut riding a horse on the moon"]
+COMMON = dict(
+  height=32, width=48, num_inference_steps=3, guidance_scale=3.5, max_sequence_length=8,
+  progress=False,
+)  # fmt: skip
+ATOL = 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:prompt . is .* tokens long")
+def test_flux_pipeline_loras_match_diffusers():
+  pipe = md_flux.load_pipeline(testing.fixture_path("flux_pipeline") / "dev")
+  root = testing.fixture_path("lora_flux")
+  want = testing.load_cases(testing.fixture_path("lora_flux_pipeline") / "outputs.npz")
+
+  def err(case):
+    got = np.asarray(pipe(PROMPTS, latents=want[case]["latents"], **COMMON))
+    assert got.shape == want[case]["images"].shape, got.shape
+    return float(np.abs(got - want[case]["images"]).max())
+
+  errors = {"base": err("base")}
+  pipe.load_lora(root / "flux_a.safetensors", name="a", max_rank=8)
+  pipe.load_lora(root / "flux_b.safetensors", name="b")
+  pipe.set_adapters({"a": 1.0})
+  errors["one runtime"] = err("one")
+  pipe.set_adapters({"a": 0.7, "b": 1.3})
+  errors["two runtime"] = err("two")
+  pipe.fuse_lora()
+  errors["two fused"] = err("two")
+  pipe.unfuse_lora()
+  errors["two after unfuse"] = err("two")
+  pipe.set_adapters({"a": 0.8})
+  errors["fused-at-0.8 as runtime"] = err("fused")
+  pipe.fuse_lora("a")
+  errors["fused at 0.8"] = err("fused")
+  pipe.unfuse_lora()
+  pipe.unload_lora()
+  errors["base after unload"] = err("base")
+  print({k: f"{v:.1e}" for k, v in errors.items()})
+  assert max(errors.values()) < ATOL, errors
+  for case in ("one", "two", "fused"):  # the LoRAs matter
+    assert np.abs(want[case]["images"] - want["base"]["images"]).max() > 0.05, case
