@@ -6,6 +6,7 @@ tests/test_lora_families.py."""
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import md_flux
 from md_core import testing
@@ -18,6 +19,16 @@ TEXT = dict(
   text_encoder_out_layers=(1, 2, 3), progress=False,
 )  # fmt: skip
 ATOL = 1e-3
+
+
+def _weights(pipe) -> dict:
+  """The transformer's parameters other than LoRA slots, as host arrays."""
+  flat = nnx.to_flat_state(nnx.state(pipe.transformer))
+  return {
+    tuple(k): np.array(v.get_value())
+    for k, v in flat
+    if k[-1] not in ("lora_a", "lora_b", "lora_gain")
+  }
 
 
 @pytest.mark.filterwarnings("ignore:prompt . is .* tokens long")
@@ -33,9 +44,12 @@ def test_klein_pipeline_loras_match_diffusers():
     return float(np.abs(got - want[case]["images"]).max())
 
   edit = dict(prompt=PROMPTS[1], image=REFS, num_images_per_prompt=2, height=None, width=None)
-  errors = {"base": err("base")}
+  before = _weights(pipe)
+  errors = {}
   pipe.load_lora(root / "flux2_a.safetensors", name="a", max_rank=8)
   pipe.load_lora(root / "flux2_b.safetensors", name="b")
+  pipe.set_adapters({})  # the slots in place, all scales 0: the same program as every case
+  errors["base"] = err("base")
   pipe.set_adapters({"a": 1.0})
   errors["one runtime"] = err("one")
   errors["edit runtime"] = err("edit", **edit)
@@ -50,7 +64,9 @@ def test_klein_pipeline_loras_match_diffusers():
   errors["fused at 0.8"] = err("fused")
   pipe.unfuse_lora()
   pipe.unload_lora()
-  errors["base after unload"] = err("base")
+  after = _weights(pipe)
+  unload = max(float(np.abs(after[k] - before[k]).max()) for k in before)
+  assert unload < 1e-6, f"unload_lora leaves the weights {unload:.1e} off"
   print({k: f"{v:.1e}" for k, v in errors.items()})
   assert max(errors.values()) < ATOL, errors
   for case in ("one", "two", "fused"):  # the LoRAs matter
