@@ -40,3 +40,44 @@ def test_stacked_layers_match_separate_blocks_and_carry_layers_axis():
 def test_unknown_remat_policy():
   with pytest.raises(ValueError, match=r"unknown remat policy 'most'; expected one of \('none'"):
     md_core.remat(lambda x: x, "most")
+
+
+class _Stacked(nnx.Module):
+  """A stacked Dense, a norm and a table drawn straight from the rngs (as md's modulation tables are)."""
+
+  def __init__(self, rngs):
+    self.blocks = md_core.stack_layers(lambda r: nn.Dense(4, 6, rngs=r), 3, rngs)
+    self.norm = nn.LayerNorm(6, rngs=rngs)
+    self.table = nnx.Param(jax.random.normal(md_core.param_key(rngs), (2, 6)))
+
+
+def _tree(module):
+  return {
+    tuple(p): (tuple(v.get_value().shape), v.get_value().dtype, md_core.logical_axes(v))
+    for p, v in nnx.to_flat_state(nnx.state(module))
+  }
+
+
+def test_shapes_only_builds_the_same_abstract_model_without_drawing_keys():
+  """Inside `shapes_only()` (md's loaders build their abstract models there) parameters take a constant key:
+  the abstract model has the same paths, shapes, dtypes and logical axes as one built by drawing from the
+  rngs, and the rngs are not advanced; outside it `param_key` is `rngs.params()`, so random inits keep
+  their values."""
+  drawn = nnx.eval_shape(lambda: _Stacked(nnx.Rngs(0)))
+  rngs = nnx.Rngs(0)
+  with md_core.shapes_only():
+    constant = nnx.eval_shape(lambda: _Stacked(rngs))
+    chex.assert_trees_all_equal(md_core.param_key(rngs), jax.random.key(0))
+  assert _tree(constant) == _tree(drawn)
+  assert int(rngs.params.count[...]) == 0  # nothing drawn
+  abstract = md_core._loading.abstract_model(lambda: _Stacked(nnx.Rngs(0)))
+  assert _tree(abstract) == _tree(drawn)
+  twin = nnx.Rngs(5)
+  chex.assert_trees_all_equal(md_core.param_key(nnx.Rngs(5)), twin.params())
+  # Outside, the draws are the rngs' own, in order: the table equals the one drawn with `rngs.params()`
+  # after the same modules.
+  real, rngs = _Stacked(nnx.Rngs(1)), nnx.Rngs(1)
+  md_core.stack_layers(lambda r: nn.Dense(4, 6, rngs=r), 3, rngs)
+  nn.LayerNorm(6, rngs=rngs)
+  chex.assert_trees_all_equal(real.table.get_value(), jax.random.normal(rngs.params(), (2, 6)))
+  assert float(jnp.abs(real.table.get_value()).max()) > 0.1

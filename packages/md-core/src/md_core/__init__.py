@@ -6,6 +6,7 @@ inputs (`md_core.images`) and progress bars (`md_core.progress`).
 """
 
 from md_core import apps, images, media, nn, pipeline, progress, quant
+from md_core._abstract import param_key, shapes_only
 from md_core._executables import ExecutableStore
 from md_core._executables import default_store as executable_store
 from md_core._executables import set_default_store as set_executable_store
@@ -100,6 +101,7 @@ __all__ = [
   "media",
   "nn",
   "open_checkpoint",
+  "param_key",
   "path_str",
   "pipeline",
   "progress",
@@ -110,6 +112,7 @@ __all__ = [
   "rule_keymap",
   "save_converted",
   "save_safetensors",
+  "shapes_only",
   "stack_layers",
   "target_shape",
   "torch_module_keymap",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from md_core._abstract import param_key
 from md_core._loading import logical_axes
 
 
@@ -20,7 +21,7 @@ def stack_layers(
   (abstract builds of 40-layer models stay fast). Every stacked parameter gets the logical axis `layers`
   in front of its own, so the loader fills it with `Target(layer=i)` and md-sharding keeps that axis whole.
   """
-  keys = jax.random.split(rngs.params(), num_layers)
+  keys = jax.random.split(param_key(rngs), num_layers)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
   stacked = nnx.merge(graphdef, jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys))
   for _, var in nnx.to_flat_state(nnx.state(stacked)):

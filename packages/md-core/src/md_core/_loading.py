@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from md_core import _keymap, _stream
+from md_core._abstract import shapes_only
 from md_core._keymap import KeyMap, Path, Target
 
 _MAX_LISTED = 25
@@ -68,7 +69,8 @@ def abstract_model(factory: Callable[[], nnx.Module] | nnx.Module) -> nnx.Module
   """`factory()` built with shapes only (`nnx.eval_shape`): no memory, no random init."""
   if isinstance(factory, nnx.Module):
     return factory
-  return nnx.eval_shape(factory)
+  with shapes_only():
+    return nnx.eval_shape(factory)
 
 
 def placement(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from md_core import quant
+from md_core._abstract import param_key
 
 Axes = tuple[str | None, ...]
 _F32 = jnp.float32
@@ -23,7 +24,7 @@ _F32 = jnp.float32
 
 def _param(rngs: nnx.Rngs | None, init, shape, dtype, axes: Axes) -> nnx.Param:
   # Under nnx.eval_shape this only records shapes; the loader replaces every value.
-  key = rngs.params() if rngs is not None else jax.random.key(0)
+  key = param_key(rngs)
   return nnx.Param(init(key, shape, dtype), logical_axes=tuple(axes))
 
 

@@ -273,7 +273,7 @@ class LTX2AdaLNSingle(nnx.Module):
 
 
 def _table(rngs: nnx.Rngs, rows: int, dim: int, scale: float) -> nnx.Param:
-  value = jax.random.normal(rngs.params(), (rows, dim), _F32) * scale
+  value = jax.random.normal(md_core.param_key(rngs), (rows, dim), _F32) * scale
   return nnx.Param(value, logical_axes=(None, "embed"))
 
 

@@ -201,7 +201,7 @@ class LTXBlock(nnx.Module):
     self.norm2 = nn.RMSNorm(dim, **norm)
     self.attn2 = LTXAttention(cfg, rngs=rngs)
     self.ff = nn.FeedForward(dim, mult=4, activation="gelu-approximate", rngs=rngs)
-    table = jax.random.normal(rngs.params(), (6, dim), _F32) / math.sqrt(dim)
+    table = jax.random.normal(md_core.param_key(rngs), (6, dim), _F32) / math.sqrt(dim)
     self.scale_shift_table = nnx.Param(table, logical_axes=(None, "embed"))
 
   def modulated_input(self, x, temb):
@@ -243,7 +243,7 @@ class LTXTransformer(nnx.Module):
     self.blocks = stack_layers(lambda r: LTXBlock(cfg, rngs=r), cfg.num_layers, rngs)
     self.norm_out = nn.LayerNorm(dim, eps=1e-6, elementwise_affine=False, rngs=rngs)
     self.proj_out = nn.Dense(dim, cfg.out_channels, axes=("embed", None), rngs=rngs)
-    table = jax.random.normal(rngs.params(), (2, dim), _F32) / math.sqrt(dim)
+    table = jax.random.normal(md_core.param_key(rngs), (2, dim), _F32) / math.sqrt(dim)
     self.scale_shift_table = nnx.Param(table, logical_axes=(None, "embed"))
 
   def _check(self, x, text, timestep, mask, num_frames, height, width, grid=True):

@@ -553,7 +553,7 @@ class CLIPVisionModel(nnx.Module):
     p = c.patch_size
     self.embeddings = nnx.Dict(
       class_embedding=nnx.Param(
-        jax.random.normal(rngs.params(), (c.hidden_size,)), logical_axes=("embed",)
+        jax.random.normal(md_core.param_key(rngs), (c.hidden_size,)), logical_axes=("embed",)
       ),
       patch_embedding=nn.Conv(
         c.num_channels,

@@ -348,7 +348,7 @@ class LTX2Connector(nnx.Module):
     self.heads, self.head_dim, self.num_layers = heads, head_dim, layers
     self.attention = attention or mda.AttentionConfig()
     if registers is not None:
-      init = jax.random.uniform(rngs.params(), (registers, width), _F32, -1.0, 1.0)
+      init = jax.random.uniform(md_core.param_key(rngs), (registers, width), _F32, -1.0, 1.0)
       self.learnable_registers = nnx.Param(init, logical_axes=(None, "embed"))
     else:
       self.learnable_registers = None

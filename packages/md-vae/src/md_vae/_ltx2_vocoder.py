@@ -250,7 +250,7 @@ class ConvTranspose1d(nnx.Module):
   def __init__(self, cin, cout, k, stride, *, rngs=None):
     self.k, self.stride, self.pad = k, stride, (k - stride) // 2
     init = jax.nn.initializers.uniform(1.0 / math.sqrt(cout * k))
-    key = rngs.params() if rngs is not None else jax.random.key(0)
+    key = md_core.param_key(rngs)
     self.kernel = nnx.Param(
       init(key, (k, cout, cin), _F32), logical_axes=(None, "conv_out", "conv_in")
     )

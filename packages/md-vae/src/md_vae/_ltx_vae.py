@@ -235,7 +235,7 @@ class ResnetBlock(nnx.Module):
     self.per_channel_scale2 = noise() if noise else None
     table = None
     if conditioned:
-      table = jax.random.normal(rngs.params() if rngs else jax.random.key(0), (4, cin), _F32)
+      table = jax.random.normal(md_core.param_key(rngs), (4, cin), _F32)
       table = nnx.Param(table / cin**0.5, logical_axes=(None, "norm"))
     self.scale_shift_table = table
 
@@ -495,7 +495,7 @@ class Decoder(nnx.Module):
     if cond:
       multiplier = nnx.Param(jnp.asarray(1000.0, _F32), logical_axes=())
       embedder = TimeEmbedder(2 * c, rngs=rngs)
-      table = jax.random.normal(rngs.params() if rngs else jax.random.key(0), (2, c), _F32)
+      table = jax.random.normal(md_core.param_key(rngs), (2, c), _F32)
       table = nnx.Param(table / c**0.5, logical_axes=(None, "norm"))
     self.timestep_scale_multiplier, self.time_embedder, self.scale_shift_table = (
       multiplier,

@@ -127,7 +127,7 @@ class WanBlock(nnx.Module):
     self.norm2 = nn.LayerNorm(dim, eps=eps, rngs=rngs) if cfg.cross_attn_norm else None
     self.ffn = nn.FeedForward(dim, inner_dim=cfg.ffn_dim, activation="gelu-approximate", rngs=rngs)
     self.norm3 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False, rngs=rngs)
-    key = rngs.params()
+    key = md_core.param_key(rngs)
     table = jax.random.normal(key, (1, 6, dim), _F32) / math.sqrt(dim)
     self.scale_shift_table = nnx.Param(table, logical_axes=(None, None, "embed"))
 
@@ -209,7 +209,7 @@ class WanTransformer(nnx.Module):
     self.norm_out = nn.LayerNorm(dim, eps=cfg.eps, elementwise_affine=False, rngs=rngs)
     out = cfg.out_channels * math.prod(cfg.patch_size)
     self.proj_out = nn.Dense(dim, out, axes=("embed", None), rngs=rngs)
-    table = jax.random.normal(rngs.params(), (1, 2, dim), _F32) / math.sqrt(dim)
+    table = jax.random.normal(md_core.param_key(rngs), (1, 2, dim), _F32) / math.sqrt(dim)
     self.scale_shift_table = nnx.Param(table, logical_axes=(None, None, "embed"))
 
   def _check(self, latents, timestep, text, image, layout):
