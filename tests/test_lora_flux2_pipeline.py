@@ -6,7 +6,6 @@ tests/test_lora_families.py."""
 
 import numpy as np
 import pytest
-from flax import nnx
 
 import md_flux
 from md_core import testing
@@ -19,16 +18,6 @@ TEXT = dict(
   text_encoder_out_layers=(1, 2, 3), progress=False,
 )  # fmt: skip
 ATOL = 1e-3
-
-
-def _weights(pipe) -> dict:
-  """The transformer's parameters other than LoRA slots, as host arrays."""
-  flat = nnx.to_flat_state(nnx.state(pipe.transformer))
-  return {
-    tuple(k): np.array(v.get_value())
-    for k, v in flat
-    if k[-1] not in ("lora_a", "lora_b", "lora_gain")
-  }
 
 
 @pytest.mark.filterwarnings("ignore:prompt . is .* tokens long")
@@ -44,7 +33,7 @@ def test_klein_pipeline_loras_match_diffusers():
     return float(np.abs(got - want[case]["images"]).max())
 
   edit = dict(prompt=PROMPTS[1], image=REFS, num_images_per_prompt=2, height=None, width=None)
-  before = _weights(pipe)
+  before = testing.base_weights(pipe.transformer)
   errors = {}
   pipe.load_lora(root / "flux2_a.safetensors", name="a", max_rank=8)
   pipe.load_lora(root / "flux2_b.safetensors", name="b")
@@ -64,7 +53,7 @@ def test_klein_pipeline_loras_match_diffusers():
   errors["fused at 0.8"] = err("fused")
   pipe.unfuse_lora()
   pipe.unload_lora()
-  after = _weights(pipe)
+  after = testing.base_weights(pipe.transformer)
   unload = max(float(np.abs(after[k] - before[k]).max()) for k in before)
   assert unload < 1e-6, f"unload_lora leaves the weights {unload:.1e} off"
   print({k: f"{v:.1e}" for k, v in errors.items()})

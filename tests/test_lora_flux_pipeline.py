@@ -5,7 +5,6 @@ case) and fused. The denoiser parity against diffusers is in tests/test_lora_fam
 
 import numpy as np
 import pytest
-from flax import nnx
 
 import md_flux
 from md_core import testing
@@ -16,16 +15,6 @@ COMMON = dict(
   progress=False,
 )  # fmt: skip
 ATOL = 1e-3
-
-
-def _weights(pipe) -> dict:
-  """The transformer's parameters other than LoRA slots, as host arrays."""
-  flat = nnx.to_flat_state(nnx.state(pipe.transformer))
-  return {
-    tuple(k): np.array(v.get_value())
-    for k, v in flat
-    if k[-1] not in ("lora_a", "lora_b", "lora_gain")
-  }
 
 
 @pytest.mark.filterwarnings("ignore:prompt . is .* tokens long")
@@ -39,7 +28,7 @@ def test_flux_pipeline_loras_match_diffusers():
     assert got.shape == want[case]["images"].shape, got.shape
     return float(np.abs(got - want[case]["images"]).max())
 
-  before = _weights(pipe)
+  before = testing.base_weights(pipe.transformer)
   errors = {}
   pipe.load_lora(root / "flux_a.safetensors", name="a", max_rank=8)
   pipe.load_lora(root / "flux_b.safetensors", name="b")
@@ -59,7 +48,7 @@ def test_flux_pipeline_loras_match_diffusers():
   errors["fused at 0.8"] = err("fused")
   pipe.unfuse_lora()
   pipe.unload_lora()
-  after = _weights(pipe)
+  after = testing.base_weights(pipe.transformer)
   unload = max(float(np.abs(after[k] - before[k]).max()) for k in before)
   assert unload < 1e-6, f"unload_lora leaves the weights {unload:.1e} off"
   print({k: f"{v:.1e}" for k, v in errors.items()})

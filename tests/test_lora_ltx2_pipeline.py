@@ -5,7 +5,6 @@ waveforms. The denoiser parity against diffusers is in tests/test_lora_families.
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from md_core import testing
 from md_ltx._ltx2_pipeline import load_ltx2_pipeline
@@ -19,16 +18,6 @@ COMMON = dict(
   progress=False,
 )  # fmt: skip
 ATOL = 1e-3
-
-
-def _weights(pipe) -> dict:
-  """The transformer's parameters other than LoRA slots, as host arrays."""
-  flat = nnx.to_flat_state(nnx.state(pipe.transformer))
-  return {
-    tuple(k): np.array(v.get_value())
-    for k, v in flat
-    if k[-1] not in ("lora_a", "lora_b", "lora_gain")
-  }
 
 
 @pytest.mark.filterwarnings("ignore:prompt .* tokens long")
@@ -45,7 +34,7 @@ def test_ltx2_pipeline_loras_match_diffusers():
     audio = float(np.abs(np.asarray(out.audio) - w["audio"]).max())
     return frames, audio
 
-  before = _weights(pipe)
+  before = testing.base_weights(pipe.transformer)
   errors = {}
   pipe.load_lora(root / "ltx2_a.safetensors", name="a", max_rank=8)
   pipe.load_lora(root / "ltx2_b.safetensors", name="b")
@@ -64,7 +53,7 @@ def test_ltx2_pipeline_loras_match_diffusers():
   errors["fused at 0.8"] = err("fused")
   pipe.unfuse_lora()
   pipe.unload_lora()
-  after = _weights(pipe)
+  after = testing.base_weights(pipe.transformer)
   unload = max(float(np.abs(after[k] - before[k]).max()) for k in before)
   assert unload < 1e-6, f"unload_lora leaves the weights {unload:.1e} off"
   print({k: f"frames {f:.1e}, audio {a:.1e}" for k, (f, a) in errors.items()})

@@ -5,7 +5,6 @@ case) and fused. The denoiser parity against diffusers is in tests/test_lora_fam
 
 import numpy as np
 import pytest
-from flax import nnx
 
 import md_ltx
 from md_core import testing
@@ -19,16 +18,6 @@ COMMON = dict(
 ATOL = 1e-3
 
 
-def _weights(pipe) -> dict:
-  """The transformer's parameters other than LoRA slots, as host arrays."""
-  flat = nnx.to_flat_state(nnx.state(pipe.transformer))
-  return {
-    tuple(k): np.array(v.get_value())
-    for k, v in flat
-    if k[-1] not in ("lora_a", "lora_b", "lora_gain")
-  }
-
-
 @pytest.mark.filterwarnings("ignore:prompt .* tokens long")
 def test_ltx_pipeline_loras_match_diffusers():
   pipe = md_ltx.load_pipeline(testing.fixture_path("ltx_pipeline") / "t2v")
@@ -40,7 +29,7 @@ def test_ltx_pipeline_loras_match_diffusers():
     assert got.shape == want[case]["frames"].shape, got.shape
     return float(np.abs(got - want[case]["frames"]).max())
 
-  before = _weights(pipe)
+  before = testing.base_weights(pipe.transformer)
   errors = {}
   pipe.load_lora(root / "ltx_a.safetensors", name="a", max_rank=8)
   pipe.load_lora(root / "ltx_b.safetensors", name="b")
@@ -59,7 +48,7 @@ def test_ltx_pipeline_loras_match_diffusers():
   errors["fused at 0.8"] = err("fused")
   pipe.unfuse_lora()
   pipe.unload_lora()
-  after = _weights(pipe)
+  after = testing.base_weights(pipe.transformer)
   unload = max(float(np.abs(after[k] - before[k]).max()) for k in before)
   assert unload < 1e-6, f"unload_lora leaves the weights {unload:.1e} off"
   print({k: f"{v:.1e}" for k, v in errors.items()})

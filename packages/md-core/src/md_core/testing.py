@@ -70,6 +70,18 @@ def load_cases(path: pathlib.Path) -> dict[str, dict[str, np.ndarray]]:
   return cases
 
 
+def base_weights(module) -> dict[tuple, np.ndarray]:
+  """A module's parameters other than LoRA slots (`lora_a` / `lora_b` / `lora_gain`) as host arrays, by path:
+  to check that unloading adapters gives the weights back."""
+  from flax import nnx
+
+  return {
+    tuple(k): np.array(v.get_value())
+    for k, v in nnx.to_flat_state(nnx.state(module))
+    if k[-1] not in ("lora_a", "lora_b", "lora_gain")
+  }
+
+
 def assert_same_step_on_devices(build, counts=(1, 2), *, rtol=1e-4, atol=1e-6) -> None:
   """For each device count n, `build(n)` makes a training recipe (an `md_train.Recipe`: `state`, `step`,
   `batches`) whose state must sit on n devices; one step from each must give the first's loss (rtol 1e-5)
