@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from md_core._abstract import param_key
+from md_core._abstract import param_key, shapes_only
 from md_core._loading import logical_axes
 
 
@@ -22,7 +22,8 @@ def stack_layers(
   in front of its own, so the loader fills it with `Target(layer=i)` and md-sharding keeps that axis whole.
   """
   keys = jax.random.split(param_key(rngs), num_layers)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+  with shapes_only():  # the graph only: no keys drawn under the abstract trace
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(nnx.Rngs(0))))
   stacked = nnx.merge(graphdef, jax.vmap(lambda key: nnx.state(make(nnx.Rngs(key))))(keys))
   for _, var in nnx.to_flat_state(nnx.state(stacked)):
     axes = logical_axes(var)
