@@ -28,29 +28,9 @@ def test_flux_pipeline_loras_match_diffusers():
     assert got.shape == want[case]["images"].shape, got.shape
     return float(np.abs(got - want[case]["images"]).max())
 
-  before = testing.base_weights(pipe.transformer)
-  errors = {}
-  pipe.load_lora(root / "flux_a.safetensors", name="a", max_rank=8)
-  pipe.load_lora(root / "flux_b.safetensors", name="b")
-  pipe.set_adapters({})  # the slots in place, all scales 0: the same program as every case
-  errors["base"] = err("base")
-  pipe.set_adapters({"a": 1.0})
-  errors["one runtime"] = err("one")
-  pipe.set_adapters({"a": 0.7, "b": 1.3})
-  errors["two runtime"] = err("two")
-  pipe.fuse_lora()
-  errors["two fused"] = err("two")
-  pipe.unfuse_lora()
-  errors["two after unfuse"] = err("two")
-  pipe.set_adapters({"a": 0.8})
-  errors["fused-at-0.8 as runtime"] = err("fused")
-  pipe.fuse_lora("a")
-  errors["fused at 0.8"] = err("fused")
-  pipe.unfuse_lora()
-  pipe.unload_lora()
-  after = testing.base_weights(pipe.transformer)
-  unload = max(float(np.abs(after[k] - before[k]).max()) for k in before)
-  assert unload < 1e-6, f"unload_lora leaves the weights {unload:.1e} off"
+  errors = testing.lora_pipeline_errors(
+    pipe, (root / "flux_a.safetensors", root / "flux_b.safetensors"), err
+  )
   print({k: f"{v:.1e}" for k, v in errors.items()})
   assert max(errors.values()) < ATOL, errors
   for case in ("one", "two", "fused"):  # the LoRAs matter

@@ -82,6 +82,40 @@ def base_weights(module) -> dict[tuple, np.ndarray]:
   }
 
 
+def lora_pipeline_errors(pipe, files, err, extra=None) -> dict:
+  """The steps of a pipeline-level LoRA parity test (the fixtures tools/fixtures/lora_*_pipeline.py write):
+  loads `files = (a, b)` as adapters "a" (slots of rank 8) and "b", then `err(case)` for "base" (slots in
+  place, every scale 0: one compiled denoiser for all cases), "one" (a at 1.0; then each
+  `extra = {label: (case, kwargs)}` as `err(case, **kwargs)`), "two" (a 0.7, b 1.3) at run time and fused,
+  and "fused" (a at 0.8) at run time and fused; unloads and checks the transformer's weights come back.
+  Returns `{step label: err's result}`."""
+  a, b = files
+  before = base_weights(pipe.transformer)
+  pipe.load_lora(a, name="a", max_rank=8)
+  pipe.load_lora(b, name="b")
+  pipe.set_adapters({})
+  errors = {"base": err("base")}
+  pipe.set_adapters({"a": 1.0})
+  errors["one runtime"] = err("one")
+  for label, (case, kwargs) in (extra or {}).items():
+    errors[label] = err(case, **kwargs)
+  pipe.set_adapters({"a": 0.7, "b": 1.3})
+  errors["two runtime"] = err("two")
+  pipe.fuse_lora()
+  errors["two fused"] = err("two")
+  pipe.unfuse_lora()
+  pipe.set_adapters({"a": 0.8})
+  errors["fused-at-0.8 as runtime"] = err("fused")
+  pipe.fuse_lora("a")
+  errors["fused at 0.8"] = err("fused")
+  pipe.unfuse_lora()
+  pipe.unload_lora()
+  after = base_weights(pipe.transformer)
+  unload = max(float(np.abs(after[k] - before[k]).max()) for k in before)
+  assert unload < 1e-6, f"unload_lora leaves the weights {unload:.1e} off"
+  return errors
+
+
 def assert_same_step_on_devices(build, counts=(1, 2), *, rtol=1e-4, atol=1e-6) -> None:
   """For each device count n, `build(n)` makes a training recipe (an `md_train.Recipe`: `state`, `step`,
   `batches`) whose state must sit on n devices; one step from each must give the first's loss (rtol 1e-5)
