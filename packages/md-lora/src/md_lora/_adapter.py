@@ -59,9 +59,10 @@ class LoRAWeight(NamedTuple):
 
 
 class OFTWeight(NamedTuple):
-  """An orthogonal fine-tuning site (LyCORIS OFT / BOFT): the adapted weight rotated along its output axis,
-  `W' = rescale · R W` in torch's layout `(out, in, …)`; in md's layout (`(in, out)`, `(*k, in, out)`) the
-  rotation acts on the kernel's last axis. Not a low-rank delta: only `md_lora.merge` applies it.
+  """An orthogonal fine-tuning site (LyCORIS OFT / BOFT, PEFT's OFT). LyCORIS' rotate the adapted weight
+  along its output axis, `W' = rescale · R W` in torch's layout `(out, in, …)`; in md's layout (`(in, out)`,
+  `(*k, in, out)`) the rotation acts on the kernel's last axis. Not a low-rank delta: only `md_lora.merge`
+  applies it.
 
   `R` comes from the blocks as LyCORIS makes it: each block's skew part `Q = B - Bᵀ`, scaled onto the
   Frobenius-norm bound `constraint` when all blocks' `Q` together exceed it, gives the Cayley rotation
@@ -71,16 +72,24 @@ class OFTWeight(NamedTuple):
   group n mapped by block nᵀ (LyCORIS' `"k n m, k n ... -> k m ..."`). BOFT (`butterfly=True`, blocks
   `[stages, num, b, b]`): stage i gathers outputs `2^i · b/2` apart into blocks of `b` (the butterfly),
   applies block n to its group, and scatters them back; the stages apply in order.
+
+  PEFT's OFT (`rule="peft"`): `blocks` `[1, num, b, b]` are the rotations R_n themselves (made from the file
+  as PEFT makes them, see `md_lora.load_lora`), acting on the weight's input axis: `W' = W Rᵀ` in torch's
+  layout (a convolution's inputs flattened as `(in, *kernel)`), `R K` in md's, with R block-diagonal;
+  the user scale k takes each to `k·R + (1 - k)·I` (PEFT itself merges OFT at scale 1 only).
   """
 
   blocks: Any  # [stages, num, b, b] as the file stores them (diagonal OFT: stages = 1)
   constraint: float  # bound on the norm of the skew matrices (LyCORIS: alpha · out); <= 0: none
   rescale: Any = None  # [out] factors on the rotated weight, or None
   butterfly: bool = False  # BOFT (True) or diagonal OFT (False)
+  rule: str = (
+    "lycoris"  # "lycoris" (output axis, Cayley at merge) or "peft" (input axis, rotations)
+  )
 
   @property
   def size(self) -> int:
-    """The output size the blocks tile (`num · b`)."""
+    """The size the blocks tile (`num · b`): outputs, or (PEFT's rule) flattened inputs."""
     shape = np.shape(self.blocks)
     return int(shape[1] * shape[2])
 

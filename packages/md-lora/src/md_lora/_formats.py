@@ -26,7 +26,9 @@ read as exact LoRAs of rank r1·r2, on linear layers and convolutions (Tucker co
 DoRA norms (peft's `lora_magnitude_vector`, LyCORIS' `dora_scale`) come with their module as its magnitude
 (`LoRAWeight.magnitude`). LyCORIS' OFT (`.oft_blocks` [num, b, b]) and BOFT (`.oft_blocks` [stages, num, b, b]),
 with `.alpha` (the constraint) and an optional `.rescale`, are read as rotations (`RawOFT`, then
-`OFTWeight`); other OFT tensors (PEFT's `oft_R`, `boft_R`…) are named and refused.
+`OFTWeight`); so are PEFT's OFT files (PEFT >= 0.14: `<prefix><module>.oft_R.weight` `[r or 1, b(b-1)/2]`,
+the upper triangles of skew blocks, with `adapter_config.json`), as rotations of the weight's input axis.
+Other OFT tensors (PEFT's BOFT `boft_R` / `boft_s`, PEFT < 0.14's `oft_r` / `oft_s`) are named and refused.
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
@@ -110,6 +112,9 @@ _LOKR_SLOTS = (
 # BOFT [stages, num, b, b]), a per-output `rescale` [out, 1, ...]; the module's `.alpha` is the constraint.
 _OFT = re.compile(r"(?P<module>.+)\.(?P<slot>oft_blocks|rescale)")
 _OFT_SLOTS = ("oft_blocks", "rescale")
+# PEFT's OFT (>= 0.14): per module the strict upper triangles (row-major) of `r` skew-symmetric b x b blocks
+# `[r, b(b-1)/2]` (`[1, …]` when `block_share`), rotating the weight's input axis.
+_PEFT_OFT = re.compile(r"(?P<module>.+)\.oft_R(?:\.(?P<adapter>[A-Za-z_]\w*))?\.weight")
 _XLABS = re.compile(
   r"(?:diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.\w+\.(down|up)\.weight"
 )
@@ -245,7 +250,7 @@ class RawLoRA(NamedTuple):
 
 
 class RawOFT(NamedTuple):
-  """One LyCORIS OFT / BOFT module as stored, checked (see `md_lora.OFTWeight` for the math)."""
+  """One OFT / BOFT module as read, checked (see `md_lora.OFTWeight` for the math)."""
 
   module: str
   blocks: np.ndarray  # [stages, num, b, b] (diagonal OFT: stages = 1)
@@ -253,6 +258,9 @@ class RawOFT(NamedTuple):
   rescale: np.ndarray | None  # [out] or None
   butterfly: bool
   keys: tuple[str, ...]
+  # "lycoris": blocks as stored, rotating the outputs; "peft": PEFT's OFT, `blocks` [1, r, b, b] the
+  # rotations themselves (made here), rotating the inputs (see `md_lora.OFTWeight`)
+  rule: str = "lycoris"
 
 
 class RawDelta(NamedTuple):
@@ -298,7 +306,7 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   factors = [k for k in keys if any(p.fullmatch(k) for p in comfy)]
   if factors and sum(k.startswith(COMFY_PREFIXES[:2]) for k in factors) * 2 > len(factors):
     return "comfyui"
-  if any(_PEFT_FACTOR.fullmatch(k) for k in keys):
+  if any(_PEFT_FACTOR.fullmatch(k) or _PEFT_OFT.fullmatch(k) for k in keys):
     return "peft"
   if any(
     any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT))
@@ -392,6 +400,9 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
     m = _MAGNITUDE.fullmatch(key)
     if m:
       return m["module"], "magnitude"
+    m = _PEFT_OFT.fullmatch(key)
+    if m:
+      return m["module"], "oft_R"
   m = _DORA_SCALE.fullmatch(key)
   if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
     return m["module"], "dora_scale"
@@ -449,11 +460,17 @@ def read_modules(
       why = f"is no tensor of a {fmt} LoRA"
       if lycoris:
         why = f"is a LyCORIS / DoRA / OFT tensor ({lycoris[1]}), which md does not read yet"
-      if lycoris and "oft_" in lycoris[1]:  # PEFT's OFT / BOFT (`oft_R`, `boft_R`), older LyCORIS…
+      if (
+        lycoris and "oft_" in lycoris[1]
+      ):  # PEFT's BOFT (`boft_R`), PEFT < 0.14's OFT, older LyCORIS…
         why += (
           f" in a {fmt} file (md reads LyCORIS' OFT / BOFT: `.oft_blocks` / `.alpha` / `.rescale`, "
-          "kohya or ComfyUI names)"
+          "kohya or ComfyUI names, and PEFT >= 0.14's OFT: `.oft_R.weight`)"
         )
+        if lycoris[1] in ("oft_r", "oft_s"):
+          why += "; `oft_r` / `oft_s` are PEFT < 0.14's OFT, which PEFT itself no longer loads"
+        elif lycoris[1].startswith("boft_"):
+          why += "; `boft_R` / `boft_s` are PEFT's BOFT, which md does not read yet"
       leftovers.append((key, why))
       continue
     module, slot = found
@@ -494,6 +511,9 @@ def read_modules(
         deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
     if set(_OFT_SLOTS) & set(found):
       rotations.append(_oft(path, module, name, found, tensors))
+      continue
+    if "oft_R" in found:
+      rotations.append(_peft_oft(path, module, name, found, tensors, cfg))
       continue
     if (set(_LOHA_SLOTS) | {"hada_t1", "hada_t2"}) & set(found):
       raw = _loha(path, module, name, found, tensors, default_alpha, some_alpha)
@@ -819,3 +839,83 @@ def _oft(
     rescale = rescale.reshape(out)
   keys = (key, *(k for k in found.values() if k != key))  # the blocks' key names the module
   return RawOFT(name, blocks, alpha, rescale, butterfly, keys)
+
+
+def _peft_oft(
+  path: pathlib.Path,
+  module: str,
+  name: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+  cfg: Mapping[str, Any] | None,
+) -> RawOFT:
+  """A PEFT OFT module (PEFT >= 0.14) → its rotations `[1, r, b, b]`, made as PEFT's `OFTRotationModule.
+  get_weight` makes them: each stored row the strict upper triangle (row-major) of a skew block Q; with
+  `coft`, a block whose Frobenius norm passes `eps / sqrt(r)` is scaled onto it; then the Cayley–Neumann
+  series `I + 2Q + 2Q² + … + Q^m` of `num_cayley_neumann_terms` terms (PEFT >= 0.18's series), or with
+  `use_cayley_neumann=False` the exact Cayley transform `(I - Q)(I + Q)⁻¹`. Computed in float64."""
+  key = found["oft_R"]
+  extra = sorted(set(found) - {"oft_R"})
+  if extra:
+    keys = ", ".join(repr(found[k]) for k in extra)
+    raise LoRAFileError(
+      f"{path}: PEFT OFT module {module!r} ({key!r}) also has {keys}; a PEFT OFT module holds only "
+      "oft_R.weight"
+    )
+  if cfg is None:
+    raise LoRAFileError(
+      f"{path}: {key!r} is a PEFT OFT module, whose rotation depends on the adapter's OFTConfig "
+      "(use_cayley_neumann, num_cayley_neumann_terms, coft, eps, block_share): put the "
+      "adapter_config.json PEFT saved beside the file, or pass config="
+    )
+  kind = cfg.get("peft_type", "OFT")
+  if kind != "OFT":
+    raise LoRAFileError(
+      f"{path}: the adapter config says peft_type {kind!r}, but {key!r} is a PEFT OFT tensor"
+    )
+  if "oft_block_size" not in cfg:
+    raise LoRAFileError(
+      f"{path}: the adapter config has no oft_block_size: an OFT adapter of PEFT < 0.14, whose "
+      "format PEFT itself no longer loads (retrain it with a newer PEFT)"
+    )
+  vec = np.asarray(tensors[key])
+  b = int(round((1 + math.sqrt(1 + 8 * vec.shape[-1])) / 2)) if vec.ndim == 2 else 0
+  if vec.ndim != 2 or 0 in vec.shape or b * (b - 1) // 2 != vec.shape[1]:
+    raise LoRAFileError(
+      f"{path}: PEFT OFT module {module!r}: {key!r} has shape {vec.shape}; PEFT stores [r, b(b-1)/2] "
+      "(each row the upper triangle of a b x b skew block)"
+    )
+  share = cfg.get("block_share", False)
+  if share and vec.shape[0] != 1:
+    raise LoRAFileError(
+      f"{path}: PEFT OFT module {module!r}: {key!r} has shape {vec.shape}, but the config's "
+      "block_share stores one shared block [1, b(b-1)/2]"
+    )
+  r = vec.shape[0]
+  q = np.zeros((r, b, b), np.float64)
+  rows, cols = np.triu_indices(b, 1)
+  q[:, rows, cols] = vec.astype(np.float64)
+  q = q - np.swapaxes(q, 1, 2)
+  if cfg.get("coft", False):
+    eps = _check_scalar(cfg.get("eps", 6e-5), f"{path}: the adapter config's eps") / math.sqrt(r)
+    norm = np.sqrt(np.sum(q * q, axis=(1, 2), keepdims=True))
+    q = np.where(norm <= eps, q, q * (eps / np.maximum(norm, np.finfo(np.float64).tiny)))
+  eye = np.broadcast_to(np.eye(b), q.shape)
+  if cfg.get("use_cayley_neumann", True):
+    terms = cfg.get("num_cayley_neumann_terms", 5)
+    if isinstance(terms, bool) or not isinstance(terms, numbers.Integral):
+      raise LoRAFileError(f"{path}: the adapter config's num_cayley_neumann_terms is {terms!r}")
+    rot = eye.copy()
+    if terms > 1:
+      rot += 2 * q
+    if terms > 2:  # PEFT's loop: 2Q² … 2Q^(n-2), then Q^(max(3, n-1)) once
+      power = q @ q
+      rot += 2 * power
+      for _ in range(3, terms - 1):
+        power = power @ q
+        rot += 2 * power
+      rot += power @ q
+  else:
+    rot = np.linalg.solve(eye + q, eye - q)  # (I + Q) and (I - Q) commute
+  rot = rot.astype(np.float32)[None]
+  return RawOFT(name, rot, 0.0, None, False, (key,), "peft")

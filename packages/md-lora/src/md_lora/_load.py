@@ -321,9 +321,13 @@ def load_lora(
     shape = shapes[site.path]
     want = shape[1:] if site.layer is not None else shape
     if isinstance(weight, OFTWeight):
-      got, want = weight.size, want[-1] if want else None
-      problem = f"{what} of {module!r} rotate {got} outputs, the model's {str(site)!r} is {shape} "
-      problem += f"({want} outputs)"
+      axis = "inputs" if weight.rule == "peft" else "outputs"
+      if weight.rule == "peft":  # a convolution's inputs flattened with its kernel axes
+        got, want = weight.size, math.prod(want[:-1]) if len(want) > 1 else None
+      else:
+        got, want = weight.size, want[-1] if want else None
+      problem = f"{what} of {module!r} rotate {got} {axis}, the model's {str(site)!r} is {shape} "
+      problem += f"({want} {axis})"
     else:
       got = tuple(np.shape(weight.down)[:-1]) + tuple(np.shape(weight.up)[1:])
       problem = f"the delta of {module!r} ({what}) is {got} in md's layout, the model's "
@@ -379,20 +383,26 @@ def load_lora(
         down, up = delta_factors(mod.bias, target)
         place(site, LoRAWeight(down, up, scale), mod.module, bias_key, f"bias {mod.bias.shape}")
   for rot in rotations:
-    kind = "BOFT" if rot.butterfly else "OFT"
+    peft = rot.rule == "peft"
+    kind = "PEFT OFT" if peft else "BOFT" if rot.butterfly else "OFT"
     what = f"{kind} blocks {rot.blocks.shape[1:] if not rot.butterfly else rot.blocks.shape}"
     for target in targets_of(rot.module + ".weight", rot.keys, rot.module):
       site = Site(tuple(target.path), target.layer)
       if target.split is not None or target.layout == "identity":
         bad_ids.add(rot.keys[0])
         how = "part of a fused tensor" if target.split is not None else "kept in torch's layout"
+        axis = "input axis" if peft else "last axis"
         misshaped.append(
           f"{path}: {rot.keys[0]!r}: {kind} module {rot.module!r} cannot follow {str(site)!r} ({how}: "
-          "md rotates a whole kernel's last axis only)"
+          f"md rotates a whole kernel's {axis} only)"
         )
         continue
-      out = rot.blocks.shape[1] * rot.blocks.shape[2]
-      weight = OFTWeight(rot.blocks, rot.alpha * out, rot.rescale, rot.butterfly)
+      blocks, (_, num, b, _) = rot.blocks, rot.blocks.shape
+      shape = shapes[site.path][1:] if site.layer is not None else shapes[site.path]
+      inputs = math.prod(shape[:-1]) if len(shape) > 1 else 0
+      if peft and num == 1 and inputs % b == 0:  # PEFT's block_share: one block for every group
+        blocks = np.tile(blocks, (1, inputs // b, 1, 1))
+      weight = OFTWeight(blocks, rot.alpha * num * b, rot.rescale, rot.butterfly, rot.rule)
       place(site, weight, rot.module, rot.keys[0], what)
   for d in deltas:
     for target in targets_of(f"{d.module}.{d.kind}", (d.key,), d.module):
@@ -450,7 +460,7 @@ def lora_report(adapter: Adapter) -> str:
 
   One line per site: `blocks/attn1/to_q/kernel[3]  <- blocks.3.attn1.to_q  r=4 scale=2` (a DoRA site adds
   `dora=peft` or `dora=lycoris`; an OFT site reads `oft blocks=4x2` or `boft stages=2 blocks=2x4`, its
-  norm bound and `rescale`).
+  norm bound and `rescale`; PEFT's OFT `peft-oft (inputs) blocks=18x4`).
   """
   lines = [repr(adapter)]
   for site in sorted(adapter.weights, key=str):
@@ -458,6 +468,7 @@ def lora_report(adapter: Adapter) -> str:
     if isinstance(w, OFTWeight):
       stages, num, b = np.shape(w.blocks)[:3]
       kind = f"boft stages={stages}" if w.butterfly else "oft"
+      kind = "peft-oft (inputs)" if w.rule == "peft" else kind
       bound = f" constraint={w.constraint:g}" if w.constraint > 0 else ""
       rescale = " rescale" if w.rescale is not None else ""
       lines.append(

@@ -49,7 +49,8 @@ def merge(
   delta and `W` the weight before this call, as peft runs several adapters side by side; the scale
   multiplies `Δ` inside the norm (peft's `scale_layer`), so scale 0 still rescales `W` to `m`.
   An OFT / BOFT site (`OFTWeight`) adds `rescale · R_k W - W`, its rotation taken toward the identity
-  by the scale k as LyCORIS' `get_merged_weight(multiplier=k)` does (see `OFTWeight`).
+  by the scale k as LyCORIS' `get_merged_weight(multiplier=k)` does (see `OFTWeight`); PEFT's OFT adds
+  `W R_kᵀ - W` (torch's layout), R rotating the inputs.
 
   Args:
     model_or_state: an NNX module, or its `nnx.State`.
@@ -92,10 +93,15 @@ def merge(
       want = tuple(value.shape[1:] if site.layer is not None else value.shape)
       if isinstance(w, OFTWeight):
         rescale = None if w.rescale is None else np.shape(w.rescale)
-        if not want or w.size != want[-1] or rescale not in (None, (w.size,)):
+        if w.rule == "peft":  # inputs: a kernel's axes but its last, flattened
+          bad = len(want) < 2 or w.size != math.prod(want[:-1]) or rescale is not None
+        else:
+          bad = not want or w.size != want[-1] or rescale not in (None, (w.size,))
+        if bad:
+          axis = "inputs" if w.rule == "peft" else "outputs"
           raise ValueError(
             f"{adapter.source}: the OFT blocks {np.shape(w.blocks)} for {str(site)!r} rotate "
-            f"{w.size} outputs (rescale {rescale}), the weight is {want}"
+            f"{w.size} {axis} (rescale {rescale}), the weight is {want}"
           )
       else:
         got = tuple(w.down.shape[:-1]) + tuple(w.up.shape[1:])
@@ -148,7 +154,7 @@ def merge(
 
 def _kind(w: LoRAWeight | OFTWeight, sign: float) -> Any:
   if isinstance(w, OFTWeight):
-    return ("boft" if w.butterfly else "oft", sign < 0)
+    return ("peft-oft" if w.rule == "peft" else "boft" if w.butterfly else "oft", sign < 0)
   return w.dora_rule if w.magnitude is not None else None
 
 
@@ -188,6 +194,15 @@ def _rotations(blocks: jax.Array, bound: jax.Array, scale: jax.Array) -> jax.Arr
   # (I + Q) and (I - Q)⁻¹ commute: R = (I - Q)⁻¹ (I + Q), one solve per block.
   r = jnp.linalg.solve(eye - q, eye + q)
   return scale * r + (1.0 - scale) * eye
+
+
+def _rotate_inputs(w: jax.Array, mats: jax.Array) -> jax.Array:
+  """`R K` for `w` (md layout `(*k, in, out)`) and R block-diagonal from `mats` `[1, num, b, b]` over the
+  inputs flattened as torch flattens them (`(in, *k)`): PEFT's `W Rᵀ` in torch's layout."""
+  *_, num, b, _ = mats.shape
+  x = jnp.moveaxis(w, -2, 0)  # (in, *k, out)
+  y = jnp.einsum("nij,njo->nio", mats[0], x.reshape(num, b, -1), precision=_HIGHEST)
+  return jnp.moveaxis(y.reshape(x.shape), 0, -2)
 
 
 def _rotate(w: jax.Array, mats: jax.Array, butterfly: bool, inverse: bool) -> jax.Array:
@@ -240,21 +255,28 @@ def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
       acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
     for i in rotations:
       path, layer, (kind, inverse) = sites[i]
-      mats = _rotations(blocks[i], scales[i, 0], scales[i, 1])
+      if kind == "peft-oft":  # the rotations themselves, taken toward the identity by the scale
+        mats = blocks[i].astype(jnp.float32)
+        eye = jnp.broadcast_to(jnp.eye(mats.shape[-1], dtype=jnp.float32), mats.shape)
+        mats = scales[i, 1] * mats + (1.0 - scales[i, 1]) * eye
+      else:
+        mats = _rotations(blocks[i], scales[i, 0], scales[i, 1])
+      turn = _rotate_inputs if kind == "peft-oft" else None
       rescale = rescales[i]
       if rescale is not None:  # [out] against the weight's last axis
         ndim = base[path].ndim - (layer is not None)
         rescale = rescale.astype(jnp.float32).reshape((1,) * (ndim - 1) + (-1,))
       if not inverse:  # rescale · R W, against the weight before this call
         w = base[path] if layer is None else base[path][layer]
-        rotated = _rotate(w, mats, kind == "boft", False)
+        rotated = turn(w, mats) if turn else _rotate(w, mats, kind == "boft", False)
         delta = (rotated if rescale is None else rotated * rescale) - w
         acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
         continue
       # unmerge: W = R⁻¹ (W' / rescale), W' the weight with the other adapters' deltas taken off
       w = acc[path] if layer is None else acc[path][layer]
       w = w if rescale is None else w / rescale
-      w = _rotate(w, jnp.linalg.inv(mats), kind == "boft", True)
+      inv = jnp.linalg.inv(mats)
+      w = turn(w, inv) if turn else _rotate(w, inv, kind == "boft", True)
       acc[path] = w if layer is None else acc[path].at[layer].set(w)
     return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
 
