@@ -229,15 +229,27 @@ def test_malformed_oft_is_named(tmp_path, tensors, match):
   _expect_error(tmp_path, arrays, match)
 
 
-def test_peft_oft_tensors_are_named(tmp_path):
+def test_peft_boft_beside_lora_factors_is_named(tmp_path):
+  """PEFT's BOFT tensors (read: test_peft_oft.py) in a module that also holds LoRA factors."""
   module = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
   tensors = {
     f"{module}.lora_A.weight": np.ones((2, 8), np.float32),
     f"{module}.lora_B.weight": np.ones((8, 2), np.float32),
     f"{module}.boft_R.default": np.ones((1, 4, 2, 2), np.float32),
   }
+  match = r"PEFT BOFT module 'unet\..*to_q' has .*lora_A\.weight.*holds boft_R and boft_s"
+  _expect_error(tmp_path, tensors, match)
+
+
+def test_pre_0_14_peft_oft_tensors_are_named(tmp_path):
+  module = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+  tensors = {
+    f"{module}.lora_A.weight": np.ones((2, 8), np.float32),
+    f"{module}.lora_B.weight": np.ones((8, 2), np.float32),
+    f"{module}.oft_r": np.ones((2, 4, 4), np.float32),
+  }
   match = (
-    r"'unet\..*\.boft_R\.default' is a LyCORIS / DoRA / OFT tensor \(boft_R\), which md does not "
-    r"read yet in a peft file \(md reads LyCORIS' OFT / BOFT: `.oft_blocks`"
+    r"'unet\..*\.oft_r' is a LyCORIS / DoRA / OFT tensor \(oft_r\), which md does not read yet in a "
+    r"peft file .*PEFT < 0\.14's OFT, which PEFT itself no longer loads"
   )
   _expect_error(tmp_path, tensors, match)

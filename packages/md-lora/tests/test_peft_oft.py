@@ -1,7 +1,8 @@
-"""PEFT's own OFT adapters (tests/fixtures/lora_peft_oft, tools/fixtures/lora_peft_oft.py): `oft_R` vectors
-with the adapter_config.json PEFT saved, on the tiny SD UNet's attention projections, feed-forwards and 3x3
-resnet convs. Merged by md, the UNet gives the output of PEFT's own `merge_and_unload()`: the Cayley-Neumann
-series (5 and 3 terms), shared blocks, and COFT's norm bound with the exact Cayley transform."""
+"""PEFT's own OFT and BOFT adapters (tests/fixtures/lora_peft_oft, tools/fixtures/lora_peft_oft.py): `oft_R`
+vectors, `boft_R` / `boft_s` with the adapter_config.json PEFT saved, on the tiny SD UNet's attention
+projections, feed-forwards and 3x3 resnet convs. Merged by md, the UNet gives the output of PEFT's own
+`merge_and_unload()`: OFT's Cayley-Neumann series (5 and 3 terms), shared blocks, COFT's norm bound with the
+exact Cayley transform; BOFT with three butterfly stages and with one."""
 
 import json
 import shutil
@@ -18,7 +19,7 @@ import md_sd
 from md_core.testing import fixture_path
 
 ATOL = 1e-5
-CASES = {"neumann": 56, "shared": 40, "coft_exact": 56}  # modules each adapter holds
+CASES = {"neumann": 56, "shared": 40, "coft_exact": 56, "boft": 56, "boft_plain": 40}  # modules
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,8 @@ def test_every_module_is_read_as_an_input_rotation(setup):
       assert w.size == int(np.prod(kernel[:-1])), (site, w.size, kernel)  # 3x3 convs: 9 · in
   report = md_lora.lora_report(adapters["neumann"])
   assert "peft-oft (inputs) blocks=18x4" in report  # a resnet conv: 8 channels x 9 taps
+  report = md_lora.lora_report(adapters["boft"])
+  assert "peft-boft stages=3 (inputs) blocks=36x2" in report
   shared = {np.shape(w.blocks)[1:] for w in adapters["shared"].weights.values()}
   assert (2, 4, 4) in shared  # one stored block tiled over an 8-wide input
 
@@ -66,9 +69,22 @@ def test_merged_matches_peft_merge_and_unload(setup, case):
   chex.assert_trees_all_close(got, want[case], atol=ATOL, rtol=0)
 
 
-def test_scale_unmerge_and_run_time(setup):
-  """A scale k rotates by `k·R + (1 - k)·I`, so each merged kernel is `k·W' + (1 - k)·W`; unmerge gives
-  the base weights back; run-time slots refuse the rotation by name."""
+@pytest.mark.parametrize("case", ["coft_exact", "boft"])
+def test_unmerge_gives_the_base_weights_back(setup, case):
+  """Unmerge inverts the rotation (BOFT: its stages in reverse order, after dividing by boft_s)."""
+  state, _, adapters, _, _, _ = setup
+  adapter = adapters[case]
+  base = _flat(state)
+  merged = md_lora.merge(state, [(adapter, 1.0)])
+  moved = _flat(merged)
+  assert min(float(np.abs(moved[s.path] - base[s.path]).max()) for s in adapter.weights) > 1e-3
+  back = _flat(md_lora.unmerge(merged, [(adapter, 1.0)]))
+  assert max(float(np.abs(back[p] - base[p]).max()) for p in base) < 1e-5
+
+
+def test_scale_and_run_time(setup):
+  """A scale k rotates by `k·R + (1 - k)·I`, so each merged OFT kernel is `k·W' + (1 - k)·W`; run-time
+  slots refuse the rotation by name."""
   state, _, adapters, _, _, _ = setup
   adapter = adapters["neumann"]
   base = _flat(state)
@@ -79,8 +95,6 @@ def test_scale_unmerge_and_run_time(setup):
   for p in touched:
     assert float(np.abs(full[p] - base[p]).max()) > 1e-2, p
     np.testing.assert_allclose(part[p], 0.6 * full[p] + 0.4 * base[p], atol=1e-6, rtol=0)
-  back = _flat(md_lora.unmerge(md_lora.merge(state, [(adapter, 1.0)]), [(adapter, 1.0)]))
-  assert max(float(np.abs(back[p] - base[p]).max()) for p in base) < 1e-5
   with pytest.raises(ValueError, match="OFT"):
     md_lora.apply_runtime(state, [(adapter, 1.0)])
 
@@ -153,9 +167,42 @@ def test_bad_files_are_named(setup, tmp_path):
   with pytest.raises(md_lora.LoRAFileError, match=r"oft_r.*PEFT < 0\.14's OFT"):
     md_lora.load_lora(_copy("neumann", tmp_path / "f", tensors=legacy), key_map, state)
 
-  butterfly = {f"{module}.boft_R": np.zeros((2, 2, 4, 4), np.float32), key: tensors[key]}
-  with pytest.raises(md_lora.LoRAFileError, match=r"boft_R.*PEFT's BOFT"):
-    md_lora.load_lora(_copy("neumann", tmp_path / "g", tensors=butterfly), key_map, state)
+  both = {f"{module}.boft_R": np.zeros((2, 2, 4, 4), np.float32), key: tensors[key]}
+  with pytest.raises(md_lora.LoRAFileError, match=r"to_q.oft_R.weight.*also has.*to_q\.boft_R"):
+    md_lora.load_lora(_copy("neumann", tmp_path / "g", tensors=both), key_map, state)
+
+
+def test_bad_boft_files_are_named(setup, tmp_path):
+  state, _, _, _, _, key_map = setup
+  tensors = _tensors("boft")
+  module = next(k for k in tensors if "attn1.to_q" in k).rsplit(".", 1)[0]
+  r_key, s_key = f"{module}.boft_R", f"{module}.boft_s"
+  assert tensors[r_key].shape == (3, 4, 2, 2) and tensors[s_key].shape == (8, 1)
+
+  lone = {k: v for k, v in tensors.items() if k != s_key}
+  with pytest.raises(
+    md_lora.LoRAFileError, match=r"PEFT BOFT module.*to_q.*holds boft_R and boft_s"
+  ):
+    md_lora.load_lora(_copy("boft", tmp_path / "a", tensors=lone), key_map, state)
+
+  odd = dict(tensors, **{r_key: np.zeros((3, 2, 4, 4), np.float32)})  # 2 blocks, 3 stages
+  with pytest.raises(md_lora.LoRAFileError, match=r"to_q\.boft_R.*\(3, 2, 4, 4\).*divisible by"):
+    md_lora.load_lora(_copy("boft", tmp_path / "b", tensors=odd), key_map, state)
+
+  scales = dict(tensors, **{s_key: np.ones((6, 1), np.float32)})
+  with pytest.raises(
+    md_lora.LoRAFileError, match=r"to_q.*scales 6 outputs \(boft_s\).*\(8 outputs\)"
+  ):
+    md_lora.load_lora(_copy("boft", tmp_path / "c", tensors=scales), key_map, state)
+
+  wide = dict(tensors, **{r_key: np.zeros((3, 8, 2, 2), np.float32)})
+  with pytest.raises(md_lora.LoRAFileError, match=r"to_q.*rotate 16 inputs.*\(8 inputs\)"):
+    md_lora.load_lora(_copy("boft", tmp_path / "d", tensors=wide), key_map, state)
+
+  lora = json.loads((fixture_path("lora_peft_oft") / "boft" / "adapter_config.json").read_text())
+  lora["peft_type"] = "LORA"
+  with pytest.raises(md_lora.LoRAFileError, match=r"peft_type 'LORA'.*PEFT BOFT tensor"):
+    md_lora.load_lora(_copy("boft", tmp_path / "e", config=lora), key_map, state)
 
 
 def test_pipeline_fuses_a_peft_oft_file(tmp_path):

@@ -27,8 +27,9 @@ DoRA norms (peft's `lora_magnitude_vector`, LyCORIS' `dora_scale`) come with the
 (`LoRAWeight.magnitude`). LyCORIS' OFT (`.oft_blocks` [num, b, b]) and BOFT (`.oft_blocks` [stages, num, b, b]),
 with `.alpha` (the constraint) and an optional `.rescale`, are read as rotations (`RawOFT`, then
 `OFTWeight`); so are PEFT's OFT files (PEFT >= 0.14: `<prefix><module>.oft_R.weight` `[r or 1, b(b-1)/2]`,
-the upper triangles of skew blocks, with `adapter_config.json`), as rotations of the weight's input axis.
-Other OFT tensors (PEFT's BOFT `boft_R` / `boft_s`, PEFT < 0.14's `oft_r` / `oft_s`) are named and refused.
+the upper triangles of skew blocks, with `adapter_config.json`) and BOFT files (`<module>.boft_R`
+`[stages, num, b, b]`, `<module>.boft_s` the output scales), as rotations of the weight's input axis.
+Other OFT tensors (PEFT < 0.14's `oft_r` / `oft_s`…) are named and refused.
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
@@ -115,6 +116,10 @@ _OFT_SLOTS = ("oft_blocks", "rescale")
 # PEFT's OFT (>= 0.14): per module the strict upper triangles (row-major) of `r` skew-symmetric b x b blocks
 # `[r, b(b-1)/2]` (`[1, …]` when `block_share`), rotating the weight's input axis.
 _PEFT_OFT = re.compile(r"(?P<module>.+)\.oft_R(?:\.(?P<adapter>[A-Za-z_]\w*))?\.weight")
+# PEFT's BOFT: `boft_R` [stages, num, b, b] (each block's skew part Q = (B - Bᵀ)/2, rotation (I - Q)(I + Q)⁻¹)
+# rotating the weight's input axis through PEFT's butterfly permutations; `boft_s` ([out, 1], conv [1, out])
+# scales the outputs.
+_PEFT_BOFT = re.compile(r"(?P<module>.+)\.(?P<slot>boft_R|boft_s)(?:\.(?P<adapter>[A-Za-z_]\w*))?")
 _XLABS = re.compile(
   r"(?:diffusion_model\.)?(double|single)_blocks\.\d+\.processor\.\w+\.(down|up)\.weight"
 )
@@ -306,7 +311,9 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   factors = [k for k in keys if any(p.fullmatch(k) for p in comfy)]
   if factors and sum(k.startswith(COMFY_PREFIXES[:2]) for k in factors) * 2 > len(factors):
     return "comfyui"
-  if any(_PEFT_FACTOR.fullmatch(k) or _PEFT_OFT.fullmatch(k) for k in keys):
+  if any(
+    _PEFT_FACTOR.fullmatch(k) or _PEFT_OFT.fullmatch(k) or _PEFT_BOFT.fullmatch(k) for k in keys
+  ):
     return "peft"
   if any(
     any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT))
@@ -403,6 +410,9 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
     m = _PEFT_OFT.fullmatch(key)
     if m:
       return m["module"], "oft_R"
+    m = _PEFT_BOFT.fullmatch(key)
+    if m:
+      return m["module"], m["slot"]
   m = _DORA_SCALE.fullmatch(key)
   if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
     return m["module"], "dora_scale"
@@ -460,17 +470,14 @@ def read_modules(
       why = f"is no tensor of a {fmt} LoRA"
       if lycoris:
         why = f"is a LyCORIS / DoRA / OFT tensor ({lycoris[1]}), which md does not read yet"
-      if (
-        lycoris and "oft_" in lycoris[1]
-      ):  # PEFT's BOFT (`boft_R`), PEFT < 0.14's OFT, older LyCORIS…
+      # PEFT < 0.14's OFT, older LyCORIS, other formats' OFT…
+      if lycoris and "oft_" in lycoris[1]:
         why += (
           f" in a {fmt} file (md reads LyCORIS' OFT / BOFT: `.oft_blocks` / `.alpha` / `.rescale`, "
-          "kohya or ComfyUI names, and PEFT >= 0.14's OFT: `.oft_R.weight`)"
+          "kohya or ComfyUI names, and PEFT's OFT / BOFT: `.oft_R.weight`, `.boft_R` / `.boft_s`)"
         )
         if lycoris[1] in ("oft_r", "oft_s"):
           why += "; `oft_r` / `oft_s` are PEFT < 0.14's OFT, which PEFT itself no longer loads"
-        elif lycoris[1].startswith("boft_"):
-          why += "; `boft_R` / `boft_s` are PEFT's BOFT, which md does not read yet"
       leftovers.append((key, why))
       continue
     module, slot = found
@@ -514,6 +521,9 @@ def read_modules(
       continue
     if "oft_R" in found:
       rotations.append(_peft_oft(path, module, name, found, tensors, cfg))
+      continue
+    if {"boft_R", "boft_s"} & set(found):
+      rotations.append(_peft_boft(path, module, name, found, tensors, cfg))
       continue
     if (set(_LOHA_SLOTS) | {"hada_t1", "hada_t2"}) & set(found):
       raw = _loha(path, module, name, found, tensors, default_alpha, some_alpha)
@@ -919,3 +929,52 @@ def _peft_oft(
     rot = np.linalg.solve(eye + q, eye - q)  # (I + Q) and (I - Q) commute
   rot = rot.astype(np.float32)[None]
   return RawOFT(name, rot, 0.0, None, False, (key,), "peft")
+
+
+def _peft_boft(
+  path: pathlib.Path,
+  module: str,
+  name: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+  cfg: Mapping[str, Any] | None,
+) -> RawOFT:
+  """A PEFT BOFT module → its rotations `[stages, num, b, b]` as PEFT's `BOFTLayer.cayley_batch` makes them
+  (`Q = (B - Bᵀ)/2`, `(I - Q)(I + Q)⁻¹`, in float64) and its output scales `boft_s` (`[out, 1]`, a
+  convolution's `[1, out]`). Stages past the first need b and num even, num divisible by 2^(stages-1)."""
+  extra = sorted(set(found) - {"boft_R", "boft_s"})
+  if extra or "boft_R" not in found or "boft_s" not in found:
+    keys = ", ".join(repr(k) for k in found.values())
+    raise LoRAFileError(
+      f"{path}: PEFT BOFT module {module!r} has {keys}; a PEFT BOFT module holds boft_R and boft_s"
+    )
+  kind = (cfg or {}).get("peft_type", "BOFT")
+  if kind != "BOFT":
+    raise LoRAFileError(
+      f"{path}: the adapter config says peft_type {kind!r}, but {found['boft_R']!r} is a PEFT BOFT "
+      "tensor"
+    )
+  key = found["boft_R"]
+  blocks = np.asarray(tensors[key])
+  shape = blocks.shape
+  what = f"{path}: PEFT BOFT module {module!r}: {key!r} has shape {shape}"
+  if blocks.ndim != 4 or shape[-1] != shape[-2] or 0 in shape:
+    raise LoRAFileError(f"{what}; PEFT stores boft_R as [stages, num, b, b]")
+  stages, num, b = shape[:3]
+  if stages > 1 and (b % 2 or num % 2 ** (stages - 1)):
+    raise LoRAFileError(
+      f"{what}; with {stages} butterfly stages PEFT needs b even and num divisible by "
+      f"2^(stages - 1) = {2 ** (stages - 1)}"
+    )
+  scales = np.asarray(tensors[found["boft_s"]])
+  if scales.ndim != 2 or 1 not in scales.shape:
+    raise LoRAFileError(
+      f"{path}: PEFT BOFT module {module!r}: {found['boft_s']!r} has shape {scales.shape}; PEFT "
+      "stores one scale per output, [out, 1] (a convolution's [1, out])"
+    )
+  q = blocks.astype(np.float64)
+  q = 0.5 * (q - np.swapaxes(q, -1, -2))
+  eye = np.broadcast_to(np.eye(b), q.shape)
+  rot = np.linalg.solve(eye + q, eye - q).astype(np.float32)  # (I + Q) and (I - Q) commute
+  keys = (key, found["boft_s"])
+  return RawOFT(name, rot, 0.0, scales.reshape(-1), True, keys, "peft")

@@ -268,7 +268,7 @@ def load_lora(
     prefix: the component's prefix in the file's names (`"unet."`, `"text_encoder_2."`, `"lora_te1_"`,
       `"diffusion_model."`); default: the known prefix most keys carry.
     format: force one of `FORMATS` (default: detected from the keys).
-    config: PEFT `LoraConfig` fields (a dict, or an `adapter_config.json` path); default: the
+    config: PEFT `LoraConfig` / `OFTConfig` fields (a dict, or an `adapter_config.json` path); default: the
       `adapter_config.json` beside the file, else the file's `lora_adapter_metadata`, else alpha = r.
     default_alpha: for kohya files whose modules lack `.alpha` tensors, the alpha to assume.
     allow_unmatched: regexes over file keys that may map to nothing (e.g. `r"lora_te_.*"`); they are
@@ -328,6 +328,10 @@ def load_lora(
         got, want = weight.size, want[-1] if want else None
       problem = f"{what} of {module!r} rotate {got} {axis}, the model's {str(site)!r} is {shape} "
       problem += f"({want} {axis})"
+      if weight.rule == "peft" and weight.rescale is not None and got == want:  # BOFT's boft_s
+        got, want = np.size(weight.rescale), shape[-1]
+        problem = f"{module!r} scales {got} outputs (boft_s), the model's {str(site)!r} is {shape} "
+        problem += f"({want} outputs)"
     else:
       got = tuple(np.shape(weight.down)[:-1]) + tuple(np.shape(weight.up)[1:])
       problem = f"the delta of {module!r} ({what}) is {got} in md's layout, the model's "
@@ -384,7 +388,7 @@ def load_lora(
         place(site, LoRAWeight(down, up, scale), mod.module, bias_key, f"bias {mod.bias.shape}")
   for rot in rotations:
     peft = rot.rule == "peft"
-    kind = "PEFT OFT" if peft else "BOFT" if rot.butterfly else "OFT"
+    kind = ("PEFT " if peft else "") + ("BOFT" if rot.butterfly else "OFT")
     what = f"{kind} blocks {rot.blocks.shape[1:] if not rot.butterfly else rot.blocks.shape}"
     for target in targets_of(rot.module + ".weight", rot.keys, rot.module):
       site = Site(tuple(target.path), target.layer)
@@ -400,7 +404,7 @@ def load_lora(
       blocks, (_, num, b, _) = rot.blocks, rot.blocks.shape
       shape = shapes[site.path][1:] if site.layer is not None else shapes[site.path]
       inputs = math.prod(shape[:-1]) if len(shape) > 1 else 0
-      if peft and num == 1 and inputs % b == 0:  # PEFT's block_share: one block for every group
+      if peft and not rot.butterfly and num == 1 and inputs % b == 0:  # OFT's block_share
         blocks = np.tile(blocks, (1, inputs // b, 1, 1))
       weight = OFTWeight(blocks, rot.alpha * num * b, rot.rescale, rot.butterfly, rot.rule)
       place(site, weight, rot.module, rot.keys[0], what)
@@ -468,7 +472,7 @@ def lora_report(adapter: Adapter) -> str:
     if isinstance(w, OFTWeight):
       stages, num, b = np.shape(w.blocks)[:3]
       kind = f"boft stages={stages}" if w.butterfly else "oft"
-      kind = "peft-oft (inputs)" if w.rule == "peft" else kind
+      kind = f"peft-{kind} (inputs)" if w.rule == "peft" else kind
       bound = f" constraint={w.constraint:g}" if w.constraint > 0 else ""
       rescale = " rescale" if w.rescale is not None else ""
       lines.append(

@@ -94,7 +94,8 @@ def merge(
       if isinstance(w, OFTWeight):
         rescale = None if w.rescale is None else np.shape(w.rescale)
         if w.rule == "peft":  # inputs: a kernel's axes but its last, flattened
-          bad = len(want) < 2 or w.size != math.prod(want[:-1]) or rescale is not None
+          bad = len(want) < 2 or w.size != math.prod(want[:-1])
+          bad = bad or rescale not in (None, (want[-1],))
         else:
           bad = not want or w.size != want[-1] or rescale not in (None, (w.size,))
         if bad:
@@ -154,7 +155,8 @@ def merge(
 
 def _kind(w: LoRAWeight | OFTWeight, sign: float) -> Any:
   if isinstance(w, OFTWeight):
-    return ("peft-oft" if w.rule == "peft" else "boft" if w.butterfly else "oft", sign < 0)
+    kind = "boft" if w.butterfly else "oft"
+    return ("peft-" + kind if w.rule == "peft" else kind, sign < 0)
   return w.dora_rule if w.magnitude is not None else None
 
 
@@ -196,13 +198,33 @@ def _rotations(blocks: jax.Array, bound: jax.Array, scale: jax.Array) -> jax.Arr
   return scale * r + (1.0 - scale) * eye
 
 
-def _rotate_inputs(w: jax.Array, mats: jax.Array) -> jax.Array:
-  """`R K` for `w` (md layout `(*k, in, out)`) and R block-diagonal from `mats` `[1, num, b, b]` over the
-  inputs flattened as torch flattens them (`(in, *k)`): PEFT's `W Rᵀ` in torch's layout."""
-  *_, num, b, _ = mats.shape
+def _rotate_inputs(w: jax.Array, mats: jax.Array, butterfly: bool, inverse: bool) -> jax.Array:
+  """`M K` for `w` (md layout `(*k, in, out)`), its inputs flattened as torch flattens them (`(in, *k)`):
+  PEFT's `W Mᵀ` in torch's layout. OFT: M block-diagonal from `mats` `[1, num, b, b]`. BOFT: M the
+  product of stages `P_i D_i P_iᵀ` (stage 0 first), `D_i` block-diagonal from `mats[i]` and `P_i` PEFT's
+  butterfly permutation (`_butterfly_perm`); `inverse`: the stages in reverse order (`mats` then hold the
+  inverses)."""
+  stages, num, b, _ = mats.shape
   x = jnp.moveaxis(w, -2, 0)  # (in, *k, out)
-  y = jnp.einsum("nij,njo->nio", mats[0], x.reshape(num, b, -1), precision=_HIGHEST)
-  return jnp.moveaxis(y.reshape(x.shape), 0, -2)
+  flat = x.reshape(num * b, -1)
+  order = range(stages - 1, -1, -1) if inverse else range(stages)
+  for i in order:
+    perm = _butterfly_perm(num * b, num // 2**i, b // 2) if butterfly and stages > 1 else None
+    y = flat if perm is None else flat[np.argsort(perm)]  # Pᵀ x
+    y = jnp.einsum("nij,njo->nio", mats[i], y.reshape(num, b, -1), precision=_HIGHEST)
+    y = y.reshape(num * b, -1)
+    flat = y if perm is None else y[perm]  # P y
+  return jnp.moveaxis(flat.reshape(x.shape), 0, -2)
+
+
+def _butterfly_perm(n: int, groups: int, half: int) -> np.ndarray:
+  """PEFT's `block_butterfly_perm(n, groups, half)` as indices (its matrix P has `P[i, perm[i]] = 1`): the
+  inputs cut into `groups` runs, each run into chunks of `half`, and every run's even chunks put before
+  its odd ones (stage 0, runs of one block, is the identity)."""
+  run = n // groups
+  chunks = run // half
+  order = np.concatenate([np.arange(0, chunks, 2), np.arange(1, chunks, 2)])
+  return np.arange(n).reshape(groups, chunks, half)[:, order].reshape(n)
 
 
 def _rotate(w: jax.Array, mats: jax.Array, butterfly: bool, inverse: bool) -> jax.Array:
@@ -255,20 +277,24 @@ def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
       acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
     for i in rotations:
       path, layer, (kind, inverse) = sites[i]
-      if kind == "peft-oft":  # the rotations themselves, taken toward the identity by the scale
+      if kind.startswith(
+        "peft-"
+      ):  # the rotations themselves, taken toward the identity by the scale
         mats = blocks[i].astype(jnp.float32)
         eye = jnp.broadcast_to(jnp.eye(mats.shape[-1], dtype=jnp.float32), mats.shape)
         mats = scales[i, 1] * mats + (1.0 - scales[i, 1]) * eye
       else:
         mats = _rotations(blocks[i], scales[i, 0], scales[i, 1])
-      turn = _rotate_inputs if kind == "peft-oft" else None
+      turn = None
+      if kind.startswith("peft-"):
+        turn = functools.partial(_rotate_inputs, butterfly=kind == "peft-boft")
       rescale = rescales[i]
       if rescale is not None:  # [out] against the weight's last axis
         ndim = base[path].ndim - (layer is not None)
         rescale = rescale.astype(jnp.float32).reshape((1,) * (ndim - 1) + (-1,))
       if not inverse:  # rescale · R W, against the weight before this call
         w = base[path] if layer is None else base[path][layer]
-        rotated = turn(w, mats) if turn else _rotate(w, mats, kind == "boft", False)
+        rotated = turn(w, mats, inverse=False) if turn else _rotate(w, mats, kind == "boft", False)
         delta = (rotated if rescale is None else rotated * rescale) - w
         acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
         continue
@@ -276,7 +302,7 @@ def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
       w = acc[path] if layer is None else acc[path][layer]
       w = w if rescale is None else w / rescale
       inv = jnp.linalg.inv(mats)
-      w = turn(w, inv) if turn else _rotate(w, inv, kind == "boft", True)
+      w = turn(w, inv, inverse=True) if turn else _rotate(w, inv, kind == "boft", True)
       acc[path] = w if layer is None else acc[path].at[layer].set(w)
     return [acc[p].astype(weights[i].dtype) for i, p in enumerate(paths)]
 
