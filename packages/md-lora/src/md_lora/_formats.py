@@ -220,6 +220,14 @@ _COMPOUND = tuple(
       "adaLN_modulation",
       "query_norm",
       "key_norm",
+      # Flux.2 (BFL and diffusers names)
+      "double_stream_modulation_img",
+      "double_stream_modulation_txt",
+      "single_stream_modulation",
+      "time_guidance_embed",
+      "to_qkv_mlp_proj",
+      "linear_in",
+      "linear_out",
       # Wan original
       "cross_attn",
       "k_img",

@@ -1,7 +1,8 @@
 """Module-name layouts of LoRA files: the reference models' original names → diffusers module names.
 
 Files made outside diffusers name modules as the model's original code does: BFL's Flux.1 (`double_blocks.N.
-img_attn.qkv`, fused q/k/v and single blocks' fused `linear1` = q, k, v and the MLP input), Wan's
+img_attn.qkv`, fused q/k/v and single blocks' fused `linear1` = q, k, v and the MLP input) and Flux.2
+(the same block names, shared `*_stream_modulation` layers; `linear1` stays fused in diffusers), Wan's
 (`blocks.N.self_attn.q`, `ffn.0`, `head.head`), the SGM UNet of SD / SDXL (`input_blocks.4.1.…`) and
 LTX-2's (`patchify_proj`, `adaln_single`, `q_norm`). Each translator here maps such a module name to the
 diffusers module(s) it is, with the rows of the output axis each one takes: a LoRA on a fused projection is
@@ -98,6 +99,81 @@ def flux_bfl(name: str, out: int, features: int) -> list[Piece] | None:
       (head + "proj_mlp", np.arange(3 * features, out))
     ]
   return None
+
+
+# BFL Flux.2 (ai-toolkit / ComfyUI / kohya files for Klein) → diffusers Flux2Transformer2DModel.
+_FLUX2_TOP = {
+  "img_in": "x_embedder",
+  "txt_in": "context_embedder",
+  "time_in.in_layer": "time_guidance_embed.timestep_embedder.linear_1",
+  "time_in.out_layer": "time_guidance_embed.timestep_embedder.linear_2",
+  "guidance_in.in_layer": "time_guidance_embed.guidance_embedder.linear_1",
+  "guidance_in.out_layer": "time_guidance_embed.guidance_embedder.linear_2",
+  "final_layer.linear": "proj_out",
+  "double_stream_modulation_img.lin": "double_stream_modulation_img.linear",
+  "double_stream_modulation_txt.lin": "double_stream_modulation_txt.linear",
+  "single_stream_modulation.lin": "single_stream_modulation.linear",
+}
+_FLUX2_DOUBLE = {
+  "img_attn.proj": "attn.to_out.0",
+  "txt_attn.proj": "attn.to_add_out",
+  "img_mlp.0": "ff.linear_in",
+  "img_mlp.2": "ff.linear_out",
+  "txt_mlp.0": "ff_context.linear_in",
+  "txt_mlp.2": "ff_context.linear_out",
+  "img_attn.norm.query_norm": "attn.norm_q",
+  "img_attn.norm.key_norm": "attn.norm_k",
+  "txt_attn.norm.query_norm": "attn.norm_added_q",
+  "txt_attn.norm.key_norm": "attn.norm_added_k",
+}
+_FLUX2_SINGLE = {
+  "linear1": "attn.to_qkv_mlp_proj",  # q, k, v and the MLP input, fused in diffusers too
+  "linear2": "attn.to_out",
+  "norm.query_norm": "attn.norm_q",
+  "norm.key_norm": "attn.norm_k",
+}
+# Block names some Flux.2 exporters already write in diffusers' form (one of them as `sformer_blocks.`).
+_FLUX2_EXPANDED = {
+  "transformer_blocks.": "transformer_blocks.",
+  "single_transformer_blocks.": "single_transformer_blocks.",
+  "sformer_blocks.": "transformer_blocks.",
+}
+
+
+def flux2_bfl(name: str, out: int, features: int) -> list[Piece] | None:
+  """BFL Flux.2 module → diffusers module(s): a double block's fused qkv splits in thirds, everything else
+  is renamed; `final_layer.adaLN_modulation.1`'s `[shift; scale]` rows become diffusers' `[scale; shift]`
+  (as diffusers' own checkpoint conversion swaps them).
+
+  >>> flux2_bfl("single_blocks.1.linear1", 120, 8)
+  [('single_transformer_blocks.1.attn.to_qkv_mlp_proj', None)]
+  """
+  if name in _FLUX2_TOP:
+    return [(_FLUX2_TOP[name], None)]
+  if name == "final_layer.adaLN_modulation.1":  # BFL [shift; scale], diffusers [scale; shift]
+    half = out // 2
+    return [("norm_out.linear", np.r_[half:out, 0:half])]
+  for old, new in _FLUX2_EXPANDED.items():
+    if name.startswith(old):
+      return [(new + name[len(old) :], None)]
+  m = _FLUX_BLOCK.fullmatch(name)
+  if m is None:
+    return None
+  stack, i, rest = m.groups()
+  if stack == "double_blocks":
+    head = f"transformer_blocks.{i}."
+    if rest in _FLUX2_DOUBLE:
+      return [(head + _FLUX2_DOUBLE[rest], None)]
+    if rest in _FLUX_QKV:
+      return [(head + n, rows) for n, rows in zip(_FLUX_QKV[rest], _thirds(out))]
+    return None
+  rest = _FLUX2_SINGLE.get(rest)
+  return None if rest is None else [(f"single_transformer_blocks.{i}.{rest}", None)]
+
+
+def _is_flux2(paths: Collection[tuple]) -> bool:
+  """Whether md parameter paths are a Flux.2 transformer's (its shared modulation layers)."""
+  return any(p[:1] == ("single_stream_modulation",) for p in paths)
 
 
 # Wan's original modules → diffusers WanTransformer3DModel.
@@ -268,7 +344,9 @@ def sgm_unet(paths: Collection[tuple]) -> Translator:
 def detect_layout(names: Sequence[str]) -> str | None:
   """The module-name layout of a file's modules: "flux-bfl", "wan", "sgm-unet", "ltx2" or None
   (diffusers names, or names the family's key map reads as they are)."""
-  if any(n.startswith(("double_blocks.", "single_blocks.")) for n in names):
+  bfl = ("double_blocks.", "single_blocks.", "final_layer.", "img_in", "txt_in", "time_in.")
+  bfl += ("guidance_in.", "vector_in.", "double_stream_modulation_", "single_stream_modulation.")
+  if any(n.startswith(bfl) for n in names):
     return "flux-bfl"
   if any(re.match(r"blocks\.\d+\.(self_attn\.|cross_attn\.|ffn\.\d$)", n) for n in names):
     return "wan"
@@ -284,6 +362,8 @@ def translator(layout: str | None, paths: Collection[tuple]) -> Translator | Non
     return None
   if layout == "sgm-unet":
     return sgm_unet(paths)
+  if layout == "flux-bfl" and _is_flux2(paths):
+    return flux2_bfl
   return {"flux-bfl": flux_bfl, "wan": wan_original, "ltx2": ltx2_original}[layout]
 
 
@@ -298,6 +378,9 @@ FAMILY_HINTS = (
 
 def guess_model(names: Sequence[str]) -> str | None:
   """A short guess at the model a LoRA's module names belong to (None when they do not say)."""
+  flux2 = ("double_stream_modulation", "single_stream_modulation", "to_qkv_mlp_proj", "linear_in")
+  if any(w in n for n in names for w in flux2):
+    return "Flux.2 (BFL or diffusers names)"
   layout = detect_layout(names)
   if layout is not None:
     return dict(FAMILY_HINTS)[layout]
