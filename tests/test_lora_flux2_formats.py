@@ -1,7 +1,7 @@
 """Flux.2 Klein LoRA files outside diffusers' format (tests/fixtures/lora_flux2_formats,
 tools/fixtures/lora_flux2_formats.py) on the tiny Klein transformer: ai-toolkit / ComfyUI files in BFL names
 (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`, fused q/k/v split into diffusers' parts, the
-shared modulations), kohya's (`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`, alpha) against
+shared modulations) and their LoKr (`.lokr_w1`, on the fused q/k/v too), kohya's (`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`, alpha) against
 diffusers' own conversions (`Flux2KleinPipeline.lora_state_dict`), and LyCORIS' wrapper LoKr file in
 diffusers' names against the wrapper's forward; merged and at run time."""
 
@@ -20,7 +20,8 @@ import md_lora
 from md_core import testing
 
 ATOL = 1e-4
-FILES = {"aitoolkit": "comfyui", "kohya": "kohya", "lokr": "kohya"}  # file -> the format md detects
+# file -> the format md detects
+FILES = {"aitoolkit": "comfyui", "aitoolkit_lokr": "comfyui", "kohya": "kohya", "lokr": "kohya"}
 INPUTS = ("hidden_states", "timestep", "img_ids", "encoder_hidden_states", "txt_ids")
 
 
