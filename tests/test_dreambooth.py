@@ -1,10 +1,11 @@
-"""Dreambooth (md_train.recipes.dreambooth_sd / dreambooth_flux, md_train._dreambooth, the losses'
-`prior_loss_weight=`): one prior-preservation step of the tiny SD 1.x UNet and of the tiny Flux.1 dev
-transformer against diffusers' train_dreambooth.py / train_dreambooth_flux.py losses by torch autograd
+"""Dreambooth (md_train.recipes.dreambooth_sd / dreambooth_flux / dreambooth_klein, md_train._dreambooth,
+the losses' `prior_loss_weight=`): one prior-preservation step of the tiny SD 1.x UNet, the tiny Flux.1 dev
+transformer and the tiny Flux.2 Klein transformer against diffusers' train_dreambooth.py /
+train_dreambooth_flux.py / train_dreambooth_lora_flux2_klein.py losses by torch autograd
 (tools/fixtures/train_dreambooth_step.py: loss within 1e-5, gradients within 1e-4), the instance / class
 folders and their errors, class-image generation, the batches' halves and resume, and 2-step runs of the
-`dreambooth-lora-tiny` (SD 1.x), `dreambooth-sdxl-lora-tiny` and `dreambooth-flux-lora-tiny` recipes, each
-generating its class images with md's own pipeline."""
+`dreambooth-lora-tiny` (SD 1.x), `dreambooth-sdxl-lora-tiny`, `dreambooth-flux-lora-tiny` and
+`dreambooth-klein-lora-tiny` recipes, each generating its class images with md's own pipeline."""
 
 import importlib.util
 
@@ -100,6 +101,39 @@ def test_flux_prior_preservation_step_matches_torch():
   np.testing.assert_allclose(float(again), float(loss), atol=1e-6, rtol=0)
 
 
+def test_klein_prior_preservation_step_matches_torch():
+  """train_dreambooth_lora_flux2_klein.py with --with_prior_preservation: instance rows first, the loss
+  `mse(instance) + 0.5 mse(class)` of the flow target over the packed token grid, no guidance."""
+  ref = load_arrays(fixture_path("train_dreambooth_step") / "klein.npz")
+  frozen, params = mdt.split_trainable(
+    md_flux.load_flux2(fixture_path("flux2_transformer") / "klein")
+  )
+  loss_fn = mtf.klein_loss(frozen, prior_loss_weight=float(ref["prior_loss_weight"]))
+  batch = {"sigmas": ref["sigmas"], "encoder_hidden_states": ref["encoder_hidden_states"]}
+  batch.update(latents=_nhwc(ref["latents"]), noise=_nhwc(ref["noise"]))
+  (loss, aux), grads = mdt.loss_and_grads(loss_fn, params, batch)
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(aux["instance_loss"]), ref["instance_loss"], atol=LOSS_TOL)
+  np.testing.assert_allclose(float(aux["prior_loss"]), ref["prior_loss"], atol=LOSS_TOL)
+  assert abs(float(ref["loss"]) - float(ref["instance_loss"] + ref["prior_loss"])) > 0.1  # weighted
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+  names = [k for k in ref if k.startswith("grad/")]
+  assert len(names) >= 8
+  worst = 0.0
+  for key in names:
+    targets = md_flux.convert_key_flux2(key[len("grad/") :])
+    for target in [targets] if isinstance(targets, md_core.Target) else targets:
+      got = flat[target.path] if target.layer is None else flat[target.path][target.layer]
+      want = md_core.convert(ref[key], target)
+      assert np.abs(want).max() > 0, key
+      chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
+      worst = max(worst, float(np.abs(got - want).max()))
+  print(
+    f"klein dreambooth: loss err {abs(float(loss) - float(ref['loss'])):.1e}, grads {worst:.1e}"
+  )
+
+
 def test_odd_batch_with_prior_preservation_is_refused():
   unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
   frozen, params = mdt.split_trainable(unet)
@@ -189,14 +223,19 @@ def _variant(name, **overrides):
   return ml_collections.ConfigDict(dict(seed=0, recipe_options=options))
 
 
-# variant -> (recipe, the LoRA file's key prefix, the text conditioning in each batch)
+# variant -> (recipe, the LoRA file's key prefix, the text conditioning in each batch, the latents of one
+# 32 px instance + class pair)
 DREAMBOOTH_LORA = {
-  "dreambooth-lora-tiny": ("dreambooth_sd", "unet.", {"encoder_hidden_states"}),
+  "dreambooth-lora-tiny": ("dreambooth_sd", "unet.", {"encoder_hidden_states"}, (2, 4, 4, 4)),
   "dreambooth-sdxl-lora-tiny": (
-    "dreambooth_sd", "unet.", {"encoder_hidden_states", "text_embeds", "time_ids"}
+    "dreambooth_sd", "unet.", {"encoder_hidden_states", "text_embeds", "time_ids"}, (2, 4, 4, 4)
   ),
   "dreambooth-flux-lora-tiny": (
-    "dreambooth_flux", "transformer.", {"encoder_hidden_states", "pooled_projections"}
+    "dreambooth_flux", "transformer.", {"encoder_hidden_states", "pooled_projections"}, (2, 4, 4, 4)
+  ),
+  # Klein: the VAE's latents patchified 2x2 (16 channels), as the pipeline encodes reference images
+  "dreambooth-klein-lora-tiny": (
+    "dreambooth_klein", "transformer.", {"encoder_hidden_states"}, (2, 2, 2, 16)
   ),
 }  # fmt: skip
 
@@ -205,12 +244,12 @@ DREAMBOOTH_LORA = {
 def test_dreambooth_lora_recipe_generates_class_images_and_trains(variant, tmp_path):
   from md_train import recipes
 
-  name, prefix, text = DREAMBOOTH_LORA[variant]
+  name, prefix, text, shape = DREAMBOOTH_LORA[variant]
   config = _variant(variant, class_dir=str(tmp_path / "class"), num_class_images=2, class_steps=1)
   recipe = getattr(recipes, name)(config)
   assert len(mdt.image_files(tmp_path / "class", what="class_dir")) == 2
   batch = next(iter(recipe.batches))
-  chex.assert_shape(batch["latents"], (2, 4, 4, 4))  # 1 instance + 1 class, 32 px
+  chex.assert_shape(batch["latents"], shape)  # 1 instance + 1 class, 32 px
   assert set(batch) == {"latents", *text}
   for k in text:  # the instance prompt's row, then the class prompt's
     assert not np.array_equal(batch[k][0], batch[k][1]) or k == "time_ids", k
@@ -236,3 +275,8 @@ def test_dreambooth_recipe_option_errors(tmp_path):
   klein = str(fixture_path("flux2_pipeline") / "klein")
   with pytest.raises(ValueError, match="is a Flux2KleinPipeline folder; dreambooth_flux trains"):
     recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", model=klein))
+  flux = str(fixture_path("flux_pipeline") / "dev")
+  with pytest.raises(ValueError, match="is a FluxPipeline folder; dreambooth_klein trains"):
+    recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", model=flux))
+  with pytest.raises(ValueError, match="instance_prompt is required for dreambooth_klein"):
+    recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", instance_prompt=""))

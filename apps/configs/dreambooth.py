@@ -11,9 +11,9 @@ uv run apps/dreambooth_train --help --config=apps/configs/dreambooth.py:sdxl-lor
 
 Variants: sd15-tiny (the whole UNet, diffusers' train_dreambooth.py), sd15-lora-tiny (a LoRA only,
 train_dreambooth_lora.py), sdxl-lora-tiny (train_dreambooth_lora_sdxl.py), flux1-lora-tiny
-(train_dreambooth_lora_flux.py), each on the tiny pipeline of tests/fixtures with the three instance
+(train_dreambooth_lora_flux.py), klein-lora-tiny (train_dreambooth_lora_flux2_klein.py), each on the tiny pipeline of tests/fixtures with the three instance
 images of tests/fixtures/train_dreambooth_step/instance; the same recipes as apps/train's dreambooth-*
-variants (`md_train.recipes.dreambooth_sd` / `dreambooth_flux`). `recipe_options`: `model` (a diffusers
+variants (`md_train.recipes.dreambooth_sd` / `dreambooth_flux` / `dreambooth_klein`). `recipe_options`: `model` (a diffusers
 pipeline folder), `instance_dir` (the subject's images, center-cropped and resized to `size`),
 `instance_prompt` (with the identifier, e.g. "a photo of sks dog"), `with_prior_preservation`,
 `class_dir` / `class_prompt` / `num_class_images` (the class images; the missing ones are generated into
@@ -44,6 +44,7 @@ VARIANTS = {
   "sd15-lora-tiny": "dreambooth-lora-tiny",
   "sdxl-lora-tiny": "dreambooth-sdxl-lora-tiny",
   "flux1-lora-tiny": "dreambooth-flux-lora-tiny",
+  "klein-lora-tiny": "dreambooth-klein-lora-tiny",
 }
 
 

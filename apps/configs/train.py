@@ -23,8 +23,8 @@ targets, init, seed), exported as a PEFT file; wan22-high-tiny, wan22-low-tiny: 
 Wan 2.2 A14B pipeline (`recipe_options.expert`), on the timesteps it samples; wan21-i2v-tiny,
 wan22-i2v-high-tiny, wan22-ti2v-tiny: image-to-video training (each clip's first frame the condition);
 dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
-dreambooth-sdxl-lora-tiny, dreambooth-flux-lora-tiny: Dreambooth-LoRA on the tiny SDXL and Flux.1
-pipelines (`dreambooth_sd`, `dreambooth_flux`);
+dreambooth-sdxl-lora-tiny, dreambooth-flux-lora-tiny, dreambooth-klein-lora-tiny: Dreambooth-LoRA on the
+tiny SDXL, Flux.1 and Flux.2 Klein pipelines (`dreambooth_sd`, `dreambooth_flux`, `dreambooth_klein`);
 sd15-shapes, wan21-shapes: md's default image / video model (models/shapes-sd, models/shapes-wan)
 trained further on fresh shapes data by its own stage's recipe (apps/configs/default_models.py trains them
 from random init);
@@ -216,6 +216,20 @@ VARIANTS["dreambooth-flux-lora-tiny"] = (
     guidance=3.5,
     max_sequence_length=64,
     lora=dict(_LORA, targets=_FLUX_TARGETS),
+  ),
+)
+# Dreambooth-LoRA for Flux.2 Klein (train_dreambooth_lora_flux2_klein.py: its default targets, the double
+# blocks' attention projections and the single blocks' fused projection) on the tiny Klein pipeline.
+VARIANTS["dreambooth-klein-lora-tiny"] = (
+  "md_train.recipes:dreambooth_klein",
+  dict(
+    _DB_FLUX,
+    model="tests/fixtures/flux2_pipeline/klein",
+    class_dir="runs/dreambooth-klein-lora-tiny/class_images",
+    class_guidance=4.0,
+    text_encoder_out_layers="1,2,3",  # the tiny Qwen3 has 3 layers
+    max_sequence_length=96,
+    lora=dict(_LORA, targets="to_k,to_q,to_v,to_out.0,to_qkv_mlp_proj"),
   ),
 )
 

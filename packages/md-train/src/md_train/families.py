@@ -345,6 +345,7 @@ def klein_loss(
   *,
   guidance: float | None = None,
   sampler: str = "logit_normal",
+  prior_loss_weight: float | None = None,
   **sampler_options: Any,
 ) -> LossFn:
   """The Flux.2 Klein flow-matching loss of diffusers' train_dreambooth_lora_flux2_klein.py (weighting
@@ -360,6 +361,8 @@ def klein_loss(
     transformer: the `Flux2Transformer`'s frozen part.
     guidance: the embedded guidance scale for guidance-distilled models (None for Klein).
     sampler, sampler_options: how σ is drawn when absent (`flow_sigmas`).
+    prior_loss_weight: Dreambooth's prior preservation, as in `flux_loss` (the batch's first half
+      instance, second half class examples; aux `instance_loss`, `prior_loss`). None: one loss.
   """
 
   def loss_fn(params, batch, key):
@@ -381,7 +384,7 @@ def klein_loss(
     g = None if guidance is None else jnp.full((b,), guidance, jnp.float32)
     model = transformer.merge(params)
     pred = model(noisy.reshape(b, h * w, c), ctx, sigmas, img_ids, txt_ids, g)
-    return diffusion_loss(pred.reshape(b, h, w, -1), target), {}
+    return _prior_preserving(pred.reshape(b, h, w, -1), target, None, prior_loss_weight)
 
   return loss_fn
 
