@@ -50,11 +50,12 @@ LORA_INITS = ("kaiming", "gaussian")  # peft's `init_lora_weights=True` and `"ga
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-  """What to train: peft's `LoraConfig(r, lora_alpha, target_modules, init_lora_weights)`.
+  """What to train: peft's `LoraConfig(r, lora_alpha, target_modules, init_lora_weights, use_rslora)`.
 
   Attributes:
     rank: r.
     alpha: lora_alpha (None: `rank`, scale 1); the delta is `alpha / rank · B A`.
+    rslora: rank-stabilised LoRA (peft's `use_rslora`): the delta is `alpha / sqrt(rank) · B A`.
     targets: module names matched as peft matches `target_modules` (a name equal to the module's or
       a `.`-separated suffix of it: `to_q`, `attn1.to_q`, `to_out.0`), reference (diffusers) names
       first, else md's layer paths (`blocks.attn1.to_q`); None: the family's `DEFAULT_TARGETS`.
@@ -68,6 +69,7 @@ class LoRAConfig:
   targets: tuple[str, ...] | None = None
   init: str = "kaiming"
   seed: int = 0
+  rslora: bool = False
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -78,6 +80,8 @@ class LoRAConfig:
       raise ValueError(f"lora.alpha={self.alpha!r} must be a positive number (or None: the rank)")
     if self.init not in LORA_INITS:
       raise ValueError(f"lora.init={self.init!r}; expected one of {LORA_INITS}")
+    if not isinstance(self.rslora, bool):
+      raise ValueError(f"lora.rslora={self.rslora!r} must be True or False")
     if isinstance(self.targets, str):
       object.__setattr__(self, "targets", _split_names(self.targets))
     elif self.targets is not None:
@@ -88,7 +92,7 @@ class LoRAConfig:
   @classmethod
   def from_options(cls, options: Mapping[str, Any]) -> LoRAConfig:
     """From a recipe's `lora` options (`rank`, `alpha`, `targets` as a list or a comma string,
-    `init`, `seed`); unknown keys are refused with the nearest known one."""
+    `init`, `seed`, `rslora`); unknown keys are refused with the nearest known one."""
     known = [f.name for f in dataclasses.fields(cls)]
     for key in options:
       if key not in known:
@@ -109,7 +113,7 @@ class LoRA(NamedTuple):
   """The LoRA `add_lora` added: rank, alpha, and the reference module each slot layer stands for.
 
   Attributes:
-    rank, alpha: as trained; `scale = alpha / rank`.
+    rank, alpha: as trained; `scale = alpha / rank` (`alpha / sqrt(rank)` with `rslora`).
     modules: `{reference module name: (md layer path, layer index or None)}`, e.g.
       `"blocks.1.attn1.to_q": ("blocks.attn1.to_q", 1)` for a scanned stack.
   """
@@ -117,10 +121,11 @@ class LoRA(NamedTuple):
   rank: int
   alpha: float
   modules: dict[str, tuple[str, int | None]]
+  rslora: bool = False
 
   @property
   def scale(self) -> float:
-    return self.alpha / self.rank
+    return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
   @property
   def paths(self) -> list[str]:
@@ -256,7 +261,7 @@ def add_lora(
     new = new.astype(a.dtype)
     layer.lora_a.set_value(jax.device_put(new, sharding) if sharding is not None else new)
   alpha = float(config.rank if config.alpha is None else config.alpha)
-  return LoRA(config.rank, alpha, modules)
+  return LoRA(config.rank, alpha, modules, config.rslora)
 
 
 def split_lora(module: nnx.Module) -> tuple[Frozen, Any]:
