@@ -287,6 +287,8 @@ def test_lora_option_errors():
     mdt.LoRAConfig(rank=0)
   with pytest.raises(ValueError, match="lora.init='xavier'"):
     mdt.LoRAConfig(init="xavier")
+  with pytest.raises(ValueError, match="lora.rslora='yes' must be True or False"):
+    mdt.LoRAConfig.from_options({"rslora": "yes"})
   unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
   names = list(md_core.open_checkpoint(fixture_path("unet") / "sd1"))
   keymap = md_sd.unet_key_map(unet.cfg)
