@@ -136,9 +136,7 @@ def test_scanned_stack_equals_each_layer(setup):
 def test_runtime_slots_refuse_oft(setup):
   state, _, adapters, _, _, _ = setup
   way_out = r"merge it: pipe.load_lora\(..., fuse=True\) or md_lora.merge"
-  with pytest.raises(
-    ValueError, match=r"52 site\(s\) are LyCORIS OFT / BOFT rotations .*" + way_out
-  ):
+  with pytest.raises(ValueError, match=r"52 site\(s\) are OFT / BOFT rotations .*" + way_out):
     md_lora.to_slots(adapters["boft"], 1.0, state)
   with pytest.raises(ValueError, match=way_out):
     md_lora.apply_runtime(state, [(adapters["oft"], 0.5)])

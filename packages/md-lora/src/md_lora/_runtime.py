@@ -73,8 +73,8 @@ def _check_runtime(adapter: Adapter, state: Any) -> dict | None:
   if adapter.oft:
     rotated = [str(site) for site, w in adapter.weights.items() if isinstance(w, OFTWeight)]
     raise ValueError(
-      f"{adapter.source}: {len(rotated)} site(s) are LyCORIS OFT / BOFT rotations (e.g. "
-      f"{rotated[0]!r}), which run-time LoRA slots cannot hold (a rotation of the weight, not a "
+      f"{adapter.source}: {len(rotated)} site(s) are OFT / BOFT rotations (e.g. {rotated[0]!r}), "
+      "which run-time LoRA slots cannot hold (a rotation of the weight, not a "
       "low-rank delta); merge it: pipe.load_lora(..., fuse=True) or md_lora.merge"
     )
   bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]
