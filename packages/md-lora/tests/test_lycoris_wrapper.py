@@ -2,8 +2,9 @@
 tools/fixtures/lora_lycoris_wrapper.py): `create_lycoris(...).save_weights` names every module of the wrapped
 model as kohya does but under `lycoris_`. md reads them as kohya files; merged (and, for the LoRA-like
 algorithms, at run time) the tiny SD UNet gives the output of the wrapper's own forward at multipliers 1
-and 0.6: LoCon, LoHa, LoKr and diagonal OFT over the wrapper's SD preset (78 modules: attention, feed-forward,
-projections, resnet convs, time embeddings, down/upsamplers)."""
+and 0.6: LoCon, LoHa, LoKr, diagonal OFT and the "full" algorithm's whole deltas (`.diff` / `.diff_b`) over the
+wrapper's SD preset (78 modules: attention, feed-forward, projections, resnet convs, time embeddings,
+down/upsamplers)."""
 
 import chex
 import jax
@@ -17,7 +18,7 @@ import md_sd
 from md_core.testing import fixture_path
 
 ATOL = 1e-5
-ALGOS = ("lora", "loha", "lokr", "diag-oft")
+ALGOS = ("lora", "loha", "lokr", "diag-oft", "full")
 MULTIPLIERS = (1.0, 0.6)
 
 
@@ -36,7 +37,8 @@ def test_every_module_is_read_as_kohya(setup):
   _, _, adapters, _, _, _ = setup
   for algo, adapter in adapters.items():
     assert adapter.format == "kohya" and not adapter.skipped, algo
-    assert len(adapter.weights) == 78, algo
+    # full: a delta on each of the 78 weights and on the 54 biases (to_q / to_k / to_v have none)
+    assert len(adapter.weights) == (132 if algo == "full" else 78), algo
     assert bool(adapter.oft) == (algo == "diag-oft"), algo
   sites = {str(s) for s in adapters["lora"].weights}
   words = ("time_emb_proj", "downsampler/", "upsampler/", "proj_in", "ff/proj_out", "conv_shortcut")

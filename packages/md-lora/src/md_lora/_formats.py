@@ -10,7 +10,8 @@ Four formats, told apart by their key names (`format=` forces one):
   kohya:   `lora_unet_<module with _ for .>.lora_down.weight` / `.lora_up.weight` / `.alpha` (kohya-ss
            sd-scripts, A1111, musubi-tuner): UNet names in diffusers' tree or SGM's (`input_blocks_4_1_…`,
            kohya's SDXL files), text encoders `lora_te_` / `lora_te1_` / `lora_te2_`, Flux in BFL names,
-           Wan in its original names; LyCORIS' own wrapper writes the same names under `lycoris_`. A
+           Wan in its original names; LyCORIS' own wrapper writes the same names under `lycoris_`
+           (its "full" algorithm: whole deltas `.diff` / `.diff_b`, as ComfyUI's, not scaled). A
            module without `.alpha` in a file whose other modules have one is an error (`default_alpha=`
            assumes one); a file without any alpha gets alpha = r, as sd-scripts.
   comfyui: `diffusion_model.<module>.lora_A|lora_down.weight` / `lora_B|lora_up.weight` / `.alpha`, names as
@@ -324,7 +325,7 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   ):
     return "peft"
   if any(
-    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT))
+    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT, _DIFF))
     and k.startswith(("lora_", "lycoris_"))
     for k in keys
   ):
@@ -424,10 +425,9 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
   m = _DORA_SCALE.fullmatch(key)
   if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
     return m["module"], "dora_scale"
-  if fmt in ("comfyui", "peft"):
-    m = _DIFF.fullmatch(key)
-    if m:
-      return m["module"], m["kind"]
+  m = _DIFF.fullmatch(key)
+  if m and (fmt in ("comfyui", "peft") or (fmt == "kohya" and "." not in m["module"])):
+    return m["module"], m["kind"]  # kohya names: LyCORIS' full fine-tuning diffs ("full")
   return None
 
 
