@@ -9,6 +9,7 @@ import shutil
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -237,3 +238,36 @@ def test_pipeline_fuses_a_peft_oft_file(tmp_path):
   pipe.unload_lora("oft")
   back = _flat(nnx.state(pipe.unet))
   assert max(float(np.abs(back[p] - base[p]).max()) for p in base) < 1e-5
+
+
+class _Stack(nnx.Module):
+  def __init__(self, kernel):
+    self.kernel = nnx.Param(jnp.asarray(kernel))
+
+
+def test_scanned_stack_equals_each_layer(setup):
+  """PEFT OFT / BOFT sites on layers 0 and 2 of a stacked kernel `[3, in, out]` (as md's scanned
+  transformers hold them) merge as each layer alone does (which the UNet tests check against PEFT), and
+  unmerge back."""
+  state, _, adapters, _, _, _ = setup
+  site = next(s for s in adapters["boft"].weights if str(s).endswith("attn1/to_q/kernel"))
+  kernel = _flat(state)[site.path]  # [8, 8]
+  rng = np.random.default_rng(0)
+  stack = np.stack([kernel, rng.standard_normal(kernel.shape), kernel.T]).astype(np.float32)
+  rotations = {0: adapters["boft"].weights[site], 2: adapters["neumann"].weights[site]}
+  stacked = md_lora.Adapter(
+    {md_lora.Site(("kernel",), layer): w for layer, w in rotations.items()},
+    {md_lora.Site(("kernel",), layer): "to_q" for layer in rotations},
+    "stacked",
+    "peft",
+  )
+  merged = md_lora.merge(_Stack(stack), [(stacked, 0.6)])
+  for layer in range(3):
+    want = stack[layer]
+    if layer in rotations:
+      one = md_lora.Adapter({md_lora.Site(("kernel",)): rotations[layer]}, {}, "one", "peft")
+      want = md_lora.merge(_Stack(stack[layer]), [(one, 0.6)]).kernel.get_value()
+      assert float(np.abs(want - stack[layer]).max()) > 1e-2
+    chex.assert_trees_all_close(merged.kernel.get_value()[layer], want, atol=1e-6, rtol=0)
+  back = md_lora.unmerge(merged, [(stacked, 0.6)]).kernel.get_value()
+  chex.assert_trees_all_close(back, stack, atol=1e-5, rtol=0)
