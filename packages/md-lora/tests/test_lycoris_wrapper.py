@@ -18,7 +18,7 @@ import md_sd
 from md_core.testing import fixture_path
 
 ATOL = 1e-5
-ALGOS = ("lora", "loha", "lokr", "diag-oft", "full")
+ALGOS = ("lora", "loha", "lokr", "diag-oft", "full", "glora")
 MULTIPLIERS = (1.0, 0.6)
 
 
@@ -138,3 +138,26 @@ def test_pipeline_loads_a_wrapper_file(tmp_path):
   got = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(pipe.unet))}
   assert max(float(np.abs(got[p] - want[p]).max()) for p in want) < 1e-6
   assert max(float(np.abs(got[p] - flat[p]).max()) for p in flat) > 0.01
+
+
+def test_glora_unmerges_and_is_refused_where_it_cannot_go(setup, tmp_path):
+  """GLoRA (`ΔW = γ (W a1 a2 + b1 b2)`, the first part through the weight itself): merged at 0.6 and
+  unmerged gives the weights back; run-time slots, save_peft and the report name it."""
+  state, _, adapters, _, _, key_map = setup
+  adapter = adapters["glora"]
+  assert adapter.glora and not adapter.oft and "78 GLoRA" in repr(adapter)
+  assert all(isinstance(w, md_lora.GLoRAWeight) for w in adapter.weights.values())
+  assert " glora r=4 scale=0.5" in md_lora.lora_report(adapter)  # alpha 2 / r 4
+  base = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+  merged = md_lora.merge(state, [(adapter, 0.6)])
+  moved = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(merged)}
+  assert max(float(np.abs(moved[p] - base[p]).max()) for p in base) > 1e-2
+  back = md_lora.unmerge(merged, [(adapter, 0.6)])
+  back = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(back)}
+  assert max(float(np.abs(back[p] - base[p]).max()) for p in base) < 1e-5
+  with pytest.raises(ValueError, match=r"78 site\(s\) are LyCORIS GLoRA .*merge it"):
+    md_lora.apply_runtime(state, [(adapter, 1.0)])
+  with pytest.raises(
+    ValueError, match="a GLoRA adapter .*save_peft writes plain LoRA factors only"
+  ):
+    md_lora.save_peft(adapter, tmp_path / "x.safetensors", key_map, [], prefix="unet")

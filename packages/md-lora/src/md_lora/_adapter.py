@@ -103,12 +103,33 @@ class OFTWeight(NamedTuple):
     raise AttributeError(f"'OFTWeight' object has no attribute {name!r}")
 
 
+class GLoRAWeight(NamedTuple):
+  """A LyCORIS GLoRA site: `ΔW = γ (W a1 a2 + b1 b2)` in torch's layout (`a1 a2` mixing the weight's input
+  channels, `b1 b2` a LoRA), so in md's layout `ΔK = γ (Pᵀ ⋆ K + down ⋅ up)` with `P = a1 a2` `[in, in]`
+  acting on the kernel's input axis (`K[..., i, o]`, a convolution's taps untouched). The first part depends
+  on the weight: only `md_lora.merge` applies it.
+
+  `down` / `up` are the LoRA part in md's layout (as `LoRAWeight`'s), `mix_a` `[in, r]` / `mix_b` `[r, in]`
+  LyCORIS' `a1` / `a2`; `scale` is γ = alpha / r (the user's scale multiplies it, as LyCORIS' multiplier)."""
+
+  down: Any
+  up: Any
+  scale: float
+  mix_a: Any
+  mix_b: Any
+
+  @property
+  def rank(self) -> int:
+    return int(np.shape(self.down)[-1])
+
+
 class Adapter(NamedTuple):
   """One LoRA file read for one model.
 
   Attributes:
-    weights: `{Site: LoRAWeight or OFTWeight}` for every adapted md parameter (per layer for stacked
-      ones); an `OFTWeight` is a LyCORIS OFT / BOFT rotation (merge only).
+    weights: `{Site: LoRAWeight, OFTWeight or GLoRAWeight}` for every adapted md parameter (per layer
+      for stacked ones); an `OFTWeight` is an OFT / BOFT rotation, a `GLoRAWeight` a LyCORIS GLoRA
+      (both merge only).
     names: `{Site: reference module name}` it came from (`down_blocks.0.attentions.0.proj_in`).
     source: the file read (or a description, e.g. "extracted").
     format: the file format: "peft" (diffusers / PEFT `lora_A` / `lora_B`) or "kohya" (`lora_down` /
@@ -116,7 +137,7 @@ class Adapter(NamedTuple):
     skipped: file keys the caller allowed to stay unmatched (`allow_unmatched`).
   """
 
-  weights: dict[Site, LoRAWeight | OFTWeight]
+  weights: dict[Site, LoRAWeight | OFTWeight | GLoRAWeight]
   names: dict[Site, str]
   source: str
   format: str
@@ -126,10 +147,12 @@ class Adapter(NamedTuple):
     lora = [w for w in self.weights.values() if isinstance(w, LoRAWeight)]
     ranks = sorted({w.rank for w in lora})
     dora = sum(w.magnitude is not None for w in lora)
-    oft = len(self.weights) - len(lora)
+    oft = sum(isinstance(w, OFTWeight) for w in self.weights.values())
+    glora = sum(isinstance(w, GLoRAWeight) for w in self.weights.values())
     return (
       f"Adapter({self.source!r}, format={self.format!r}, {len(self.weights)} sites, ranks {ranks}"
-      f"{f', {dora} DoRA' if dora else ''}{f', {oft} OFT' if oft else ''}, "
+      f"{f', {dora} DoRA' if dora else ''}{f', {oft} OFT' if oft else ''}"
+      f"{f', {glora} GLoRA' if glora else ''}, "
       f"{len(self.skipped)} skipped)"
     )
 
@@ -138,6 +161,11 @@ class Adapter(NamedTuple):
     """Whether any site is a DoRA one (a `magnitude`): its run-time slots need gain slots, and it cannot be
     unmerged."""
     return any(isinstance(w, LoRAWeight) and w.magnitude is not None for w in self.weights.values())
+
+  @property
+  def glora(self) -> bool:
+    """Whether any site is a LyCORIS GLoRA (`GLoRAWeight`): merge only, like OFT."""
+    return any(isinstance(w, GLoRAWeight) for w in self.weights.values())
 
   @property
   def oft(self) -> bool:

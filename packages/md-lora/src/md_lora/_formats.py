@@ -114,6 +114,10 @@ _LOKR_SLOTS = (
 # BOFT [stages, num, b, b]), a per-output `rescale` [out, 1, ...]; the module's `.alpha` is the constraint.
 _OFT = re.compile(r"(?P<module>.+)\.(?P<slot>oft_blocks|rescale)")
 _OFT_SLOTS = ("oft_blocks", "rescale")
+# LyCORIS GLoRA: `ΔW = (W a1 a2 + b1 b2) · alpha / r` (`a2` `[r, in, 1…]`, `a1` `[in, r, 1…]` mix the input
+# channels; `b2` `[r, in, *k]`, `b1` `[out, r, 1…]` a LoRA).
+_GLORA = re.compile(r"(?P<module>.+)\.(?P<slot>[ab][12])\.weight")
+_GLORA_SLOTS = ("a1", "a2", "b1", "b2")
 # PEFT's OFT (>= 0.14): per module the strict upper triangles (row-major) of `r` skew-symmetric b x b blocks
 # `[r, b(b-1)/2]` (`[1, …]` when `block_share`), rotating the weight's input axis.
 _PEFT_OFT = re.compile(r"(?P<module>.+)\.oft_R(?:\.(?P<adapter>[A-Za-z_]\w*))?\.weight")
@@ -277,6 +281,18 @@ class RawOFT(NamedTuple):
   rule: str = "lycoris"
 
 
+class RawGLoRA(NamedTuple):
+  """One LyCORIS GLoRA module as stored, checked (torch layout; see `md_lora.GLoRAWeight`)."""
+
+  module: str
+  a1: np.ndarray  # [in, r]
+  a2: np.ndarray  # [r, in]
+  b1: np.ndarray  # [out, r, 1…]
+  b2: np.ndarray  # [r, in, *k]
+  scale: float  # alpha / r
+  keys: tuple[str, ...]
+
+
 class RawDelta(NamedTuple):
   """A full (not low-rank) delta on one tensor, as lightx2v's `diff` / `diff_b` keys hold them."""
 
@@ -316,7 +332,7 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   """
   if any(_XLABS.fullmatch(k) for k in keys):
     return "xlabs"
-  comfy = (_FACTORS["comfyui"], _DIFF, _LOHA, _LOKR, _OFT)
+  comfy = (_FACTORS["comfyui"], _DIFF, _LOHA, _LOKR, _OFT, _GLORA)
   factors = [k for k in keys if any(p.fullmatch(k) for p in comfy)]
   if factors and sum(k.startswith(COMFY_PREFIXES[:2]) for k in factors) * 2 > len(factors):
     return "comfyui"
@@ -325,7 +341,7 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   ):
     return "peft"
   if any(
-    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT, _DIFF))
+    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT, _DIFF, _GLORA))
     and k.startswith(("lora_", "lycoris_"))
     for k in keys
   ):
@@ -408,7 +424,7 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
   m = _ALPHA.fullmatch(key)
   if m:
     return m["module"], "alpha"
-  for lycoris in (_LOHA, _LOKR, _OFT):
+  for lycoris in (_LOHA, _LOKR, _OFT, _GLORA):
     m = lycoris.fullmatch(key)
     if m and fmt in ("kohya", "comfyui") and (fmt == "comfyui" or "." not in m["module"]):
       return m["module"], m["slot"]
@@ -526,6 +542,9 @@ def read_modules(
         deltas.append(RawDelta(name, kind, np.asarray(tensors[found[slot]]), found[slot]))
     if set(_OFT_SLOTS) & set(found):
       rotations.append(_oft(path, module, name, found, tensors))
+      continue
+    if set(_GLORA_SLOTS) & set(found):
+      rotations.append(_glora(path, module, name, found, tensors))
       continue
     if "oft_R" in found:
       rotations.append(_peft_oft(path, module, name, found, tensors, cfg))
@@ -986,3 +1005,41 @@ def _peft_boft(
   rot = np.linalg.solve(eye + q, eye - q).astype(np.float32)  # (I + Q) and (I - Q) commute
   keys = (key, found["boft_s"])
   return RawOFT(name, rot, 0.0, scales.reshape(-1), True, keys, "peft")
+
+
+def _glora(
+  path: pathlib.Path,
+  module: str,
+  name: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+) -> RawGLoRA:
+  """A LyCORIS GLoRA module: `a1` `[in, r, 1…]`, `a2` `[r, in, 1…]` (linear: `[in, r]`, `[r, in]`), `b1`
+  `[out, r, 1…]`, `b2` `[r, in, *k]`, `alpha` (0 or none: r); scale alpha / r, as LyCORIS' `GLoRAModule`."""
+  extra = sorted(set(found) - {*_GLORA_SLOTS, "alpha"})
+  missing = [s for s in _GLORA_SLOTS if s not in found]
+  if extra or missing:
+    what = ", ".join(repr(found[k]) for k in extra) if extra else f"no {' / '.join(missing)}"
+    raise LoRAFileError(
+      f"{path}: GLoRA module {module!r} has {what}; a GLoRA module holds a1, a2, b1, b2 (and alpha; "
+      "md does not read its Tucker form, `bm`)"
+    )
+  a1, a2, b1, b2 = (np.asarray(tensors[found[s]]) for s in _GLORA_SLOTS)
+  r = a2.shape[0] if a2.ndim else 0
+  fan_in = a1.shape[0] if a1.ndim else 0
+  ok = (
+    a1.ndim >= 2 and a2.ndim >= 2 and b1.ndim >= 2 and b2.ndim >= 2
+    and all(d == 1 for d in (*a1.shape[2:], *a2.shape[2:], *b1.shape[2:]))
+    and a1.shape[1] == r and a2.shape[1] == fan_in and b1.shape[1] == r and b2.shape[:2] == (r, fan_in)
+  )  # fmt: skip
+  if not ok:
+    shapes = ", ".join(f"{s} {tuple(np.shape(t))}" for s, t in zip(_GLORA_SLOTS, (a1, a2, b1, b2)))
+    raise LoRAFileError(
+      f"{path}: GLoRA module {module!r}: {shapes}; LyCORIS stores a1 [in, r, 1…], a2 [r, in, 1…], "
+      "b1 [out, r, 1…], b2 [r, in, *k]"
+    )
+  alpha = float(r)
+  if "alpha" in found:
+    alpha = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}") or float(r)
+  keys = (found["a1"], *(k for s, k in found.items() if s != "a1"))
+  return RawGLoRA(name, a1.reshape(fan_in, r), a2.reshape(r, fan_in), b1, b2, alpha / r, keys)

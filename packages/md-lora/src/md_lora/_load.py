@@ -15,11 +15,12 @@ from flax import nnx
 
 import md_core
 from md_core import KeyMap, Target, path_str
-from md_lora._adapter import Adapter, LoRAWeight, OFTWeight, Site
+from md_lora._adapter import Adapter, GLoRAWeight, LoRAWeight, OFTWeight, Site
 from md_lora._formats import (
   FORMATS,
   LoRAFileError,
   RawDelta,
+  RawGLoRA,
   RawLoRA,
   RawOFT,
   detect_format,
@@ -214,7 +215,10 @@ def _translate(
         out_deltas.append(d._replace(module=name, delta=d.delta[rows]))
   out_rotations = []
   for rot in rotations:
-    out = rot.blocks.shape[1] * rot.blocks.shape[2]
+    if isinstance(rot, RawGLoRA):
+      out = rot.b1.shape[0]
+    else:
+      out = rot.blocks.shape[1] * rot.blocks.shape[2]
     pieces = move(rot.module, out, 0)
     if pieces is None:
       unknown.append((rot.keys[0], why + f" ({rot.module!r})"))
@@ -320,7 +324,11 @@ def load_lora(
   def place(site: Site, weight: LoRAWeight | OFTWeight, module: str, key: str, what: str) -> None:
     shape = shapes[site.path]
     want = shape[1:] if site.layer is not None else shape
-    if isinstance(weight, OFTWeight):
+    if isinstance(weight, GLoRAWeight):
+      got = tuple(np.shape(weight.down)[:-1]) + tuple(np.shape(weight.up)[1:])
+      problem = f"the GLoRA of {module!r} ({what}) is {got} in md's layout, the model's "
+      problem += f"{str(site)!r} is {want}"
+    elif isinstance(weight, OFTWeight):
       axis = "inputs" if weight.rule == "peft" else "outputs"
       if weight.rule == "peft":  # a convolution's inputs flattened with its kernel axes
         got, want = weight.size, math.prod(want[:-1]) if len(want) > 1 else None
@@ -387,6 +395,9 @@ def load_lora(
         down, up = delta_factors(mod.bias, target)
         place(site, LoRAWeight(down, up, scale), mod.module, bias_key, f"bias {mod.bias.shape}")
   for rot in rotations:
+    if isinstance(rot, RawGLoRA):
+      _place_glora(rot, path, shapes, targets_of, place, misshaped, bad_ids)
+      continue
     peft = rot.rule == "peft"
     kind = ("PEFT " if peft else "") + ("BOFT" if rot.butterfly else "OFT")
     what = f"{kind} blocks {rot.blocks.shape[1:] if not rot.butterfly else rot.blocks.shape}"
@@ -459,6 +470,32 @@ def load_lora(
   return Adapter(weights, names, str(path), fmt, tuple(skipped))
 
 
+def _place_glora(rot, path, shapes, targets_of, place, misshaped, bad_ids) -> None:
+  """A GLoRA module onto its md kernel: the LoRA part as `lora_factors` converts it, the input mix as
+  stored (it acts on the kernel's input axis, which every md layout keeps second to last)."""
+  what = f"a1 {rot.a1.shape}, a2 {rot.a2.shape}, b1 {rot.b1.shape}, b2 {rot.b2.shape}"
+  for target in targets_of(rot.module + ".weight", rot.keys, rot.module):
+    site = Site(tuple(target.path), target.layer)
+    layer = shapes[site.path][1:] if site.layer is not None else shapes[site.path]
+    problem = None
+    if target.split is not None or target.layout == "identity":
+      how = "part of a fused tensor" if target.split is not None else "kept in torch's layout"
+      problem = f"GLoRA module {rot.module!r} cannot follow {str(site)!r} ({how})"
+    elif len(layer) < 2 or layer[-2] != rot.a1.shape[0]:
+      problem = f"GLoRA {rot.module!r} mixes {rot.a1.shape[0]} inputs, {str(site)!r} is {layer}"
+    else:
+      try:
+        down, up = lora_factors(rot.b2, rot.b1, target, tuple(layer))
+      except ValueError as e:
+        problem = f"{rot.module!r} cannot follow {str(site)!r} ({e})"
+    if problem is not None:
+      bad_ids.add(rot.keys[0])
+      misshaped.append(f"{path}: {rot.keys[0]!r}: {problem}")
+      continue
+    weight = GLoRAWeight(down, up, rot.scale, rot.a1, rot.a2)
+    place(site, weight, rot.module, rot.keys[0], what)
+
+
 def lora_report(adapter: Adapter) -> str:
   """Every adapted md site with the file module it came from, its rank and scale; then the skipped keys.
 
@@ -469,6 +506,9 @@ def lora_report(adapter: Adapter) -> str:
   lines = [repr(adapter)]
   for site in sorted(adapter.weights, key=str):
     w = adapter.weights[site]
+    if isinstance(w, GLoRAWeight):
+      lines.append(f"  {str(site)}  <- {adapter.names[site]}  glora r={w.rank} scale={w.scale:g}")
+      continue
     if isinstance(w, OFTWeight):
       stages, num, b = np.shape(w.blocks)[:3]
       kind = f"boft stages={stages}" if w.butterfly else "oft"

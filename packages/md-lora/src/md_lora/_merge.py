@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from md_lora._adapter import Adapter, LoRAWeight, OFTWeight, Site
+from md_lora._adapter import Adapter, GLoRAWeight, LoRAWeight, OFTWeight, Site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -110,6 +110,11 @@ def merge(
           raise ValueError(
             f"{adapter.source}: delta for {str(site)!r} is {got}, the weight is {want}"
           )
+        if isinstance(w, GLoRAWeight) and np.shape(w.mix_a)[0] != want[-2]:
+          raise ValueError(
+            f"{adapter.source}: the GLoRA for {str(site)!r} mixes {np.shape(w.mix_a)[0]} inputs, "
+            f"the weight is {want}"
+          )
       touched[site.path] = value
       factors.append((site, w, sign * float(s)))
   if not factors:
@@ -120,6 +125,8 @@ def merge(
   # "lycoris"), or ("oft" | "boft", inverted) for a rotation.
   sites = tuple((site.path, site.layer, _kind(w, sign)) for site, w, _ in factors)
   lora = [isinstance(w, LoRAWeight) for _, w, _ in factors]
+  low_rank = [isinstance(w, LoRAWeight | GLoRAWeight) for _, w, _ in factors]  # down / up factors
+  glora = [isinstance(w, GLoRAWeight) for _, w, _ in factors]
   weights = [touched[p] for p in paths]
   shardings = [getattr(w, "sharding", None) for w in weights]
   # On a mesh the merged weights keep their shardings; on one device they stay as placed (an uncommitted
@@ -128,23 +135,27 @@ def merge(
   out_shardings = tuple(shardings) if named else None
   new = _program(paths, sites, out_shardings)(
     weights,
-    [w.down if is_lora else None for (_, w, _), is_lora in zip(factors, lora)],
-    [w.up if is_lora else None for (_, w, _), is_lora in zip(factors, lora)],
-    # Δ's scale (peft's rule); 0 for a rotation
+    [w.down if f else None for (_, w, _), f in zip(factors, low_rank)],
+    [w.up if f else None for (_, w, _), f in zip(factors, low_rank)],
+    # Δ's scale (peft's rule; GLoRA's γ times the user's scale); 0 for a rotation
     jnp.asarray(
-      [k * w.scale if is_lora else 0.0 for (_, w, k), is_lora in zip(factors, lora)], jnp.float32
+      [k * w.scale if f else 0.0 for (_, w, k), f in zip(factors, low_rank)], jnp.float32
     ),
     [w.magnitude if is_lora else None for (_, w, _), is_lora in zip(factors, lora)],
     # LyCORIS' DoRA: (file scale, user's); a rotation: (norm bound, the user's scale without the sign)
     jnp.asarray(
       [
-        [w.scale, k] if is_lora else [w.constraint, k * sign]
-        for (_, w, k), is_lora in zip(factors, lora)
+        [w.scale, k] if is_lora else [0.0 if g else w.constraint, k * sign]
+        for (_, w, k), is_lora, g in zip(factors, lora, glora)
       ],
       jnp.float32,
     ),
-    [None if is_lora else w.blocks for (_, w, _), is_lora in zip(factors, lora)],
-    [None if is_lora else w.rescale for (_, w, _), is_lora in zip(factors, lora)],
+    # a rotation's blocks; GLoRA's input mix (a1, a2)
+    [
+      None if is_lora else (w.mix_a, w.mix_b) if g else w.blocks
+      for (_, w, _), is_lora, g in zip(factors, lora, glora)
+    ],
+    [None if is_lora or g else w.rescale for (_, w, _), is_lora, g in zip(factors, lora, glora)],
   )
   replaced = dict(zip(paths, new))
   merged = nnx.from_flat_state(
@@ -154,6 +165,8 @@ def merge(
 
 
 def _kind(w: LoRAWeight | OFTWeight, sign: float) -> Any:
+  if isinstance(w, GLoRAWeight):
+    return ("glora", sign < 0)
   if isinstance(w, OFTWeight):
     kind = "boft" if w.butterfly else "oft"
     return ("peft-" + kind if w.rule == "peft" else kind, sign < 0)
@@ -167,7 +180,7 @@ def _check_unmerge_oft(adapters: Sequence[tuple[Adapter, float]]) -> None:
     site
     for adapter, _ in adapters
     for site, w in adapter.weights.items()
-    if isinstance(w, OFTWeight)
+    if isinstance(w, OFTWeight | GLoRAWeight)
   )
   twice = [str(site) for site, n in rotated.items() if n > 1]
   if twice:
@@ -277,6 +290,24 @@ def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
       acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
     for i in rotations:
       path, layer, (kind, inverse) = sites[i]
+      if kind == "glora":  # W + γ (W ×ᵢₙ P + D), P = a1 a2 mixing the kernel's input axis
+        a1, a2 = (x.astype(jnp.float32) for x in blocks[i])
+        mix = jnp.matmul(a1, a2, precision=_HIGHEST)  # [in, in]
+        product = jnp.tensordot(
+          downs[i].astype(jnp.float32), ups[i].astype(jnp.float32), 1, precision=_HIGHEST
+        )
+        gamma = -mults[i] if inverse else mults[i]  # the user's scale, its sign taken off
+        if not inverse:
+          w = base[path] if layer is None else base[path][layer]
+          delta = gamma * (jnp.einsum("...io,ij->...jo", w, mix, precision=_HIGHEST) + product)
+          acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
+          continue
+        # unmerge: W = (W' - γ D) ×ᵢₙ (I + γ P)⁻¹, W' the weight with the other adapters' deltas off
+        w = (acc[path] if layer is None else acc[path][layer]) - gamma * product
+        eye = jnp.eye(mix.shape[0], dtype=jnp.float32)
+        w = jnp.einsum("...io,ij->...jo", w, jnp.linalg.inv(eye + gamma * mix), precision=_HIGHEST)
+        acc[path] = w if layer is None else acc[path].at[layer].set(w)
+        continue
       if kind.startswith(
         "peft-"
       ):  # the rotations themselves, taken toward the identity by the scale

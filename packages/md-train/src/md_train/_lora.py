@@ -346,6 +346,11 @@ def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
     raise ValueError(
       f"{adapter.source}: an OFT adapter (rotations); training continues plain LoRA factors only"
     )
+  if getattr(adapter, "glora", False):
+    raise ValueError(
+      f"{adapter.source}: a GLoRA adapter (a mix of the weight itself); training continues plain "
+      "LoRA factors only"
+    )
   by_site = {(tuple(s.path[:-1]), s.layer): w for s, w in adapter.weights.items()}
   want = {(tuple(_path_parts(p)), layer): m for m, (p, layer) in lora.modules.items()}
   missing = sorted(m for k, m in want.items() if k not in by_site)
