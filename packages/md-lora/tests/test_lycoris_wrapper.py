@@ -18,7 +18,7 @@ import md_sd
 from md_core.testing import fixture_path
 
 ATOL = 1e-5
-ALGOS = ("lora", "loha", "lokr", "diag-oft", "full", "glora")
+ALGOS = ("lora", "loha", "lokr", "diag-oft", "full", "glora", "lora-norms")
 MULTIPLIERS = (1.0, 0.6)
 
 
@@ -38,7 +38,8 @@ def test_every_module_is_read_as_kohya(setup):
   for algo, adapter in adapters.items():
     assert adapter.format == "kohya" and not adapter.skipped, algo
     # full: a delta on each of the 78 weights and on the 54 biases (to_q / to_k / to_v have none)
-    assert len(adapter.weights) == (132 if algo == "full" else 78), algo
+    # lora-norms: the 78 LoCon sites and the 32 norm layers' scale and bias (whole deltas)
+    assert len(adapter.weights) == {"full": 132, "lora-norms": 142}.get(algo, 78), algo
     assert bool(adapter.oft) == (algo == "diag-oft"), algo
   sites = {str(s) for s in adapters["lora"].weights}
   words = ("time_emb_proj", "downsampler/", "upsampler/", "proj_in", "ff/proj_out", "conv_shortcut")

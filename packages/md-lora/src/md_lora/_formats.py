@@ -11,7 +11,8 @@ Four formats, told apart by their key names (`format=` forces one):
            sd-scripts, A1111, musubi-tuner): UNet names in diffusers' tree or SGM's (`input_blocks_4_1_…`,
            kohya's SDXL files), text encoders `lora_te_` / `lora_te1_` / `lora_te2_`, Flux in BFL names,
            Wan in its original names; LyCORIS' own wrapper writes the same names under `lycoris_`
-           (its "full" algorithm: whole deltas `.diff` / `.diff_b`, as ComfyUI's, not scaled). A
+           (its "full" algorithm: whole deltas `.diff` / `.diff_b`, as ComfyUI's, not scaled; its norm
+           modules' `.w_norm` / `.b_norm` the same on a norm layer's weight and bias). A
            module without `.alpha` in a file whose other modules have one is an error (`default_alpha=`
            assumes one); a file without any alpha gets alpha = r, as sd-scripts.
   comfyui: `diffusion_model.<module>.lora_A|lora_down.weight` / `lora_B|lora_up.weight` / `.alpha`, names as
@@ -93,6 +94,9 @@ _MAGNITUDE = re.compile(r"(?P<module>.+)\.lora_magnitude_vector(?:\.[A-Za-z_]\w*
 # LyCORIS DoRA (`weight_decompose`): the norms `[out, 1, …]` (per output) or `[1, in, 1, …]` (per input).
 _DORA_SCALE = re.compile(r"(?P<module>.+)\.dora_scale")
 _DIFF = re.compile(r"(?P<module>.+)\.(?P<kind>diff|diff_b)")
+# LyCORIS' NormModule (`train_norm`): whole deltas on a norm layer's weight and bias, read as `diff` / `diff_b`.
+_NORM = re.compile(r"(?P<module>.+)\.(?P<kind>w_norm|b_norm)")
+_NORM_KIND = {"w_norm": "diff", "b_norm": "diff_b"}
 # LyCORIS LoHa: delta = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r (Hadamard product of two low-rank factors);
 # on a convolution with Tucker cores each part is einsum("abkl,bq,ap->pqkl", hada_t, hada_w_b, hada_w_a).
 _LOHA = re.compile(r"(?P<module>.+)\.(?P<slot>hada_(?:w[12]_[ab]|t[12]))")
@@ -444,6 +448,9 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
   m = _DIFF.fullmatch(key)
   if m and (fmt in ("comfyui", "peft") or (fmt == "kohya" and "." not in m["module"])):
     return m["module"], m["kind"]  # kohya names: LyCORIS' full fine-tuning diffs ("full")
+  m = _NORM.fullmatch(key)
+  if m and (fmt == "comfyui" or (fmt == "kohya" and "." not in m["module"])):
+    return m["module"], _NORM_KIND[m["kind"]]
   return None
 
 
