@@ -18,7 +18,7 @@ import md_sd
 from md_core.testing import fixture_path
 
 ATOL = 1e-5
-ALGOS = ("lora", "loha", "lokr", "diag-oft", "full", "glora", "lora-norms")
+ALGOS = ("lora", "loha", "lokr", "diag-oft", "full", "glora", "lora-norms", "ia3", "ia3-input")
 MULTIPLIERS = (1.0, 0.6)
 
 
@@ -141,14 +141,21 @@ def test_pipeline_loads_a_wrapper_file(tmp_path):
   assert max(float(np.abs(got[p] - flat[p]).max()) for p in flat) > 0.01
 
 
-def test_glora_unmerges_and_is_refused_where_it_cannot_go(setup, tmp_path):
-  """GLoRA (`ΔW = γ (W a1 a2 + b1 b2)`, the first part through the weight itself): merged at 0.6 and
-  unmerged gives the weights back; run-time slots, save_peft and the report name it."""
+@pytest.mark.parametrize("algo", ["glora", "ia3-input"])
+def test_weight_dependent_deltas_unmerge_and_are_refused_where_they_cannot_go(
+  setup, tmp_path, algo
+):
+  """GLoRA (`ΔW = γ (W a1 a2 + b1 b2)`) and IA³ (`W · (1 + k v)`), deltas through the weight itself:
+  merged at 0.6 and unmerged gives the weights back; run-time slots, save_peft and the report name them."""
   state, _, adapters, _, _, key_map = setup
-  adapter = adapters["glora"]
-  assert adapter.glora and not adapter.oft and "78 GLoRA" in repr(adapter)
-  assert all(isinstance(w, md_lora.GLoRAWeight) for w in adapter.weights.values())
-  assert " glora r=4 scale=0.5" in md_lora.lora_report(adapter)  # alpha 2 / r 4
+  adapter = adapters[algo]
+  kind = "GLoRA" if algo == "glora" else "IA3"
+  assert not adapter.oft and f"78 {kind}" in repr(adapter)
+  assert adapter.glora == (algo == "glora") and adapter.ia3 == (algo != "glora")
+  weight = md_lora.GLoRAWeight if algo == "glora" else md_lora.IA3Weight
+  assert all(isinstance(w, weight) for w in adapter.weights.values())
+  line = " glora r=4 scale=0.5" if algo == "glora" else " ia3 (inputs) n="  # GLoRA: alpha 2 / r 4
+  assert line in md_lora.lora_report(adapter)
   base = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
   merged = md_lora.merge(state, [(adapter, 0.6)])
   moved = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(merged)}
@@ -156,9 +163,9 @@ def test_glora_unmerges_and_is_refused_where_it_cannot_go(setup, tmp_path):
   back = md_lora.unmerge(merged, [(adapter, 0.6)])
   back = {tuple(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(back)}
   assert max(float(np.abs(back[p] - base[p]).max()) for p in base) < 1e-5
-  with pytest.raises(ValueError, match=r"78 site\(s\) are LyCORIS GLoRA .*merge it"):
+  with pytest.raises(ValueError, match=rf"78 site\(s\) are LyCORIS {kind} .*merge it"):
     md_lora.apply_runtime(state, [(adapter, 1.0)])
   with pytest.raises(
-    ValueError, match="a GLoRA adapter .*save_peft writes plain LoRA factors only"
+    ValueError, match="a GLoRA / IA3 adapter .*save_peft writes plain LoRA factors"
   ):
     md_lora.save_peft(adapter, tmp_path / "x.safetensors", key_map, [], prefix="unet")

@@ -5,7 +5,7 @@ A LoRA on a reference module `M` is a delta on its weight `M.weight`; the family
 part of a fused tensor and which layer of a stack, so one reader serves every family.
 """
 
-from md_lora._adapter import Adapter, GLoRAWeight, LoRAWeight, OFTWeight, Site
+from md_lora._adapter import Adapter, GLoRAWeight, IA3Weight, LoRAWeight, OFTWeight, Site
 from md_lora._extract import Extraction, extract_lora, save_peft
 from md_lora._formats import FORMATS, LoRAFileError, detect_format, kohya_module_name
 from md_lora._load import load_lora, lora_factors, lora_report
@@ -20,6 +20,7 @@ __all__ = [
   "LoRAFileError",
   "LoRAWeight",
   "GLoRAWeight",
+  "IA3Weight",
   "OFTWeight",
   "Site",
   "apply_runtime",

@@ -123,6 +123,14 @@ class GLoRAWeight(NamedTuple):
     return int(np.shape(self.down)[-1])
 
 
+class IA3Weight(NamedTuple):
+  """A LyCORIS IA³ site: the weight's output (or, `on_input`, input) channels scaled, `W' = W · (1 + k·v)`
+  (the layer's bias untouched, as LyCORIS' merged weight). Through the weight itself: merge only."""
+
+  vector: Any  # [out] or [in]
+  on_input: bool = False
+
+
 class Adapter(NamedTuple):
   """One LoRA file read for one model.
 
@@ -137,7 +145,7 @@ class Adapter(NamedTuple):
     skipped: file keys the caller allowed to stay unmatched (`allow_unmatched`).
   """
 
-  weights: dict[Site, LoRAWeight | OFTWeight | GLoRAWeight]
+  weights: dict[Site, LoRAWeight | OFTWeight | GLoRAWeight | IA3Weight]
   names: dict[Site, str]
   source: str
   format: str
@@ -149,10 +157,11 @@ class Adapter(NamedTuple):
     dora = sum(w.magnitude is not None for w in lora)
     oft = sum(isinstance(w, OFTWeight) for w in self.weights.values())
     glora = sum(isinstance(w, GLoRAWeight) for w in self.weights.values())
+    ia3 = sum(isinstance(w, IA3Weight) for w in self.weights.values())
     return (
       f"Adapter({self.source!r}, format={self.format!r}, {len(self.weights)} sites, ranks {ranks}"
       f"{f', {dora} DoRA' if dora else ''}{f', {oft} OFT' if oft else ''}"
-      f"{f', {glora} GLoRA' if glora else ''}, "
+      f"{f', {glora} GLoRA' if glora else ''}{f', {ia3} IA3' if ia3 else ''}, "
       f"{len(self.skipped)} skipped)"
     )
 
@@ -166,6 +175,11 @@ class Adapter(NamedTuple):
   def glora(self) -> bool:
     """Whether any site is a LyCORIS GLoRA (`GLoRAWeight`): merge only, like OFT."""
     return any(isinstance(w, GLoRAWeight) for w in self.weights.values())
+
+  @property
+  def ia3(self) -> bool:
+    """Whether any site is a LyCORIS IA³ (`IA3Weight`): merge only, like OFT."""
+    return any(isinstance(w, IA3Weight) for w in self.weights.values())
 
   @property
   def oft(self) -> bool:

@@ -133,8 +133,10 @@ def save_peft(
       inverse[Site(tuple(t.path), t.layer)] = (name[: -len(".weight")], t)
   if adapter.dora:
     raise ValueError(f"{adapter.source}: a DoRA adapter; save_peft writes plain LoRA factors only")
-  if adapter.oft or adapter.glora:
-    kind = "an OFT adapter (rotations" if adapter.oft else "a GLoRA adapter (a mix of the weight"
+  if adapter.oft or adapter.glora or adapter.ia3:
+    kind = (
+      "an OFT adapter (rotations" if adapter.oft else "a GLoRA / IA3 adapter (through the weight"
+    )
     raise ValueError(
       f"{adapter.source}: {kind}, not low-rank factors); save_peft writes plain LoRA factors only: "
       "merge it (md_lora.merge) instead"

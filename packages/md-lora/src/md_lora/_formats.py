@@ -122,6 +122,10 @@ _OFT_SLOTS = ("oft_blocks", "rescale")
 # channels; `b2` `[r, in, *k]`, `b1` `[out, r, 1…]` a LoRA).
 _GLORA = re.compile(r"(?P<module>.+)\.(?P<slot>[ab][12])\.weight")
 _GLORA_SLOTS = ("a1", "a2", "b1", "b2")
+# LyCORIS IA³: `<module>.weight` (a vector: `[out]` / `[in]`, a convolution's `[1, n, 1…]`) scaling the weight's
+# output channels, or its input channels when `<module>.on_input` is 1; kohya names only (`.weight` alone
+# names nothing else there).
+_IA3 = re.compile(r"(?P<module>[^.]+)\.(?P<slot>weight|on_input)")
 # PEFT's OFT (>= 0.14): per module the strict upper triangles (row-major) of `r` skew-symmetric b x b blocks
 # `[r, b(b-1)/2]` (`[1, …]` when `block_share`), rotating the weight's input axis.
 _PEFT_OFT = re.compile(r"(?P<module>.+)\.oft_R(?:\.(?P<adapter>[A-Za-z_]\w*))?\.weight")
@@ -297,6 +301,15 @@ class RawGLoRA(NamedTuple):
   keys: tuple[str, ...]
 
 
+class RawIA3(NamedTuple):
+  """One LyCORIS IA³ module as stored, checked (see `md_lora.IA3Weight`)."""
+
+  module: str
+  vector: np.ndarray  # [n]
+  on_input: bool
+  keys: tuple[str, ...]
+
+
 class RawDelta(NamedTuple):
   """A full (not low-rank) delta on one tensor, as lightx2v's `diff` / `diff_b` keys hold them."""
 
@@ -345,7 +358,7 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   ):
     return "peft"
   if any(
-    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT, _DIFF, _GLORA))
+    any(p.fullmatch(k) for p in (_KOHYA_FACTOR, _LOHA, _LOKR, _OFT, _DIFF, _GLORA, _IA3))
     and k.startswith(("lora_", "lycoris_"))
     for k in keys
   ):
@@ -451,6 +464,9 @@ def _split_key(key: str, fmt: str) -> tuple[str, str] | None:
   m = _NORM.fullmatch(key)
   if m and (fmt == "comfyui" or (fmt == "kohya" and "." not in m["module"])):
     return m["module"], _NORM_KIND[m["kind"]]
+  m = _IA3.fullmatch(key)
+  if m and fmt == "kohya":
+    return m["module"], "ia3_" + m["slot"]
   return None
 
 
@@ -552,6 +568,9 @@ def read_modules(
       continue
     if set(_GLORA_SLOTS) & set(found):
       rotations.append(_glora(path, module, name, found, tensors))
+      continue
+    if {"ia3_weight", "ia3_on_input"} & set(found):
+      rotations.append(_ia3(path, module, name, found, tensors))
       continue
     if "oft_R" in found:
       rotations.append(_peft_oft(path, module, name, found, tensors, cfg))
@@ -1050,3 +1069,29 @@ def _glora(
     alpha = _alpha_of(tensors[found["alpha"]], f"{path}: {found['alpha']!r}") or float(r)
   keys = (found["a1"], *(k for s, k in found.items() if s != "a1"))
   return RawGLoRA(name, a1.reshape(fan_in, r), a2.reshape(r, fan_in), b1, b2, alpha / r, keys)
+
+
+def _ia3(
+  path: pathlib.Path,
+  module: str,
+  name: str,
+  found: Mapping[str, str],
+  tensors: Mapping[str, np.ndarray],
+) -> RawIA3:
+  """A LyCORIS IA³ module: `weight` (one factor per output, or per input with `on_input` 1) and
+  `on_input`."""
+  extra = sorted(set(found) - {"ia3_weight", "ia3_on_input"})
+  if extra or len(found) != 2:
+    keys = ", ".join(repr(k) for k in found.values())
+    raise LoRAFileError(
+      f"{path}: IA3 module {module!r} has {keys}; a LyCORIS IA3 module holds weight and on_input"
+    )
+  vector = np.asarray(tensors[found["ia3_weight"]])
+  flag = np.asarray(tensors[found["ia3_on_input"]])
+  if vector.size == 0 or sum(d != 1 for d in vector.shape) > 1 or flag.size != 1:
+    raise LoRAFileError(
+      f"{path}: IA3 module {module!r}: {found['ia3_weight']!r} has shape {vector.shape} and "
+      f"{found['ia3_on_input']!r} {flag.shape}; LyCORIS stores one factor per channel and one flag"
+    )
+  keys = (found["ia3_weight"], found["ia3_on_input"])
+  return RawIA3(name, vector.reshape(-1), bool(flag.reshape(())), keys)

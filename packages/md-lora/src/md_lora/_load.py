@@ -15,12 +15,13 @@ from flax import nnx
 
 import md_core
 from md_core import KeyMap, Target, path_str
-from md_lora._adapter import Adapter, GLoRAWeight, LoRAWeight, OFTWeight, Site
+from md_lora._adapter import Adapter, GLoRAWeight, IA3Weight, LoRAWeight, OFTWeight, Site
 from md_lora._formats import (
   FORMATS,
   LoRAFileError,
   RawDelta,
   RawGLoRA,
+  RawIA3,
   RawLoRA,
   RawOFT,
   detect_format,
@@ -217,6 +218,8 @@ def _translate(
   for rot in rotations:
     if isinstance(rot, RawGLoRA):
       out = rot.b1.shape[0]
+    elif isinstance(rot, RawIA3):
+      out = 0 if rot.on_input else len(rot.vector)
     else:
       out = rot.blocks.shape[1] * rot.blocks.shape[2]
     pieces = move(rot.module, out, 0)
@@ -324,7 +327,12 @@ def load_lora(
   def place(site: Site, weight: LoRAWeight | OFTWeight, module: str, key: str, what: str) -> None:
     shape = shapes[site.path]
     want = shape[1:] if site.layer is not None else shape
-    if isinstance(weight, GLoRAWeight):
+    if isinstance(weight, IA3Weight):
+      axis = "inputs" if weight.on_input else "outputs"
+      got = len(weight.vector)
+      want = (want[-2] if weight.on_input else want[-1]) if len(want) > 1 else None
+      problem = f"{what} of {module!r} scales {got} {axis}, the model's {str(site)!r} is {shape}"
+    elif isinstance(weight, GLoRAWeight):
       got = tuple(np.shape(weight.down)[:-1]) + tuple(np.shape(weight.up)[1:])
       problem = f"the GLoRA of {module!r} ({what}) is {got} in md's layout, the model's "
       problem += f"{str(site)!r} is {want}"
@@ -397,6 +405,19 @@ def load_lora(
   for rot in rotations:
     if isinstance(rot, RawGLoRA):
       _place_glora(rot, path, shapes, targets_of, place, misshaped, bad_ids)
+      continue
+    if isinstance(rot, RawIA3):
+      what = f"IA3 {'inputs' if rot.on_input else 'outputs'} {rot.vector.shape}"
+      for target in targets_of(rot.module + ".weight", rot.keys, rot.module):
+        site = Site(tuple(target.path), target.layer)
+        if target.split is not None or target.layout == "identity":
+          bad_ids.add(rot.keys[0])
+          misshaped.append(
+            f"{path}: {rot.keys[0]!r}: IA3 module {rot.module!r} cannot follow {str(site)!r} (part of "
+            "a fused tensor, or kept in torch's layout)"
+          )
+          continue
+        place(site, IA3Weight(rot.vector, rot.on_input), rot.module, rot.keys[0], what)
       continue
     peft = rot.rule == "peft"
     kind = ("PEFT " if peft else "") + ("BOFT" if rot.butterfly else "OFT")
@@ -508,6 +529,10 @@ def lora_report(adapter: Adapter) -> str:
     w = adapter.weights[site]
     if isinstance(w, GLoRAWeight):
       lines.append(f"  {str(site)}  <- {adapter.names[site]}  glora r={w.rank} scale={w.scale:g}")
+      continue
+    if isinstance(w, IA3Weight):
+      axis = "inputs" if w.on_input else "outputs"
+      lines.append(f"  {str(site)}  <- {adapter.names[site]}  ia3 ({axis}) n={len(w.vector)}")
       continue
     if isinstance(w, OFTWeight):
       stages, num, b = np.shape(w.blocks)[:3]

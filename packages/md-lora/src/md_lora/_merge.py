@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from md_lora._adapter import Adapter, GLoRAWeight, LoRAWeight, OFTWeight, Site
+from md_lora._adapter import Adapter, GLoRAWeight, IA3Weight, LoRAWeight, OFTWeight, Site
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -91,7 +91,14 @@ def merge(
         raise ValueError(f"{adapter.source}: {str(site)!r} is not a parameter of this model")
       value = _value(flat[index[site.path]][1])
       want = tuple(value.shape[1:] if site.layer is not None else value.shape)
-      if isinstance(w, OFTWeight):
+      if isinstance(w, IA3Weight):
+        axis = -2 if w.on_input else -1
+        if len(want) < 2 or len(w.vector) != want[axis]:
+          raise ValueError(
+            f"{adapter.source}: the IA3 vector {np.shape(w.vector)} for {str(site)!r} scales its "
+            f"{'inputs' if w.on_input else 'outputs'}, the weight is {want}"
+          )
+      elif isinstance(w, OFTWeight):
         rescale = None if w.rescale is None else np.shape(w.rescale)
         if w.rule == "peft":  # inputs: a kernel's axes but its last, flattened
           bad = len(want) < 2 or w.size != math.prod(want[:-1])
@@ -127,6 +134,7 @@ def merge(
   lora = [isinstance(w, LoRAWeight) for _, w, _ in factors]
   low_rank = [isinstance(w, LoRAWeight | GLoRAWeight) for _, w, _ in factors]  # down / up factors
   glora = [isinstance(w, GLoRAWeight) for _, w, _ in factors]
+  ia3 = [isinstance(w, IA3Weight) for _, w, _ in factors]
   weights = [touched[p] for p in paths]
   shardings = [getattr(w, "sharding", None) for w in weights]
   # On a mesh the merged weights keep their shardings; on one device they stay as placed (an uncommitted
@@ -145,17 +153,20 @@ def merge(
     # LyCORIS' DoRA: (file scale, user's); a rotation: (norm bound, the user's scale without the sign)
     jnp.asarray(
       [
-        [w.scale, k] if is_lora else [0.0 if g else w.constraint, k * sign]
-        for (_, w, k), is_lora, g in zip(factors, lora, glora)
+        [w.scale, k] if is_lora else [0.0 if g or v else w.constraint, k * sign]
+        for (_, w, k), is_lora, g, v in zip(factors, lora, glora, ia3)
       ],
       jnp.float32,
     ),
     # a rotation's blocks; GLoRA's input mix (a1, a2)
     [
-      None if is_lora else (w.mix_a, w.mix_b) if g else w.blocks
-      for (_, w, _), is_lora, g in zip(factors, lora, glora)
+      None if is_lora else (w.mix_a, w.mix_b) if g else w.vector if v else w.blocks
+      for (_, w, _), is_lora, g, v in zip(factors, lora, glora, ia3)
     ],
-    [None if is_lora or g else w.rescale for (_, w, _), is_lora, g in zip(factors, lora, glora)],
+    [
+      None if is_lora or g or v else w.rescale
+      for (_, w, _), is_lora, g, v in zip(factors, lora, glora, ia3)
+    ],
   )
   replaced = dict(zip(paths, new))
   merged = nnx.from_flat_state(
@@ -167,6 +178,8 @@ def merge(
 def _kind(w: LoRAWeight | OFTWeight, sign: float) -> Any:
   if isinstance(w, GLoRAWeight):
     return ("glora", sign < 0)
+  if isinstance(w, IA3Weight):
+    return ("ia3-in" if w.on_input else "ia3-out", sign < 0)
   if isinstance(w, OFTWeight):
     kind = "boft" if w.butterfly else "oft"
     return ("peft-" + kind if w.rule == "peft" else kind, sign < 0)
@@ -180,7 +193,7 @@ def _check_unmerge_oft(adapters: Sequence[tuple[Adapter, float]]) -> None:
     site
     for adapter, _ in adapters
     for site, w in adapter.weights.items()
-    if isinstance(w, OFTWeight | GLoRAWeight)
+    if isinstance(w, OFTWeight | GLoRAWeight | IA3Weight)
   )
   twice = [str(site) for site, n in rotated.items() if n > 1]
   if twice:
@@ -290,6 +303,18 @@ def _program(paths: tuple, sites: tuple, out_shardings: tuple | None):
       acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
     for i in rotations:
       path, layer, (kind, inverse) = sites[i]
+      if kind.startswith("ia3"):  # W · (1 + k v) along the outputs (last axis) or the inputs
+        ndim = base[path].ndim - (layer is not None)
+        shape = (1,) * (ndim - 2) + ((-1, 1) if kind == "ia3-in" else (1, -1))
+        factor = 1.0 + scales[i, 1] * blocks[i].astype(jnp.float32).reshape(shape)
+        if not inverse:
+          w = base[path] if layer is None else base[path][layer]
+          delta = w * (factor - 1.0)
+          acc[path] = acc[path] + delta if layer is None else acc[path].at[layer].add(delta)
+        else:  # unmerge: W = W' / (1 + k v), the other adapters' deltas taken off first
+          w = (acc[path] if layer is None else acc[path][layer]) / factor
+          acc[path] = w if layer is None else acc[path].at[layer].set(w)
+        continue
       if kind == "glora":  # W + γ (W ×ᵢₙ P + D), P = a1 a2 mixing the kernel's input axis
         a1, a2 = (x.astype(jnp.float32) for x in blocks[i])
         mix = jnp.matmul(a1, a2, precision=_HIGHEST)  # [in, in]

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 import md_core
-from md_lora._adapter import Adapter, GLoRAWeight, OFTWeight
+from md_lora._adapter import Adapter, GLoRAWeight, IA3Weight, OFTWeight
 from md_lora._load import load_lora
 from md_lora._merge import _value, merge, unmerge
 
@@ -77,11 +77,14 @@ def _check_runtime(adapter: Adapter, state: Any) -> dict | None:
       "which run-time LoRA slots cannot hold (a rotation of the weight, not a "
       "low-rank delta); merge it: pipe.load_lora(..., fuse=True) or md_lora.merge"
     )
-  if adapter.glora:
-    mixed = [str(site) for site, w in adapter.weights.items() if isinstance(w, GLoRAWeight)]
+  if adapter.glora or adapter.ia3:
+    kind = "GLoRA" if adapter.glora else "IA3"
+    mixed = [
+      str(site) for site, w in adapter.weights.items() if isinstance(w, GLoRAWeight | IA3Weight)
+    ]
     raise ValueError(
-      f"{adapter.source}: {len(mixed)} site(s) are LyCORIS GLoRA (e.g. {mixed[0]!r}), whose input-channel "
-      "mix multiplies the weight itself, which run-time LoRA slots cannot hold; merge it: "
+      f"{adapter.source}: {len(mixed)} site(s) are LyCORIS {kind} (e.g. {mixed[0]!r}), a delta through "
+      "the weight itself, which run-time LoRA slots cannot hold; merge it: "
       "pipe.load_lora(..., fuse=True) or md_lora.merge"
     )
   bad = [str(site) for site in adapter.weights if site.path[-1] != "kernel"]

@@ -346,9 +346,9 @@ def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
     raise ValueError(
       f"{adapter.source}: an OFT adapter (rotations); training continues plain LoRA factors only"
     )
-  if getattr(adapter, "glora", False):
+  if getattr(adapter, "glora", False) or getattr(adapter, "ia3", False):
     raise ValueError(
-      f"{adapter.source}: a GLoRA adapter (a mix of the weight itself); training continues plain "
+      f"{adapter.source}: a GLoRA / IA3 adapter (through the weight itself); training continues plain "
       "LoRA factors only"
     )
   by_site = {(tuple(s.path[:-1]), s.layer): w for s, w in adapter.weights.items()}
