@@ -1047,6 +1047,18 @@ def _flux_pipeline(model: pathlib.Path, mesh: Any, cls: type, what: str) -> Any:
   return pipe
 
 
+def _klein_text(opts: Mapping[str, Any]) -> dict[str, Any]:
+  """Klein's prompt options: `max_sequence_length` and the stacked Qwen3 layers
+  (`text_encoder_out_layers`, a list or a comma string; empty: Klein's 9, 18, 27)."""
+  import md_text
+
+  layers = opts.get("text_encoder_out_layers") or md_text.FLUX2_KLEIN_LAYERS
+  layers = tuple(int(i) for i in (layers.split(",") if isinstance(layers, str) else layers))
+  return dict(
+    max_sequence_length=int(opts.get("max_sequence_length", 64)), text_encoder_out_layers=layers
+  )
+
+
 def klein_tiny(config: Any) -> Recipe:
   """The tiny Flux.2 Klein transformer (tests/fixtures/flux2_pipeline/klein) on shapes images: diffusers'
   train_dreambooth_lora_flux2_klein.py loss (`families.klein_loss`: logit-normal sigmas, no guidance;
@@ -1058,7 +1070,6 @@ def klein_tiny(config: Any) -> Recipe:
   no default list).
   """
   import md_flux
-  import md_text
 
   opts = _options(config)
   model = _fixture(config, _KLEIN)
@@ -1068,10 +1079,7 @@ def klein_tiny(config: Any) -> Recipe:
     model, mesh, md_flux.Flux2KleinPipeline,
     "klein_tiny trains a Flux.2 Klein transformer (flux1_tiny trains Flux.1)",
   )  # fmt: skip
-  length = int(opts.get("max_sequence_length", 64))
-  layers = opts.get("text_encoder_out_layers") or md_text.FLUX2_KLEIN_LAYERS
-  layers = tuple(int(i) for i in (layers.split(",") if isinstance(layers, str) else layers))
-  kw = dict(max_sequence_length=length, text_encoder_out_layers=layers)
+  kw = _klein_text(opts)
   captions = CaptionCache(lambda c: {"encoder_hidden_states": pipe.encode_prompt(c, **kw)})
   pixels = _split_jit(pipe.vae, lambda m, x: m.encode_latents(x * 2 - 1))
   key_map = pipe.lora_key_map("transformer")
@@ -1264,6 +1272,21 @@ def dreambooth_sd(config: Any) -> Recipe:
   )  # fmt: skip
 
 
+def _flux_dreambooth(config: Any, recipe: str, default: str, cls: type, what: str):
+  """What the Flux.1 and Klein Dreambooth recipes share before they differ: `(options, prior, size,
+  model folder, batch sharding, pipeline)`, the options and the instance folder checked before the model
+  loads."""
+  opts = _options(config)
+  prior = _dreambooth_options(opts, recipe)
+  _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
+  model = _fixture(config, default)
+  mesh = _mesh(config)
+  batch = int(opts["batch_size"])
+  sharding = batch_sharding(mesh, 2 * batch if prior else batch)
+  pipe = _flux_pipeline(model, mesh, cls, what)
+  return opts, prior, int(opts.get("size", 32)), model, sharding, pipe
+
+
 def dreambooth_flux(config: Any) -> Recipe:
   """Dreambooth for the Flux.1 transformer (default: the tiny tests/fixtures/flux_pipeline/dev),
   diffusers' train_dreambooth_flux.py / train_dreambooth_lora_flux.py: the instance images with
@@ -1278,17 +1301,10 @@ def dreambooth_flux(config: Any) -> Recipe:
   """
   import md_flux
 
-  opts = _options(config)
-  prior = _dreambooth_options(opts, "dreambooth_flux")
-  size = int(opts.get("size", 32))
-  _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
-  model = _fixture(config, _FLUX)
-  mesh = _mesh(config)
-  batch = int(opts["batch_size"])
-  sharding = batch_sharding(mesh, 2 * batch if prior else batch)
-  pipe = _flux_pipeline(
-    model, mesh, md_flux.FluxPipeline, "dreambooth_flux trains a Flux.1 transformer"
-  )
+  opts, prior, size, model, sharding, pipe = _flux_dreambooth(
+    config, "dreambooth_flux", _FLUX, md_flux.FluxPipeline,
+    "dreambooth_flux trains a Flux.1 transformer",
+  )  # fmt: skip
   length = int(opts.get("max_sequence_length", 64))
 
   def generate(prompts, seed):
@@ -1340,24 +1356,12 @@ def dreambooth_klein(config: Any) -> Recipe:
   and `text_encoder_out_layers` (empty: Klein's 9, 18, 27).
   """
   import md_flux
-  import md_text
 
-  opts = _options(config)
-  prior = _dreambooth_options(opts, "dreambooth_klein")
-  size = int(opts.get("size", 32))
-  _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
-  model = _fixture(config, _KLEIN)
-  mesh = _mesh(config)
-  batch = int(opts["batch_size"])
-  sharding = batch_sharding(mesh, 2 * batch if prior else batch)
-  pipe = _flux_pipeline(
-    model, mesh, md_flux.Flux2KleinPipeline,
+  opts, prior, size, model, sharding, pipe = _flux_dreambooth(
+    config, "dreambooth_klein", _KLEIN, md_flux.Flux2KleinPipeline,
     "dreambooth_klein trains a Flux.2 Klein transformer (dreambooth_flux trains Flux.1)",
   )  # fmt: skip
-  length = int(opts.get("max_sequence_length", 64))
-  layers = opts.get("text_encoder_out_layers") or md_text.FLUX2_KLEIN_LAYERS
-  layers = tuple(int(i) for i in (layers.split(",") if isinstance(layers, str) else layers))
-  text = dict(max_sequence_length=length, text_encoder_out_layers=layers)
+  text = _klein_text(opts)
 
   def generate(prompts, seed):
     return pipe(
