@@ -66,6 +66,27 @@ _FLUX_SINGLE = {
 _FLUX_BLOCK = re.compile(r"(double_blocks|single_blocks)\.(\d+)\.(.+)")
 
 
+def _bfl_top(name: str, out: int, top: dict[str, str]) -> list[Piece] | None:
+  """A BFL top-level module (Flux.1 and Flux.2): renamed, the final modulation's BFL `[shift; scale]`
+  rows put in diffusers' `[scale; shift]` order."""
+  if name in top:
+    return [(top[name], None)]
+  if name == "final_layer.adaLN_modulation.1":
+    half = out // 2
+    return [("norm_out.linear", np.r_[half:out, 0:half])]
+  return None
+
+
+def _bfl_double(i: str, rest: str, out: int, double: dict[str, str]) -> list[Piece] | None:
+  """A module of BFL double block `i` (Flux.1 and Flux.2): renamed, or a fused qkv split in thirds."""
+  head = f"transformer_blocks.{i}."
+  if rest in double:
+    return [(head + double[rest], None)]
+  if rest in _FLUX_QKV:
+    return [(head + n, rows) for n, rows in zip(_FLUX_QKV[rest], _thirds(out))]
+  return None
+
+
 def flux_bfl(name: str, out: int, features: int) -> list[Piece] | None:
   """BFL Flux.1 module → diffusers module(s).
 
@@ -73,22 +94,13 @@ def flux_bfl(name: str, out: int, features: int) -> list[Piece] | None:
   [('single_transformer_blocks.0.attn.to_q', [0, 7]), ('single_transformer_blocks.0.attn.to_k', [8, 15]), \
 ('single_transformer_blocks.0.attn.to_v', [16, 23]), ('single_transformer_blocks.0.proj_mlp', [24, 55])]
   """
-  if name in _FLUX_TOP:
-    return [(_FLUX_TOP[name], None)]
-  if name == "final_layer.adaLN_modulation.1":  # BFL [shift; scale], diffusers [scale; shift]
-    half = out // 2
-    return [("norm_out.linear", np.r_[half:out, 0:half])]
+  pieces = _bfl_top(name, out, _FLUX_TOP)
   m = _FLUX_BLOCK.fullmatch(name)
-  if m is None:
-    return None
+  if pieces is not None or m is None:
+    return pieces
   stack, i, rest = m.groups()
   if stack == "double_blocks":
-    head = f"transformer_blocks.{i}."
-    if rest in _FLUX_DOUBLE:
-      return [(head + _FLUX_DOUBLE[rest], None)]
-    if rest in _FLUX_QKV:
-      return [(head + n, rows) for n, rows in zip(_FLUX_QKV[rest], _thirds(out))]
-    return None
+    return _bfl_double(i, rest, out, _FLUX_DOUBLE)
   head = f"single_transformer_blocks.{i}."
   if rest in _FLUX_SINGLE:
     return [(head + _FLUX_SINGLE[rest], None)]
@@ -148,11 +160,9 @@ def flux2_bfl(name: str, out: int, features: int) -> list[Piece] | None:
   >>> flux2_bfl("single_blocks.1.linear1", 120, 8)
   [('single_transformer_blocks.1.attn.to_qkv_mlp_proj', None)]
   """
-  if name in _FLUX2_TOP:
-    return [(_FLUX2_TOP[name], None)]
-  if name == "final_layer.adaLN_modulation.1":  # BFL [shift; scale], diffusers [scale; shift]
-    half = out // 2
-    return [("norm_out.linear", np.r_[half:out, 0:half])]
+  pieces = _bfl_top(name, out, _FLUX2_TOP)
+  if pieces is not None:
+    return pieces
   for old, new in _FLUX2_EXPANDED.items():
     if name.startswith(old):
       return [(new + name[len(old) :], None)]
@@ -161,12 +171,7 @@ def flux2_bfl(name: str, out: int, features: int) -> list[Piece] | None:
     return None
   stack, i, rest = m.groups()
   if stack == "double_blocks":
-    head = f"transformer_blocks.{i}."
-    if rest in _FLUX2_DOUBLE:
-      return [(head + _FLUX2_DOUBLE[rest], None)]
-    if rest in _FLUX_QKV:
-      return [(head + n, rows) for n, rows in zip(_FLUX_QKV[rest], _thirds(out))]
-    return None
+    return _bfl_double(i, rest, out, _FLUX2_DOUBLE)
   rest = _FLUX2_SINGLE.get(rest)
   return None if rest is None else [(f"single_transformer_blocks.{i}.{rest}", None)]
 
