@@ -33,6 +33,30 @@ def _nhwc(x):
   return np.asarray(x).transpose(0, 2, 3, 1)
 
 
+def _check_prior_step(what, out, ref, convert_key):
+  """One prior-preservation step against the torch reference: loss and its halves within LOSS_TOL, the
+  weighting visible, the global gradient norm and every recorded gradient within GRAD_TOL."""
+  (loss, aux), grads = out
+  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
+  np.testing.assert_allclose(float(aux["instance_loss"]), ref["instance_loss"], atol=LOSS_TOL)
+  np.testing.assert_allclose(float(aux["prior_loss"]), ref["prior_loss"], atol=LOSS_TOL)
+  assert abs(float(ref["loss"]) - float(ref["instance_loss"] + ref["prior_loss"])) > 0.1  # weighted
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
+  flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+  names = [k for k in ref if k.startswith("grad/")]
+  assert len(names) >= 8
+  worst = 0.0
+  for key in names:
+    targets = convert_key(key[len("grad/") :])
+    for target in [targets] if isinstance(targets, md_core.Target) else targets:
+      got = flat[target.path] if target.layer is None else flat[target.path][target.layer]
+      want = md_core.convert(ref[key], target)
+      assert np.abs(want).max() > 0, key
+      chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
+      worst = max(worst, float(np.abs(got - want).max()))
+  print(f"{what}: loss err {abs(float(loss) - float(ref['loss'])):.1e}, max grad err {worst:.1e}")
+
+
 def test_prior_preservation_step_matches_torch():
   ref = load_arrays(fixture_path("train_dreambooth_step") / "sd.npz")
   unet = md_sd.load_unet(fixture_path("unet") / "sd1", subfolder=None, progress=False)
@@ -47,27 +71,8 @@ def test_prior_preservation_step_matches_torch():
     "timesteps": ref["timesteps"],
     "encoder_hidden_states": ref["encoder_hidden_states"],
   }
-  (loss, aux), grads = mdt.loss_and_grads(loss_fn, params, batch)
-  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
-  np.testing.assert_allclose(float(aux["instance_loss"]), ref["instance_loss"], atol=LOSS_TOL)
-  np.testing.assert_allclose(float(aux["prior_loss"]), ref["prior_loss"], atol=LOSS_TOL)
-  assert abs(float(ref["loss"]) - float(ref["instance_loss"] + ref["prior_loss"])) > 0.1  # weighted
-  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
-  flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
-  keymap = md_sd.unet_key_map(unet.cfg)
-  worst = 0.0
-  names = [k for k in ref if k.startswith("grad/")]
-  assert len(names) >= 8
-  for key in names:
-    target = keymap(key[len("grad/") :])
-    got = flat[target.path] if target.layer is None else flat[target.path][target.layer]
-    want = md_core.convert(ref[key], target)
-    assert np.abs(want).max() > 0, key
-    chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
-    worst = max(worst, float(np.abs(got - want).max()))
-  print(
-    f"dreambooth: loss err {abs(float(loss) - float(ref['loss'])):.1e}, max grad err {worst:.1e}"
-  )
+  out = mdt.loss_and_grads(loss_fn, params, batch)
+  _check_prior_step("dreambooth", out, ref, md_sd.unet_key_map(unet.cfg))
 
 
 def test_flux_prior_preservation_step_matches_torch():
@@ -80,21 +85,9 @@ def test_flux_prior_preservation_step_matches_torch():
   loss_fn = mtf.flux_loss(frozen, guidance=3.5, prior_loss_weight=weight)
   batch = {k: ref[k] for k in ("sigmas", "encoder_hidden_states", "pooled_projections", "txt_ids")}
   batch.update(latents=_nhwc(ref["latents"]), noise=_nhwc(ref["noise"]))
-  (loss, aux), grads = mdt.loss_and_grads(loss_fn, params, batch)
-  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
-  np.testing.assert_allclose(float(aux["instance_loss"]), ref["instance_loss"], atol=LOSS_TOL)
-  np.testing.assert_allclose(float(aux["prior_loss"]), ref["prior_loss"], atol=LOSS_TOL)
-  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
-  flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
-  names = [k for k in ref if k.startswith("grad/")]
-  assert len(names) >= 8
-  for key in names:
-    targets = md_flux.convert_key(key[len("grad/") :])
-    for target in [targets] if isinstance(targets, md_core.Target) else targets:
-      got = flat[target.path] if target.layer is None else flat[target.path][target.layer]
-      want = md_core.convert(ref[key], target)
-      assert np.abs(want).max() > 0, key
-      chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
+  out = mdt.loss_and_grads(loss_fn, params, batch)
+  _check_prior_step("flux dreambooth", out, ref, md_flux.convert_key)
+  loss = out[0][0]
   # Without txt_ids the loss uses the pipeline's zeros (the fixture's are zeros too).
   no_ids = {k: v for k, v in batch.items() if k != "txt_ids"}
   again, _ = loss_fn(params, no_ids, jax.random.key(0))
@@ -111,27 +104,8 @@ def test_klein_prior_preservation_step_matches_torch():
   loss_fn = mtf.klein_loss(frozen, prior_loss_weight=float(ref["prior_loss_weight"]))
   batch = {"sigmas": ref["sigmas"], "encoder_hidden_states": ref["encoder_hidden_states"]}
   batch.update(latents=_nhwc(ref["latents"]), noise=_nhwc(ref["noise"]))
-  (loss, aux), grads = mdt.loss_and_grads(loss_fn, params, batch)
-  np.testing.assert_allclose(float(loss), ref["loss"], atol=LOSS_TOL, rtol=0)
-  np.testing.assert_allclose(float(aux["instance_loss"]), ref["instance_loss"], atol=LOSS_TOL)
-  np.testing.assert_allclose(float(aux["prior_loss"]), ref["prior_loss"], atol=LOSS_TOL)
-  assert abs(float(ref["loss"]) - float(ref["instance_loss"] + ref["prior_loss"])) > 0.1  # weighted
-  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=GRAD_TOL)
-  flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
-  names = [k for k in ref if k.startswith("grad/")]
-  assert len(names) >= 8
-  worst = 0.0
-  for key in names:
-    targets = md_flux.convert_key_flux2(key[len("grad/") :])
-    for target in [targets] if isinstance(targets, md_core.Target) else targets:
-      got = flat[target.path] if target.layer is None else flat[target.path][target.layer]
-      want = md_core.convert(ref[key], target)
-      assert np.abs(want).max() > 0, key
-      chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=key)
-      worst = max(worst, float(np.abs(got - want).max()))
-  print(
-    f"klein dreambooth: loss err {abs(float(loss) - float(ref['loss'])):.1e}, grads {worst:.1e}"
-  )
+  out = mdt.loss_and_grads(loss_fn, params, batch)
+  _check_prior_step("klein dreambooth", out, ref, md_flux.convert_key_flux2)
 
 
 def test_odd_batch_with_prior_preservation_is_refused():
