@@ -2,10 +2,12 @@
 autograd (tools/fixtures/train_lora_step.py): one step of the tiny SD 1.x UNet and Wan 2.1 transformer
 with peft's LoRA on the attention projections (r 4, alpha 8), the same lora_A: loss within 1e-5, every
 LoRA gradient within 1e-4, at peft's init (lora_B = 0) and with non-zero lora_B; the Wan transformer also with
-rank-stabilised LoRA (peft's `use_rslora`: alpha / sqrt(r)). Then the PEFT export:
+rank-stabilised LoRA (peft's `use_rslora`: alpha / sqrt(r)) and with DoRA (peft's `use_dora`: the magnitudes'
+initial values and gradients too). Then the PEFT export:
 md's file equals the one diffusers was checked on (tools/train_lora_export.py), reads back into the same
 slots, and a short `fit` of the `sd15-lora-tiny` recipe exports a LoRA that `Pipeline.load_lora` loads."""
 
+import json
 import pathlib
 
 import chex
@@ -33,6 +35,7 @@ EXPORTS = {
   "sd": "sd_unet_lora.safetensors",
   "wan": "wan_transformer_lora.safetensors",
   "flux": "flux_transformer_lora.safetensors",
+  "wan_dora": "wan_transformer_dora.safetensors",
 }
 
 
@@ -49,7 +52,8 @@ def _bfhwc(x):
 
 
 def _peft_tensors(ref, prefix, b_key):
-  """The fixture's factors as a PEFT state dict (lora_B from `b_key`, or zeros)."""
+  """The fixture's factors as a PEFT state dict (lora_B from `b_key`, or zeros; DoRA magnitudes moved
+  with it, else peft's initial ones)."""
   out = {}
   for k in ref:
     if k.startswith("a/"):
@@ -57,6 +61,10 @@ def _peft_tensors(ref, prefix, b_key):
       out[f"{prefix}.{m}.lora_A.weight"] = ref[k]
       b = ref[f"b/{m}"]
       out[f"{prefix}.{m}.lora_B.weight"] = b if b_key == "b" else np.zeros_like(b)
+      if f"m/{m}" in ref:
+        out[f"{prefix}.{m}.lora_magnitude_vector"] = ref[
+          f"m/{m}" if b_key == "b" else f"m_init/{m}"
+        ]
   return out
 
 
@@ -105,21 +113,23 @@ def _batch(name, ref):
   }
 
 
-@pytest.fixture(scope="module", params=["sd", "wan", "flux", "wan_rslora"])
+@pytest.fixture(scope="module", params=["sd", "wan", "flux", "wan_rslora", "wan_dora"])
 def case(request):
   """One family: the model with md's LoRA, the fixture's factors in its slots (lora_B zero and
   moved), both steps' (loss, grads) from one compiled program."""
   name = request.param
-  family, rslora = name.removesuffix("_rslora"), name.endswith("_rslora")
+  family = name.split("_")[0]
+  rslora, dora = name.endswith("_rslora"), name.endswith("_dora")
   ref = _ref(name)
   model, keymap, folder, prefix = _model(family)
   names = list(md_core.open_checkpoint(folder))
   lora = mdt.add_lora(
-    model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, rslora=rslora), convert_key=keymap,
+    model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, rslora=rslora, dora=dora), convert_key=keymap,
     reference_names=names, family=family,
   )  # fmt: skip
   assert lora.scale == (ALPHA / 2 if rslora else ALPHA / RANK)  # alpha / sqrt(4), alpha / 4
   frozen, params = mdt.split_lora(model)
+  initial = _flat(params)
   config = {"r": RANK, "lora_alpha": ALPHA, "use_rslora": rslora}
   factors = {
     kind: mdt.load_lora_factors(
@@ -129,7 +139,7 @@ def case(request):
     )
     for kind in ("init", "b")
   }
-  loss_fn = mdt.lora_loss(_loss(family, frozen), lora)
+  loss_fn = mdt.lora_loss(_loss(family, frozen), lora, frozen)
   batch = _batch(family, ref)
 
   @jax.jit
@@ -140,6 +150,7 @@ def case(request):
   return dict(
     name=name, ref=ref, model=model, keymap=keymap, names=names, lora=lora, frozen=frozen,
     params=params, factors=factors, out=run(factors, batch), prefix=prefix, batch=batch,
+    initial=initial,
   )  # fmt: skip
 
 
@@ -155,6 +166,7 @@ def test_targets_are_the_peft_modules(case):
   ref, lora = case["ref"], case["lora"]
   assert sorted(lora.modules) == sorted(k[2:] for k in ref if k.startswith("a/"))
   total = sum(ref[k].size + ref["b/" + k[2:]].size for k in ref if k.startswith("a/"))
+  total += sum(ref[k].size for k in ref if k.startswith("m/"))  # DoRA magnitudes train too
   assert mdt.lora_parameter_count(case["params"]) == total
 
 
@@ -169,12 +181,23 @@ def _check_lora_grads(case, grads, prefix):
       ref[f"{prefix}b/{module}"],
       target,
     )  # fmt: skip
-    for name, want in (("lora_a", want_a), ("lora_b", want_b)):
+    wants = [("lora_a", want_a), ("lora_b", want_b)]
+    if f"{prefix}m/{module}" in ref:  # DoRA: peft's magnitude gradient, [out] per layer
+      wants.append(("lora_gain", _magnitude(ref[f"{prefix}m/{module}"], target, want_b)))
+    for name, want in wants:
       got = flat[parts + (name,)]
       got = got if layer is None else got[layer]
       chex.assert_trees_all_close(got, want, atol=GRAD_TOL, rtol=0, custom_message=module)
       worst = max(worst, float(np.abs(got - want).max()))
   return worst
+
+
+def _magnitude(m, target, up):
+  """A peft magnitude vector `[out]` in md's order (`up`: the layer's md-layout lora_b `[r, out]`)."""
+  shape = (1,) * (up.ndim - 1) + (up.shape[-1],)
+  from md_lora._load import magnitude_of
+
+  return magnitude_of(np.asarray(m), target, shape).reshape(-1)
 
 
 def test_lora_step_at_init_matches_peft(case):
@@ -183,6 +206,12 @@ def test_lora_step_at_init_matches_peft(case):
   np.testing.assert_allclose(float(loss), case["ref"]["loss_init"], atol=LOSS_TOL, rtol=0)
   worst = _check_lora_grads(case, grads, "grad_init_")
   assert all(float(np.abs(v).max()) == 0 for p, v in _flat(grads).items() if p[-1] == "lora_a")
+  if case["lora"].dora:  # md's own initial magnitudes are peft's (the base weights' norms)
+    for module, (path, layer) in case["lora"].modules.items():
+      parts = tuple(int(p) if p.isdigit() else p for p in path.split("."))
+      got = case["initial"][parts + ("lora_gain",)]
+      want = case["ref"][f"m_init/{module}"]
+      np.testing.assert_allclose(got if layer is None else got[layer], want, rtol=1e-6, atol=0)
   assert max(float(np.abs(case["ref"][k]).max()) for k in case["ref"] if "grad_init_b" in k) > 1e-3
   print(
     f"{case['name']} init: loss err {abs(float(loss) - case['ref']['loss_init']):.1e}, grad {worst:.1e}"
@@ -214,6 +243,8 @@ def test_export_is_the_file_diffusers_read(case, tmp_path):
   )  # fmt: skip
   got = md_core.SafetensorsFile(path)
   assert all(k.startswith(case["prefix"] + ".") for k in got)
+  if lora.dora:  # the magnitudes beside the factors, peft's conv-free `[out]`
+    assert sum(k.endswith(".lora_magnitude_vector") for k in got) == len(lora.modules)
   if name in EXPORTS:  # the rsLoRA case has no diffusers-checked file: its read-back below
     want = md_core.SafetensorsFile(fixture_path("train_lora_step") / "md_export" / EXPORTS[name])
     assert sorted(got) == sorted(want)
@@ -221,14 +252,21 @@ def test_export_is_the_file_diffusers_read(case, tmp_path):
       np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
   # Read back: the slots md's run time fills equal the trained slots as the model sees them.
   adapter = md_lora.load_lora(path, case["keymap"], case["model"])
-  slots = md_core.set_lora(nnx.state(case["model"]), md_lora.to_slots(adapter))
-  trained = {
-    p: v * np.float32(lora.scale) if p[-1] == "lora_b" else v for p, v in _flat(params).items()
-  }
-  loaded = {p: v for p, v in _flat(slots).items() if p[-1] in ("lora_a", "lora_b")}
+  state = nnx.state(case["model"])
+  slots = md_core.set_lora(state, md_lora.to_slots(adapter, 1.0, state))
+  if lora.dora:  # the slots md_train's loss gives the model: gains m / ||W + s b a|| and s b g
+    from md_train._lora import _dora_slots, _frozen_kernels
+
+    kernels = _frozen_kernels(case["frozen"], lora.paths)
+    trained = _flat(_dora_slots(params, lora.scale, kernels))
+  else:
+    trained = {
+      p: v * np.float32(lora.scale) if p[-1] == "lora_b" else v for p, v in _flat(params).items()
+    }
+  loaded = {p: v for p, v in _flat(slots).items() if p[-1] in ("lora_a", "lora_b", "lora_gain")}
   assert sorted(loaded) == sorted(trained)
   for p, v in trained.items():
-    np.testing.assert_array_equal(loaded[p], v, err_msg=str(p))
+    np.testing.assert_allclose(loaded[p], v, atol=1e-6 if lora.dora else 0, rtol=0, err_msg=str(p))
   again = mdt.load_lora_factors(lora, params, adapter)
   chex.assert_trees_all_close(_flat(again), _flat(params), atol=1e-7, rtol=0)
 
@@ -378,14 +416,14 @@ def test_conv_and_linear_lora_export_round_trips(tmp_path):
     (
       "lora_dora",
       "unet_dora.safetensors",
-      r"a DoRA adapter; training continues plain LoRA factors",
+      r"a DoRA adapter; continue it with a DoRA LoRA \(lora.dora=True\), this one is plain",
     ),
     ("lora_oft", "oft.safetensors", r"an OFT adapter \(rotations\); training continues plain LoRA"),
   ],
 )
 def test_continued_training_refuses_dora_and_oft(fixture, file, match):
-  """Continued training takes plain LoRA factors; a DoRA file (magnitudes) or an OFT file (rotations) is
-  refused by name before any factor is read."""
+  """Continued plain-LoRA training takes plain LoRA factors; a DoRA file (magnitudes) or an OFT file
+  (rotations) is refused by name before any factor is read."""
   folder = fixture_path("lora_extract") / "base"
   unet = md_sd.load_unet(folder, subfolder=None, progress=False)
   keymap = md_sd.unet_key_map(unet.cfg)
@@ -396,3 +434,66 @@ def test_continued_training_refuses_dora_and_oft(fixture, file, match):
   )  # fmt: skip
   with pytest.raises(ValueError, match=match):
     mdt.load_lora_factors(lora, mdt.split_lora(unet)[1], adapter)
+
+
+def test_dora_file_continues_and_exports_as_peft_writes_it(tmp_path):
+  """A peft DoRA file (tests/fixtures/lora_dora: r 2, alpha 4 on the attention projections and the
+  resnets' 3x3 convs) continues in a DoRA LoRA of the same modules: its magnitudes fill the gain slots,
+  and save_lora writes the file back with peft's names and shapes (a linear's magnitudes `[out]`, a
+  conv's `[1, out, 1, 1]`), the scale folded into lora_B (no compilation: host arrays only)."""
+  folder = fixture_path("lora_extract") / "base"
+  unet = md_sd.load_unet(folder, subfolder=None, progress=False)
+  keymap = md_sd.unet_key_map(unet.cfg)
+  names = list(md_core.open_checkpoint(folder))
+  source = fixture_path("lora_dora") / "unet_dora.safetensors"
+  adapter = md_lora.load_lora(source, keymap, unet)
+  lora = mdt.add_lora(
+    unet, mdt.LoRAConfig(rank=2, alpha=4.0, dora=True, targets=("to_q", "to_k", "to_v", "to_out.0",
+    "conv1", "conv2")), convert_key=keymap, reference_names=names,
+  )  # fmt: skip
+  params = mdt.load_lora_factors(lora, mdt.split_lora(unet)[1], adapter)
+  path = tmp_path / "pytorch_lora_weights.safetensors"
+  mdt.save_lora(lora, params, path, convert_key=keymap, reference_names=names, prefix="unet")
+  got, want = md_core.SafetensorsFile(path), md_core.SafetensorsFile(source)
+  assert sorted(got) == sorted(want)
+  assert any(k.endswith("conv1.lora_magnitude_vector") for k in want)
+  for k in want:
+    fold = 2.0 if k.endswith("lora_B.weight") else 1.0  # alpha / r = 2 into lora_B
+    np.testing.assert_allclose(got[k], np.asarray(want[k]) * fold, atol=1e-6, rtol=0, err_msg=k)
+    assert got[k].shape == want[k].shape, k
+  meta = json.loads(got.metadata["lora_adapter_metadata"])
+  assert meta["unet.use_dora"] is True and meta["unet.r"] == meta["unet.lora_alpha"] == 2
+
+
+def test_dora_errors(tmp_path):
+  """DoRA's bad settings, each by name: a non-bool option, a loss without the frozen kernels, a plain
+  file continued as DoRA, and md_lora.save_peft of LyCORIS-rule norms."""
+  with pytest.raises(ValueError, match="lora.dora='yes' must be True or False"):
+    mdt.LoRAConfig.from_options({"dora": "yes"})
+  folder = fixture_path("lora_extract") / "base"
+  unet = md_sd.load_unet(folder, subfolder=None, progress=False)
+  keymap = md_sd.unet_key_map(unet.cfg)
+  names = list(md_core.open_checkpoint(folder))
+  lora = mdt.add_lora(
+    unet, mdt.LoRAConfig(rank=2, dora=True, targets=("to_q",)), convert_key=keymap,
+    reference_names=names,
+  )  # fmt: skip
+  frozen, params = mdt.split_lora(unet)
+  with pytest.raises(ValueError, match="a DoRA LoRA needs the frozen part"):
+    mdt.lora_loss(lambda p, b, k: 0.0, lora)
+  plain = md_lora.load_lora(fixture_path("lora_dora") / "unet_dora.safetensors", keymap, unet)
+  plain = md_lora.Adapter(
+    {s: w._replace(magnitude=None) for s, w in plain.weights.items()}, plain.names, "plain.safetensors",
+    "peft",
+  )  # fmt: skip
+  with pytest.raises(ValueError, match="plain.safetensors: a plain LoRA adapter"):
+    mdt.load_lora_factors(lora, params, plain)
+  lyco = mdt.lora_adapter(lora, params)
+  lyco = md_lora.Adapter(
+    {s: w._replace(dora_rule="lycoris") for s, w in lyco.weights.items()},
+    lyco.names,
+    "lyco",
+    "peft",
+  )
+  with pytest.raises(ValueError, match="'lycoris' norms of shape .*peft's per-output magnitudes"):
+    md_lora.save_peft(lyco, tmp_path / "x.safetensors", keymap, names, prefix="unet")

@@ -6,7 +6,9 @@
 For the tiny SD 1.x UNet, Wan 2.1 and Flux.1 dev transformers: md_train.add_lora with the fixture's settings (r 4,
 alpha 8, the default attention targets), the fixture's lora_A and non-zero lora_B in the slots
 (md_train.load_lora_factors), then md_train.save_lora into
-tests/fixtures/train_lora_step/md_export/{sd_unet,wan_transformer,flux_transformer}_lora.safetensors.
+tests/fixtures/train_lora_step/md_export/{sd_unet,wan_transformer,flux_transformer}_lora.safetensors; and the Wan
+DoRA case (`wan_dora`: LoRAConfig(dora=True), the fixture's moved magnitudes in the gain slots) into
+md_export/wan_transformer_dora.safetensors.
 tests/test_train_lora.py checks that md still writes exactly these files.
 """
 
@@ -27,12 +29,13 @@ RANK, ALPHA = 4, 8.0
 
 
 def export(name: str, out: pathlib.Path) -> pathlib.Path:
-  """md's export of fixture `name` (`sd` or `wan`) written to `out`."""
-  if name == "sd":
+  """md's export of fixture `name` (`sd`, `wan`, `flux` or `wan_dora`) written to `out`."""
+  family, dora = name.split("_")[0], name.endswith("_dora")
+  if family == "sd":
     folder = FIX / "unet" / "sd1"
     model = md_sd.load_unet(folder, subfolder=None, progress=False)
     keymap, prefix = md_sd.unet_key_map(model.cfg), "unet"
-  elif name == "flux":
+  elif family == "flux":
     folder = FIX / "flux_transformer" / "dev"
     model = md_flux.load_flux(folder)
     keymap, prefix = md_flux.convert_key, "transformer"
@@ -42,8 +45,8 @@ def export(name: str, out: pathlib.Path) -> pathlib.Path:
     keymap, prefix = md_wan.convert_key, "transformer"
   names = list(md_core.open_checkpoint(folder))
   lora = mdt.add_lora(
-    model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA), convert_key=keymap, reference_names=names,
-    family=name,
+    model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, dora=dora), convert_key=keymap,
+    reference_names=names, family=family,
   )  # fmt: skip
   _, params = mdt.split_lora(model)
   with np.load(FIX / "train_lora_step" / f"{name}.npz") as ref:
@@ -52,6 +55,8 @@ def export(name: str, out: pathlib.Path) -> pathlib.Path:
       if k.startswith("a/"):
         tensors[f"{prefix}.{k[2:]}.lora_A.weight"] = ref[k]
         tensors[f"{prefix}.{k[2:]}.lora_B.weight"] = ref["b/" + k[2:]]
+        if dora:
+          tensors[f"{prefix}.{k[2:]}.lora_magnitude_vector"] = ref["m/" + k[2:]]
   adapter = md_lora.load_lora(tensors, keymap, model, config={"r": RANK, "lora_alpha": ALPHA})
   params = mdt.load_lora_factors(lora, params, adapter)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +69,7 @@ def main() -> None:
     ("sd", "sd_unet_lora.safetensors"),
     ("wan", "wan_transformer_lora.safetensors"),
     ("flux", "flux_transformer_lora.safetensors"),
+    ("wan_dora", "wan_transformer_dora.safetensors"),
   ):
     path = export(name, FIX / "train_lora_step" / "md_export" / file)
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")

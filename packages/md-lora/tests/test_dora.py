@@ -3,8 +3,9 @@ tools/fixtures/lora_dora.py: `use_dora=True`, saved by diffusers): merged by md 
 output equals peft's DoRA model. LyCORIS' (tests/fixtures/lora_dora_lycoris, tools/fixtures/lora_dora_lycoris.py:
 `weight_decompose=True` LoCon with norms per output and per input, LoHa): merged at multipliers 1 and 0.6, the
 output equals LyCORIS' own `get_merged_weight`; in run-time slots with gain slots, all of them and a plain
-LoRA in one compiled program. What DoRA cannot do (input-axis norms at run time, unmerge, re-saving as plain
-PEFT, continued training) says so, and a malformed magnitude is named."""
+LoRA in one compiled program. save_peft writes peft's DoRA file back (magnitudes `[out]` / `[1, out, 1, 1]`,
+`use_dora` in the metadata). What DoRA cannot do (input-axis norms at run time, unmerge, saving LyCORIS'
+norms as PEFT) says so, and a malformed magnitude is named."""
 
 import chex
 import jax
@@ -142,8 +143,30 @@ def test_what_dora_cannot_do_is_named(setup, tmp_path):
     md_lora.to_slots(per_input, 1.0, unet)
   with pytest.raises(ValueError, match=r"a DoRA adapter cannot be unmerged"):
     md_lora.unmerge(unet, [(adapter, 1.0)])
-  with pytest.raises(ValueError, match=r"a DoRA adapter; save_peft writes plain LoRA factors only"):
-    md_lora.save_peft(adapter, tmp_path / "x.safetensors", md_sd.unet_key_map(unet.cfg), [])
+  with pytest.raises(ValueError, match=r"'lycoris' norms of shape .* peft's per-output magnitudes"):
+    md_lora.save_peft(per_input, tmp_path / "x.safetensors", md_sd.unet_key_map(unet.cfg), [])
+
+
+def test_save_peft_writes_the_dora_file_back(setup, tmp_path):
+  """The peft DoRA file read and written again: the same tensors under the same names and shapes (the
+  file's alpha / r = 2 folded into lora_B), `use_dora` in the header; read back, the same adapter."""
+  unet, _, adapter, _ = setup
+  keymap = md_sd.unet_key_map(unet.cfg)
+  names = list(md_core.open_checkpoint(fixture_path("lora_extract") / "base"))
+  path = tmp_path / "dora.safetensors"
+  md_lora.save_peft(adapter, path, keymap, names, prefix="unet")
+  got = md_core.SafetensorsFile(path)
+  want = md_core.SafetensorsFile(fixture_path("lora_dora") / "unet_dora.safetensors")
+  assert sorted(got) == sorted(want)
+  for k in want:
+    fold = 2.0 if k.endswith("lora_B.weight") else 1.0
+    assert got[k].shape == want[k].shape, k
+    np.testing.assert_allclose(got[k], np.asarray(want[k]) * fold, atol=1e-6, rtol=0, err_msg=k)
+  assert '"unet.use_dora": true' in got.metadata["lora_adapter_metadata"]
+  again = md_lora.load_lora(path, keymap, unet)
+  assert sorted(map(str, again.weights)) == sorted(map(str, adapter.weights))
+  for site, w in adapter.weights.items():
+    np.testing.assert_allclose(again.weights[site].magnitude, w.magnitude, rtol=0, atol=0)
 
 
 M = "unet.down_blocks.0.resnets.0.conv1"

@@ -113,14 +113,17 @@ def save_peft(
   md's paths are turned back into the reference's module names by mapping `reference_names` (the base
   checkpoint's tensor names, e.g. its `.weight` keys) through `convert_key`. Scales are folded into
   `lora_B`; the header's `lora_adapter_metadata` gives `r`, `lora_alpha = r` and per-module patterns, as
-  diffusers' `save_lora_weights` writes them, so `load_lora_weights` reads the file with scale 1.
+  diffusers' `save_lora_weights` writes them, so `load_lora_weights` reads the file with scale 1. A DoRA
+  adapter with peft's rule (per-output magnitudes) adds `<module>.lora_magnitude_vector` (`[out]`, a
+  conv's `[1, out, 1, 1]` as peft keeps it) and `use_dora` in the metadata.
 
   Returns:
     `{Site: module name}` as written.
 
   Raises:
     ValueError: a site no reference name maps to, or one reached through a split (fused) tensor; a DoRA
-      adapter (its magnitudes are not written here).
+      adapter with LyCORIS' rule or per-input norms, or with plain sites beside DoRA ones (peft's config
+      has one `use_dora` for all).
   """
   inverse: dict[Site, tuple[str, Target]] = {}
   for name in reference_names:
@@ -132,7 +135,14 @@ def save_peft(
     for t in (targets,) if isinstance(targets, Target) else targets:
       inverse[Site(tuple(t.path), t.layer)] = (name[: -len(".weight")], t)
   if adapter.dora:
-    raise ValueError(f"{adapter.source}: a DoRA adapter; save_peft writes plain LoRA factors only")
+    for site, w in adapter.weights.items():
+      m = None if w.magnitude is None else np.shape(w.magnitude)
+      if m is None or w.dora_rule != "peft" or any(d != 1 for d in m[:-1]):
+        why = "no magnitude" if m is None else f"{w.dora_rule!r} norms of shape {m}"
+        raise ValueError(
+          f"{adapter.source}: {str(site)!r} has {why}; save_peft writes DoRA adapters whose every site "
+          "has peft's per-output magnitudes"
+        )
   if adapter.oft or adapter.glora or adapter.ia3:
     kind = (
       "an OFT adapter (rotations" if adapter.oft else "a GLoRA / IA3 adapter (through the weight"
@@ -155,6 +165,12 @@ def save_peft(
     a, b = _torch_factors(w, target)
     key = f"{prefix}.{module}" if prefix else module
     tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+    if adapter.dora:  # peft keeps a conv's norms as [1, out, 1, 1], a linear's as [out]
+      m = np.asarray(w.magnitude, np.float32).reshape(-1)
+      if m.shape[0] != b.shape[0]:
+        raise ValueError(f"{str(site)!r}: {m.shape[0]} DoRA magnitudes for {b.shape[0]} outputs")
+      shape = (1, m.shape[0]) + (1,) * (a.ndim - 2) if a.ndim > 2 else m.shape
+      tensors[f"{key}.lora_magnitude_vector"] = np.ascontiguousarray(m.reshape(shape))
     written[site], ranks[module] = module, a.shape[0]
   r = collections.Counter(ranks.values()).most_common(1)[0][0] if ranks else 0
   other = {m: k for m, k in ranks.items() if k != r}
@@ -165,6 +181,8 @@ def save_peft(
     "rank_pattern": other,
     "alpha_pattern": other,
   }
+  if adapter.dora:
+    config["use_dora"] = True
   packed = {f"{prefix}.{k}" if prefix else k: v for k, v in config.items()}
   meta = {"format": "pt", "lora_adapter_metadata": json.dumps(packed, sort_keys=True)}
   md_core.save_safetensors(path, tensors, metadata=meta)

@@ -50,7 +50,8 @@ LORA_INITS = ("kaiming", "gaussian")  # peft's `init_lora_weights=True` and `"ga
 
 @dataclasses.dataclass(frozen=True)
 class LoRAConfig:
-  """What to train: peft's `LoraConfig(r, lora_alpha, target_modules, init_lora_weights, use_rslora)`.
+  """What to train: peft's `LoraConfig(r, lora_alpha, target_modules, init_lora_weights, use_rslora,
+  use_dora)`.
 
   Attributes:
     rank: r.
@@ -62,6 +63,9 @@ class LoRAConfig:
     init: `kaiming` (peft's default: lora_A kaiming-uniform(a=√5), i.e. U(±1/√fan_in)) or `gaussian`
       (lora_A ~ N(0, 1/r)); lora_B starts at zero either way.
     seed: the initialisation's PRNG seed.
+    dora: weight-decomposed LoRA (peft's `use_dora`): each adapted weight is rescaled per output to a
+      trained magnitude `m`, `W' = m / ||W + s B A|| · (W + s B A)` (the norm over every axis but the
+      output one, held constant in the gradient as peft does); `m` starts at `||W||`.
   """
 
   rank: int = 4
@@ -70,6 +74,7 @@ class LoRAConfig:
   init: str = "kaiming"
   seed: int = 0
   rslora: bool = False
+  dora: bool = False
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -82,6 +87,8 @@ class LoRAConfig:
       raise ValueError(f"lora.init={self.init!r}; expected one of {LORA_INITS}")
     if not isinstance(self.rslora, bool):
       raise ValueError(f"lora.rslora={self.rslora!r} must be True or False")
+    if not isinstance(self.dora, bool):
+      raise ValueError(f"lora.dora={self.dora!r} must be True or False")
     if isinstance(self.targets, str):
       object.__setattr__(self, "targets", _split_names(self.targets))
     elif self.targets is not None:
@@ -92,7 +99,7 @@ class LoRAConfig:
   @classmethod
   def from_options(cls, options: Mapping[str, Any]) -> LoRAConfig:
     """From a recipe's `lora` options (`rank`, `alpha`, `targets` as a list or a comma string,
-    `init`, `seed`, `rslora`); unknown keys are refused with the nearest known one."""
+    `init`, `seed`, `rslora`, `dora`); unknown keys are refused with the nearest known one."""
     known = [f.name for f in dataclasses.fields(cls)]
     for key in options:
       if key not in known:
@@ -116,12 +123,16 @@ class LoRA(NamedTuple):
     rank, alpha: as trained; `scale = alpha / rank` (`alpha / sqrt(rank)` with `rslora`).
     modules: `{reference module name: (md layer path, layer index or None)}`, e.g.
       `"blocks.1.attn1.to_q": ("blocks.attn1.to_q", 1)` for a scanned stack.
+    rslora: rank-stabilised scale.
+    dora: DoRA: the slots' `lora_gain` holds each layer's trained magnitude (`lora_loss` turns it into
+      the per-output factor the model reads).
   """
 
   rank: int
   alpha: float
   modules: dict[str, tuple[str, int | None]]
   rslora: bool = False
+  dora: bool = False
 
   @property
   def scale(self) -> float:
@@ -249,7 +260,9 @@ def add_lora(
     targets = DEFAULT_TARGETS[family]
   modules = _resolve(module, tuple(targets), convert_key, list(reference_names))
   paths = sorted({p for p, _ in modules.values()})
-  md_core.add_lora_slots(module, config.rank, targets=lambda p: p in paths, dtype=dtype)
+  md_core.add_lora_slots(
+    module, config.rank, targets=lambda p: p in paths, dtype=dtype, gain=config.dora
+  )
   layers = md_core.lora_layers(module)
   key = jax.random.key(config.seed)
   for i, path in enumerate(paths):
@@ -257,11 +270,26 @@ def add_lora(
     a = layer.lora_a.get_value()
     n_lead = layer.lora_b.get_value().ndim - 2
     new = _init_a(jax.random.fold_in(key, i), a.shape, n_lead, config.rank, config.init)
-    sharding = getattr(a, "sharding", None)
-    new = new.astype(a.dtype)
-    layer.lora_a.set_value(jax.device_put(new, sharding) if sharding is not None else new)
+    _set_like(layer.lora_a, new)
+    if config.dora:  # peft's magnitude starts at the base weight's norms (lora_B is zero)
+      _set_like(layer.lora_gain, _weight_norms(layer.kernel.get_value(), n_lead))
   alpha = float(config.rank if config.alpha is None else config.alpha)
-  return LoRA(config.rank, alpha, modules, config.rslora)
+  return LoRA(config.rank, alpha, modules, config.rslora, config.dora)
+
+
+def _set_like(variable: nnx.Variable, value: jax.Array) -> None:
+  """Sets a slot to `value` in the slot's dtype and placement."""
+  old = variable.get_value()
+  value = jnp.asarray(value).astype(old.dtype)
+  sharding = getattr(old, "sharding", None)
+  variable.set_value(jax.device_put(value, sharding) if sharding is not None else value)
+
+
+def _weight_norms(w: jax.Array, n_lead: int) -> jax.Array:
+  """The float32 L2 norms of a kernel `[*lead, *k, in, out]` per output (over every axis but the
+  leading layer axes and the output one): `[*lead, out]`."""
+  w = jnp.asarray(w).astype(jnp.float32)
+  return jnp.sqrt(jnp.sum(w * w, axis=tuple(range(n_lead, w.ndim - 1))))
 
 
 def split_lora(module: nnx.Module) -> tuple[Frozen, Any]:
@@ -284,10 +312,70 @@ def _scaled(params: Any, scale: float) -> Any:
   return jax.tree_util.tree_map_with_path(scale_b, params)
 
 
-def lora_loss(loss_fn: LossFn, lora: LoRA) -> LossFn:
+def _dora_slots(params: Any, scale: float, kernels: Mapping[str, jax.Array]) -> Any:
+  """DoRA's slots as the model reads them, from the trainable (a, b, magnitude m): with `V = W + s a b`
+  and `n = ||V||` per output (held constant in the gradient, peft's `weight_norm.detach()`), the layer's
+  base output is multiplied by `g = m / n` (`lora_gain`) and its LoRA branch reads `s b g`, so the
+  layer computes `x (g V) + bias`, peft's DoRA forward."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  named = [tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)) for path, _ in leaves]
+  values = dict(zip(named, (x for _, x in leaves)))
+  gains: dict[tuple, jax.Array] = {}
+
+  def gain(layer: tuple) -> jax.Array:
+    if layer not in gains:
+      a, b, m = (values[layer + (n,)] for n in ("lora_a", "lora_b", "lora_gain"))
+      w = kernels[".".join(str(p) for p in layer)].astype(jnp.float32)
+      n_lead = b.ndim - 2
+      # b over the kernel's window axes (a conv's `[*k, in, r]` lora_a against its `[r, out]` lora_b)
+      b_full = b.reshape(b.shape[:n_lead] + (1,) * (a.ndim - b.ndim) + b.shape[n_lead:])
+      delta = jnp.matmul(
+        a.astype(jnp.float32), b_full.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+      )
+      norms = jax.lax.stop_gradient(_weight_norms(w + scale * delta, n_lead))
+      gains[layer] = m.astype(jnp.float32) / norms
+    return gains[layer]
+
+  out = []
+  for name, (_, x) in zip(named, leaves):
+    kind, layer = name[-1], name[:-1]
+    if kind == "lora_gain":
+      x = gain(layer).astype(x.dtype)
+    elif kind == "lora_b":
+      x = (x * scale * gain(layer)[..., None, :]).astype(x.dtype)
+    out.append(x)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _frozen_kernels(frozen: Frozen, paths: Iterable[str]) -> dict[str, jax.Array]:
+  """The base kernels of the slot layers `paths`, from a `split_lora` frozen part."""
+  flat = {}
+  for state in frozen.rest:
+    flat.update({tuple(p): v for p, v in nnx.to_flat_state(state)})
+  out = {}
+  for path in paths:
+    key = tuple(_path_parts(path)) + ("kernel",)
+    if key not in flat:
+      raise ValueError(f"DoRA: the frozen part holds no kernel at {path!r}")
+    v = flat[key]
+    out[path] = v.get_value() if hasattr(v, "get_value") else v
+  return out
+
+
+def lora_loss(loss_fn: LossFn, lora: LoRA, frozen: Frozen | None = None) -> LossFn:
   """`loss_fn` (a family loss over a `split_lora` frozen part) of the trainable slots: `b` enters the
-  model as `alpha / r · b`, peft's `scaling`."""
+  model as `alpha / r · b`, peft's `scaling`. A DoRA `lora` also needs `frozen` (its base kernels:
+  the magnitudes rescale `W + s b a`, see `LoRAConfig.dora`)."""
   scale = lora.scale
+  if lora.dora:
+    if frozen is None:
+      raise ValueError("lora_loss: a DoRA LoRA needs the frozen part (its base kernels): frozen=")
+    kernels = _frozen_kernels(frozen, lora.paths)
+
+    def wrapped_dora(params, batch, key):
+      return loss_fn(_dora_slots(params, scale, kernels), batch, key)
+
+    return wrapped_dora
 
   def wrapped(params, batch, key):
     return loss_fn(_scaled(params, scale), batch, key)
@@ -295,21 +383,28 @@ def lora_loss(loss_fn: LossFn, lora: LoRA) -> LossFn:
   return wrapped
 
 
-def _slot_values(params: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _slot_values(params: Any) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+  """`{layer path: (a, b, gain or None)}` of the slots, as float32 host arrays."""
   flat = {tuple(p): v for p, v in nnx.to_flat_state(params)}
+
+  def value(x):
+    return np.asarray(jax.device_get(x.get_value() if hasattr(x, "get_value") else x), np.float32)
+
   out = {}
   for p, v in flat.items():
     if p[-1] == "lora_a":
-      b = flat[p[:-1] + ("lora_b",)]
-      value = lambda x: np.asarray(  # noqa: E731
-        jax.device_get(x.get_value() if hasattr(x, "get_value") else x), np.float32
+      gain = flat.get(p[:-1] + ("lora_gain",))
+      out[".".join(str(x) for x in p[:-1])] = (
+        value(v),
+        value(flat[p[:-1] + ("lora_b",)]),
+        None if gain is None else value(gain),
       )
-      out[".".join(str(x) for x in p[:-1])] = (value(v), value(b))
   return out
 
 
 def lora_adapter(lora: LoRA, params: Any, *, source: str = "md_train") -> Any:
-  """The trained slots as an `md_lora.Adapter` (one site per reference module, scale alpha / r)."""
+  """The trained slots as an `md_lora.Adapter` (one site per reference module, scale alpha / r; a DoRA
+  site's magnitude per output, peft's rule)."""
   import md_lora
 
   values = _slot_values(params)
@@ -317,11 +412,21 @@ def lora_adapter(lora: LoRA, params: Any, *, source: str = "md_train") -> Any:
   for module, (path, layer) in sorted(lora.modules.items()):
     if path not in values:
       raise ValueError(f"{module!r}: the parameters hold no LoRA slot at {path!r}")
-    a, b = values[path]
+    a, b, m = values[path]
     if layer is not None:
-      a, b = a[layer], b[layer]
+      a, b, m = a[layer], b[layer], None if m is None else m[layer]
     site = md_lora.Site(tuple(_path_parts(path)) + ("kernel",), layer)
-    weights[site] = md_lora.LoRAWeight(a, b, lora.scale)
+    if lora.dora:
+      if m is None:
+        raise ValueError(
+          f"{module!r}: a DoRA LoRA, but the parameters hold no magnitude at {path!r}"
+        )
+      # md_lora's magnitudes broadcast against the weight (md layout `[*k, in, out]`)
+      weights[site] = md_lora.LoRAWeight(
+        a, b, lora.scale, magnitude=m.reshape((1,) * (a.ndim - 1) + m.shape), dora_rule="peft"
+      )
+    else:
+      weights[site] = md_lora.LoRAWeight(a, b, lora.scale)
     names[site] = module
   return md_lora.Adapter(weights, names, source, "peft")
 
@@ -335,12 +440,21 @@ def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
   read by `md_lora.load_lora`, to continue training it): `a = down`, `b = up · adapter scale / lora
   scale`, so the model's delta is the adapter's.
 
+  A DoRA `lora` takes a peft-rule DoRA adapter (its magnitudes into the `lora_gain` slots), a plain one
+  a plain adapter.
+
   Raises:
-    ValueError: an adapter that misses a module of `lora`, adapts others, or has another rank.
+    ValueError: an adapter that misses a module of `lora`, adapts others, or has another rank; a DoRA
+      adapter for a plain LoRA or the other way round.
   """
-  if getattr(adapter, "dora", False):
+  if getattr(adapter, "dora", False) and not lora.dora:
     raise ValueError(
-      f"{adapter.source}: a DoRA adapter; training continues plain LoRA factors only (no magnitudes)"
+      f"{adapter.source}: a DoRA adapter; continue it with a DoRA LoRA (lora.dora=True), this one is "
+      "plain (no magnitudes)"
+    )
+  if lora.dora and not getattr(adapter, "dora", False):
+    raise ValueError(
+      f"{adapter.source}: a plain LoRA adapter (no magnitudes); the LoRA being trained is DoRA"
     )
   if getattr(adapter, "oft", False):
     raise ValueError(
@@ -366,7 +480,10 @@ def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
     w = by_site[(parts, layer)]
     if w.rank != lora.rank:
       raise ValueError(f"{adapter.source}: {module!r} has rank {w.rank}, the LoRA {lora.rank}")
-    for name, value in (("lora_a", w.down), ("lora_b", np.asarray(w.up) * (w.scale / lora.scale))):
+    values = [("lora_a", w.down), ("lora_b", np.asarray(w.up) * (w.scale / lora.scale))]
+    if lora.dora:
+      values.append(("lora_gain", _output_magnitude(adapter.source, module, w)))
+    for name, value in values:
       key = parts + (name,)
       if key not in updates:
         updates[key] = np.array(jax.device_get(flat[key].get_value()), np.float32)
@@ -382,6 +499,19 @@ def load_lora_factors(lora: LoRA, params: Any, adapter: Any) -> Any:
     sharding = getattr(old, "sharding", None)
     flat_out[key].set_value(jax.device_put(new, sharding) if sharding is not None else new)
   return out
+
+
+def _output_magnitude(source: str, module: str, w: Any) -> np.ndarray:
+  """A DoRA site's magnitudes `[out]` (peft's rule, per output), or a ValueError naming the module."""
+  if w.magnitude is None:
+    raise ValueError(f"{source}: {module!r} has no DoRA magnitude; the LoRA being trained is DoRA")
+  m = np.asarray(w.magnitude, np.float32)
+  if w.dora_rule != "peft" or any(d != 1 for d in m.shape[:-1]):
+    raise ValueError(
+      f"{source}: {module!r} is a DoRA site with {w.dora_rule!r} norms of shape {m.shape}; training "
+      "continues peft's per-output magnitudes only"
+    )
+  return m.reshape(-1)
 
 
 def save_lora(

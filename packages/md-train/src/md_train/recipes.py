@@ -727,7 +727,7 @@ def _denoiser_recipe(
   PEFT names under `unet.` / `transformer.`), fingerprint."""
   optimizer = _optimizer(opts)
   if lora is not None:
-    loss_fn = lora_loss(loss_fn, lora)
+    loss_fn = lora_loss(loss_fn, lora, frozen)
   state = init_state(params, optimizer, rng=int(config.seed))
   batch_size = int(opts["batch_size"])
   evaluator = None

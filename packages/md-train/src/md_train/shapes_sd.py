@@ -334,7 +334,7 @@ def sd_lora_recipe(app_config: ml_collections.ConfigDict) -> Recipe:
   frozen, params = split_lora(pipe.unet)
   optimizer = _optimizer(config)
   state = init_state(params, optimizer, rng=config.seed)
-  step = make_train_step(lora_loss(_unet_loss(config, pipe, frozen), lora), optimizer)
+  step = make_train_step(lora_loss(_unet_loss(config, pipe, frozen), lora, frozen), optimizer)
   recipe = cached_latents_recipe(
     config, state, step, frozen, latents, ids, states, "unet", md_sd.convert_unet_key
   )
