@@ -5,7 +5,7 @@ LoRA gradient within 1e-4, at peft's init (lora_B = 0) and with non-zero lora_B;
 rank-stabilised LoRA (peft's `use_rslora`: alpha / sqrt(r)) and with DoRA (peft's `use_dora`: the magnitudes'
 initial values and gradients too). Then the PEFT export:
 md's file equals the one diffusers was checked on (tools/train_lora_export.py), reads back into the same
-slots, and a short `fit` of the `sd15-lora-tiny` recipe exports a LoRA that `Pipeline.load_lora` loads."""
+slots, and a short `fit` of the `sd15-lora-tiny` recipe as DoRA exports a file that `Pipeline.load_lora` runs."""
 
 import json
 import pathlib
@@ -285,33 +285,44 @@ def _train_config(variant):
   return ml_collections.ConfigDict(dict(seed=0, recipe_options=options))
 
 
-def test_sd15_lora_recipe_fits_and_exports_a_lora_the_pipeline_loads(tmp_path):
-  """`sd15-lora-tiny`: 3 steps train only the LoRA (the UNet's parameters stay the source file's), the
-  export is a PEFT file under `unet.`, and `Pipeline.load_lora` puts the trained delta in its slots."""
+def test_sd15_dora_recipe_fits_and_the_pipeline_runs_it(tmp_path):
+  """`sd15-lora-tiny` with `lora.dora=True` (the app's `--config.recipe_options.lora.dora=True`): 2 steps
+  move only the slots (factors and magnitudes; the UNet's parameters stay the source file's), the export
+  is a PEFT file under `unet.` with `lora_magnitude_vector`s, and `Pipeline.load_lora` fills its slots
+  with DoRA's run-time form of the trained values, checked in NumPy: gain `g = m / ||W + s a b||` (per
+  output, over the input axis) and `s b g` in lora_b. (Plain LoRA variants end to end:
+  packages/md-train/tests/test_recipes_families.py.)"""
   from md_train import recipes
 
   config = _train_config("sd15-lora-tiny")
+  config.recipe_options.lora.dora = True
   recipe = recipes.sd15_tiny(config)
   start = _flat(recipe.state.params)
-  assert sorted({p[-1] for p in start}) == ["lora_a", "lora_b"]
-  assert all(float(np.abs(v).max()) == 0 for p, v in start.items() if p[-1] == "lora_b")
-  state = mdt.fit(recipe, steps=3)
+  assert sorted({p[-1] for p in start}) == ["lora_a", "lora_b", "lora_gain"]
+  state = mdt.fit(recipe, steps=2)
   trained = _flat(state.params)
-  assert max(float(np.abs(v).max()) for p, v in trained.items() if p[-1] == "lora_b") > 1e-3
+  for kind in ("lora_b", "lora_gain"):  # lora_b leaves zero, the magnitudes their initial norms
+    moved = max(float(np.abs(trained[p] - start[p]).max()) for p in start if p[-1] == kind)
+    assert moved > 1e-4, kind
   file = recipe.export(state, tmp_path)
   assert file == tmp_path / "unet" / "pytorch_lora_weights.safetensors"
   keys = list(md_core.SafetensorsFile(file))
   assert keys and all(k.startswith("unet.") and ".lora_" in k for k in keys)
-  assert any(".attn2.to_out.0.lora_B.weight" in k for k in keys)
+  assert 3 * sum(k.endswith(".lora_magnitude_vector") for k in keys) == len(keys)
 
   model = pathlib.Path(md_core.testing.repo_root()) / "tests/fixtures/sd_pipeline/sd"
   pipe = md_sd.load_pipeline(model)
   pipe.load_lora(file, name="trained", max_rank=4, targets=("to_q", "to_k", "to_v", "to_out"))
   slots = _flat(nnx.state(pipe.unet))
   scale = np.float32(4.0 / 4)  # alpha / r of the variant
-  for p, v in trained.items():
-    want = v * scale if p[-1] == "lora_b" else v
-    np.testing.assert_allclose(slots[p], want, atol=1e-7, rtol=0, err_msg=str(p))
+  layers = {p[:-1] for p in trained}
+  for layer in layers:
+    a, b, m = (trained[layer + (n,)] for n in ("lora_a", "lora_b", "lora_gain"))
+    w = slots[layer + ("kernel",)].astype(np.float64)
+    g = m / np.linalg.norm(w + scale * (a.astype(np.float64) @ b), axis=-2)
+    np.testing.assert_allclose(slots[layer + ("lora_gain",)], g, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(slots[layer + ("lora_b",)], scale * b * g[..., None, :], atol=1e-6)
+    np.testing.assert_array_equal(slots[layer + ("lora_a",)], a)
   # The base stayed the source checkpoint's.
   base = md_sd.load_unet(model / "unet", subfolder=None, progress=False)
   for p, v in _flat(nnx.state(base, nnx.Param)).items():

@@ -19,7 +19,7 @@ Variants: wan21-tiny, sd15-tiny, sdxl-tiny, flux1-tiny, klein-tiny, ltx-tiny: th
 tests/fixtures (Wan 2.1 T2V, SD 1.5, SDXL, Flux.1 dev, Flux.2 Klein, LTX-Video T2V) trained on md_data's
 shapes clips / images (`md_train.recipes`); <family>-lora-tiny (sd15, sdxl, wan21, flux1, klein, ltx):
 the same with only a LoRA trained (`recipe_options.lora`: rank, alpha,
-targets, init, seed), exported as a PEFT file; wan22-high-tiny, wan22-low-tiny: one expert of the tiny
+targets, init, seed, rslora, dora), exported as a PEFT file (`--config.recipe_options.lora.dora=True`: DoRA); wan22-high-tiny, wan22-low-tiny: one expert of the tiny
 Wan 2.2 A14B pipeline (`recipe_options.expert`), on the timesteps it samples; wan21-i2v-tiny,
 wan22-i2v-high-tiny, wan22-ti2v-tiny: image-to-video training (each clip's first frame the condition);
 dreambooth-tiny, dreambooth-lora-tiny: Dreambooth with prior preservation (`md_train.recipes.dreambooth_sd`; class images generated into `class_dir`);
@@ -128,7 +128,11 @@ VARIANTS["ltx-tiny"] = (
 # LoRA variants: only the adapter trains (diffusers' train_text_to_image_lora.py: r 4, alpha = r, the
 # attention projections; higher learning rate), exported as <workdir>/export/<component>/
 # pytorch_lora_weights.safetensors, which `pipe.load_lora` and diffusers' `load_lora_weights` read.
-_LORA = dict(rank=4, alpha=4.0, targets="to_k,to_q,to_v,to_out.0", init="kaiming", seed=0)
+# rslora: peft's use_rslora (alpha / sqrt(r)); dora: peft's use_dora (trained per-output magnitudes).
+_LORA = dict(
+  rank=4, alpha=4.0, targets="to_k,to_q,to_v,to_out.0", init="kaiming", seed=0, rslora=False,
+  dora=False,
+)  # fmt: skip
 _FLUX_TARGETS = (
   "attn.to_k,attn.to_q,attn.to_v,attn.to_out.0,attn.add_k_proj,attn.add_q_proj,attn.add_v_proj,"
   "attn.to_add_out,ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
