@@ -64,6 +64,39 @@ def export(name: str, out: pathlib.Path) -> pathlib.Path:
   return out
 
 
+def export_text(out: pathlib.Path) -> pathlib.Path:
+  """md's export of the UNet + text-encoder LoRA fixture, written to `out`."""
+  folder = FIX / "sd_pipeline" / "sd"
+  pipe = md_sd.load_pipeline(folder)
+  parts = []
+  with np.load(FIX / "train_lora_text_step" / "sd.npz") as ref:
+    for component, targets in (
+      ("unet", None),
+      ("text_encoder", ("q_proj", "k_proj", "v_proj", "out_proj")),
+    ):
+      model, keymap = getattr(pipe, component), pipe.lora_key_map(component)
+      names = list(md_core.open_checkpoint(folder / component))
+      lora = mdt.add_lora(
+        model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets), convert_key=keymap,
+        reference_names=names, family="sd",
+      )  # fmt: skip
+      tensors = {}
+      for k in ref.files:
+        if k.startswith(f"{component}/a/"):
+          module = k.split("/", 2)[2]
+          tensors[f"{module}.lora_A.weight"] = ref[k]
+          tensors[f"{module}.lora_B.weight"] = ref[f"{component}/b/{module}"]
+      adapter = md_lora.load_lora(tensors, keymap, model, config={"r": RANK, "lora_alpha": ALPHA})
+      params = mdt.load_lora_factors(lora, mdt.split_lora(model)[1], adapter)
+      parts.append((lora, params, keymap, names, component))
+  out.parent.mkdir(parents=True, exist_ok=True)
+  (lora, params, keymap, names, prefix), *also = parts
+  mdt.save_lora(
+    lora, params, out, convert_key=keymap, reference_names=names, prefix=prefix, also=also
+  )
+  return out
+
+
 def main() -> None:
   for name, file in (
     ("sd", "sd_unet_lora.safetensors"),
@@ -73,6 +106,8 @@ def main() -> None:
   ):
     path = export(name, FIX / "train_lora_step" / "md_export" / file)
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
+  path = export_text(FIX / "train_lora_text_step" / "md_export" / "sd_unet_text_lora.safetensors")
+  print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

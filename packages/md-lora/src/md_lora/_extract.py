@@ -107,6 +107,7 @@ def save_peft(
   reference_names: Iterable[str],
   *,
   prefix: str = "unet",
+  also: Iterable[tuple[Adapter, KeyMap, Iterable[str], str]] = (),
 ) -> dict[Site, str]:
   """Writes an adapter as a diffusers / PEFT LoRA file (`<prefix>.<module>.lora_A.weight`…).
 
@@ -117,14 +118,37 @@ def save_peft(
   adapter with peft's rule (per-output magnitudes) adds `<module>.lora_magnitude_vector` (`[out]`, a
   conv's `[1, out, 1, 1]` as peft keeps it) and `use_dora` in the metadata.
 
+  `also`: more components' adapters for the same file, each `(adapter, convert_key, reference_names,
+  prefix)` (e.g. a text encoder's under `text_encoder.` beside the UNet's, as diffusers'
+  `save_lora_weights(unet_lora_layers=..., text_encoder_lora_layers=...)` writes them).
+
   Returns:
-    `{Site: module name}` as written.
+    `{Site: module name}` as written (for `adapter`).
 
   Raises:
     ValueError: a site no reference name maps to, or one reached through a split (fused) tensor; a DoRA
       adapter with LyCORIS' rule or per-input norms, or with plain sites beside DoRA ones (peft's config
-      has one `use_dora` for all).
+      has one `use_dora` for all); a second component without a prefix of its own.
   """
+  tensors, written, packed = _peft_part(adapter, convert_key, reference_names, prefix)
+  for other, other_key, other_names, other_prefix in also:
+    if other_prefix == prefix or not other_prefix:
+      raise ValueError(
+        f"save_peft: another component's prefix {other_prefix!r} must differ from {prefix!r} (and not "
+        "be empty)"
+      )
+    more, _, more_packed = _peft_part(other, other_key, other_names, other_prefix)
+    tensors.update(more)
+    packed.update(more_packed)
+  meta = {"format": "pt", "lora_adapter_metadata": json.dumps(packed, sort_keys=True)}
+  md_core.save_safetensors(path, tensors, metadata=meta)
+  return written
+
+
+def _peft_part(
+  adapter: Adapter, convert_key: KeyMap, reference_names: Iterable[str], prefix: str
+) -> tuple[dict[str, np.ndarray], dict[Site, str], dict[str, Any]]:
+  """One component's PEFT tensors, `{Site: module}` and its prefixed `lora_adapter_metadata` entries."""
   inverse: dict[Site, tuple[str, Target]] = {}
   for name in reference_names:
     if not name.endswith(".weight"):
@@ -184,6 +208,4 @@ def save_peft(
   if adapter.dora:
     config["use_dora"] = True
   packed = {f"{prefix}.{k}" if prefix else k: v for k, v in config.items()}
-  meta = {"format": "pt", "lora_adapter_metadata": json.dumps(packed, sort_keys=True)}
-  md_core.save_safetensors(path, tensors, metadata=meta)
-  return written
+  return tensors, written, packed

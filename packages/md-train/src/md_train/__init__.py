@@ -26,6 +26,7 @@ from md_train._lora import (
   lora_parameter_count,
   save_lora,
   split_lora,
+  text_encoder_lora_loss,
 )
 from md_train._losses import (
   FLOW_SAMPLERS,
@@ -135,6 +136,7 @@ __all__ = [
   "split_trainable",
   "state_shardings",
   "table_lookup",
+  "text_encoder_lora_loss",
   "train_step",
   "uniform_timesteps",
   "with_master_weights",

@@ -21,7 +21,7 @@ import dataclasses
 import difflib
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -362,23 +362,63 @@ def _frozen_kernels(frozen: Frozen, paths: Iterable[str]) -> dict[str, jax.Array
   return out
 
 
+def _slot_view(lora: LoRA, frozen: Frozen | None) -> Callable[[Any], Any]:
+  """The map from the trainable slots to the slots as the model reads them (`b` at the LoRA scale;
+  DoRA's gains from the frozen kernels)."""
+  scale = lora.scale
+  if not lora.dora:
+    return lambda params: _scaled(params, scale)
+  if frozen is None:
+    raise ValueError("a DoRA LoRA needs the frozen part (its base kernels): frozen=")
+  kernels = _frozen_kernels(frozen, lora.paths)
+  return lambda params: _dora_slots(params, scale, kernels)
+
+
 def lora_loss(loss_fn: LossFn, lora: LoRA, frozen: Frozen | None = None) -> LossFn:
   """`loss_fn` (a family loss over a `split_lora` frozen part) of the trainable slots: `b` enters the
   model as `alpha / r · b`, peft's `scaling`. A DoRA `lora` also needs `frozen` (its base kernels:
   the magnitudes rescale `W + s b a`, see `LoRAConfig.dora`)."""
-  scale = lora.scale
-  if lora.dora:
-    if frozen is None:
-      raise ValueError("lora_loss: a DoRA LoRA needs the frozen part (its base kernels): frozen=")
-    kernels = _frozen_kernels(frozen, lora.paths)
-
-    def wrapped_dora(params, batch, key):
-      return loss_fn(_dora_slots(params, scale, kernels), batch, key)
-
-    return wrapped_dora
+  try:
+    view = _slot_view(lora, frozen)
+  except ValueError as e:
+    raise ValueError(f"lora_loss: {e}") from None
 
   def wrapped(params, batch, key):
-    return loss_fn(_scaled(params, scale), batch, key)
+    return loss_fn(view(params), batch, key)
+
+  return wrapped
+
+
+def _last_hidden_state(model: nnx.Module, batch: Mapping[str, Any]) -> jax.Array:
+  return model(batch["input_ids"], output_hidden_states=False).last_hidden_state
+
+
+def text_encoder_lora_loss(
+  loss_fn: LossFn,
+  lora: LoRA,
+  frozen: Frozen,
+  *,
+  encode: Callable[[nnx.Module, Mapping[str, Any]], jax.Array] = _last_hidden_state,
+) -> LossFn:
+  """`loss_fn` (a denoiser's loss, e.g. `lora_loss(sd_loss(...), ...)`) with a LoRA on the text encoder
+  trained beside it (train_dreambooth_lora.py's `--train_text_encoder`).
+
+  The parameters are `{"denoiser": the denoiser's, "text_encoder": the text encoder's slots}`; each step
+  runs the batch's `input_ids [B, S]` through the text encoder (`frozen`: its `split_lora` frozen part,
+  the slots as `lora_loss` gives them) and passes `encode(model, batch)` (default: the last hidden state,
+  the script's `text_encoder(input_ids)[0]`) to `loss_fn` as the batch's `encoder_hidden_states`.
+  """
+  view = _slot_view(lora, frozen)
+
+  def wrapped(params, batch, key):
+    if "input_ids" not in batch:
+      raise ValueError(
+        f"text_encoder_lora_loss: the batch has no input_ids (keys {sorted(batch)}); the text encoder "
+        "trains on token ids, not cached encoder_hidden_states"
+      )
+    states = encode(frozen.merge(view(params["text_encoder"])), batch)
+    rest = {k: v for k, v in batch.items() if k != "input_ids"}
+    return loss_fn(params["denoiser"], {**rest, "encoder_hidden_states": states}, key)
 
   return wrapped
 
@@ -522,14 +562,20 @@ def save_lora(
   convert_key: md_core.KeyMap,
   reference_names: Iterable[str],
   prefix: str,
+  also: Sequence[tuple[LoRA, Any, md_core.KeyMap, Iterable[str], str]] = (),
 ) -> Any:
   """Writes the trained adapter as a diffusers / PEFT LoRA file (`md_lora.save_peft`):
   `<prefix>.<module>.lora_A.weight` / `.lora_B.weight` (the scale folded into lora_B, `lora_alpha = r`
   in the header's `lora_adapter_metadata`), which `Pipeline.load_lora` and diffusers'
-  `load_lora_weights` read. `prefix`: `unet` (SD) or `transformer` (Flux, Wan)."""
+  `load_lora_weights` read. `prefix`: `unet` (SD) or `transformer` (Flux, Wan). `also`: other components'
+  LoRAs for the same file, each `(lora, params, convert_key, reference_names, prefix)`, e.g. the text
+  encoder's under `text_encoder` (`text_encoder_lora_loss`)."""
   import md_lora
 
-  md_lora.save_peft(lora_adapter(lora, params), path, convert_key, reference_names, prefix=prefix)
+  more = [(lora_adapter(lo, pa), ck, list(rn), px) for lo, pa, ck, rn, px in also]
+  md_lora.save_peft(
+    lora_adapter(lora, params), path, convert_key, reference_names, prefix=prefix, also=more
+  )
   return path
 
 

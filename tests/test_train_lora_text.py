@@ -1,0 +1,161 @@
+"""LoRA on the SD UNet and its CLIP text encoder trained together (md_train.text_encoder_lora_loss,
+train_dreambooth_lora.py's `--train_text_encoder`) against torch + peft autograd
+(tools/fixtures/train_lora_text_step.py): the tiny SD pipeline, r 4, alpha 8 on the UNet's attention
+projections and the text encoder's q/k/v/out projections, the fixture's factors in md's slots; the prompt
+embeddings computed inside the step from token ids. Loss within 1e-5, every factor's gradient of both models
+within 1e-4; the export (both components in one file) is the file diffusers' `load_lora_weights` was checked
+on, and `Pipeline.load_lora` reads both components back into the trained slot values."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import md_core
+import md_lora
+import md_schedulers as mdsch
+import md_sd
+import md_train as mdt
+import md_train.families as mtf
+from md_core.testing import fixture_path, load_arrays
+
+RANK, ALPHA = 4, 8.0
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+SCHED = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+COMPONENTS = ("unet", "text_encoder")
+
+
+def _flat(state):
+  return {
+    tuple(p): np.asarray(v[...] if isinstance(v, nnx.Variable) else v)
+    for p, v in nnx.to_flat_state(state)
+  }
+
+
+@pytest.fixture(scope="module")
+def setup():
+  ref = load_arrays(fixture_path("train_lora_text_step") / "sd.npz")
+  folder = fixture_path("sd_pipeline") / "sd"
+  pipe = md_sd.load_pipeline(folder)
+  parts = {}
+  for component in COMPONENTS:
+    model, keymap = getattr(pipe, component), pipe.lora_key_map(component)
+    names = list(md_core.open_checkpoint(folder / component))
+    targets = TEXT_TARGETS if component == "text_encoder" else None
+    lora = mdt.add_lora(
+      model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets), convert_key=keymap,
+      reference_names=names, family="sd",
+    )  # fmt: skip
+    frozen, params = mdt.split_lora(model)
+    tensors = {}
+    for k in ref:
+      if k.startswith(f"{component}/a/"):
+        module = k.split("/", 2)[2]
+        tensors[f"{module}.lora_A.weight"] = ref[k]
+        tensors[f"{module}.lora_B.weight"] = ref[f"{component}/b/{module}"]
+    adapter = md_lora.load_lora(tensors, keymap, model, config={"r": RANK, "lora_alpha": ALPHA})
+    params = mdt.load_lora_factors(lora, params, adapter)
+    parts[component] = dict(
+      model=model, keymap=keymap, names=names, lora=lora, frozen=frozen, params=params
+    )
+  unet, text = parts["unet"], parts["text_encoder"]
+  acp = mdsch.ddpm(**SCHED).alphas_cumprod
+  loss_fn = mdt.text_encoder_lora_loss(
+    mdt.lora_loss(mtf.sd_loss(unet["frozen"], alphas_cumprod=acp), unet["lora"]),
+    text["lora"],
+    text["frozen"],
+  )
+  params = {"denoiser": unet["params"], "text_encoder": text["params"]}
+  batch = {
+    "latents": jnp.asarray(ref["latents"]).transpose(0, 2, 3, 1),
+    "noise": jnp.asarray(ref["noise"]).transpose(0, 2, 3, 1),
+    "timesteps": jnp.asarray(ref["timesteps"]),
+    "input_ids": jnp.asarray(ref["input_ids"], jnp.int32),
+  }
+  step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+  (loss, _), grads = step(params, batch, jax.random.key(0))
+  return dict(
+    ref=ref, parts=parts, loss=loss, grads=grads, params=params, loss_fn=loss_fn, batch=batch
+  )
+
+
+def test_targets_are_the_peft_modules(setup):
+  ref = setup["ref"]
+  for component in COMPONENTS:
+    modules = sorted(k.split("/", 2)[2] for k in ref if k.startswith(f"{component}/a/"))
+    assert sorted(setup["parts"][component]["lora"].modules) == modules, component
+  assert len(setup["parts"]["text_encoder"]["lora"].modules) == 8  # 2 layers x q, k, v, out
+
+
+def test_step_matches_peft_on_both_models(setup):
+  """The loss, every lora_A / lora_B gradient of the UNet and the text encoder, and their global norm."""
+  ref, grads = setup["ref"], setup["grads"]
+  np.testing.assert_allclose(float(setup["loss"]), ref["loss"], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=1e-4)
+  worst = {}
+  for component, key in (("unet", "denoiser"), ("text_encoder", "text_encoder")):
+    part, flat = setup["parts"][component], _flat(grads[key])
+    worst[component] = 0.0
+    for module, (path, layer) in part["lora"].modules.items():
+      parts = tuple(int(p) if p.isdigit() else p for p in path.split("."))
+      want_a, want_b = md_lora.lora_factors(
+        ref[f"{component}/grad_a/{module}"], ref[f"{component}/grad_b/{module}"],
+        part["keymap"](module + ".weight"),
+      )  # fmt: skip
+      for name, want in (("lora_a", want_a), ("lora_b", want_b)):
+        got = flat[parts + (name,)]
+        got = got if layer is None else got[layer]
+        chex.assert_trees_all_close(got, want, atol=1e-4, rtol=0, custom_message=module)
+        worst[component] = max(worst[component], float(np.abs(got - want).max()))
+    # the text encoder's factors really get gradients (its LoRA changes the prompt embeddings)
+    assert max(float(np.abs(v).max()) for v in flat.values()) > 1e-4, component
+  print(f"loss err {abs(float(setup['loss']) - ref['loss']):.1e}, max grad err {worst}")
+
+
+def test_export_is_the_file_diffusers_read_and_the_pipeline_loads_it(setup, tmp_path):
+  """save_lora(..., also=[text encoder]) writes the one file diffusers' load_lora_weights gave the peft
+  models' output from (max abs 0.0, the fixture's README); `Pipeline.load_lora` puts both components'
+  factors into its slots as trained (b at alpha / r)."""
+  unet, text = setup["parts"]["unet"], setup["parts"]["text_encoder"]
+  path = tmp_path / "pytorch_lora_weights.safetensors"
+  mdt.save_lora(
+    unet["lora"], unet["params"], path, convert_key=unet["keymap"], reference_names=unet["names"],
+    prefix="unet",
+    also=[(text["lora"], text["params"], text["keymap"], text["names"], "text_encoder")],
+  )  # fmt: skip
+  got = md_core.SafetensorsFile(path)
+  want = md_core.SafetensorsFile(
+    fixture_path("train_lora_text_step") / "md_export" / "sd_unet_text_lora.safetensors"
+  )
+  assert sorted(got) == sorted(want)
+  assert any(k.startswith("text_encoder.") for k in got)
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+  assert got.metadata == want.metadata
+
+  pipe = md_sd.load_pipeline(fixture_path("sd_pipeline") / "sd")
+  pipe.load_lora(path, name="trained", max_rank=RANK)
+  for component in COMPONENTS:
+    part = setup["parts"][component]
+    slots = _flat(nnx.state(getattr(pipe, component)))
+    for p, v in _flat(part["params"]).items():
+      want = v * np.float32(part["lora"].scale) if p[-1] == "lora_b" else v
+      np.testing.assert_allclose(slots[p], want, atol=1e-7, rtol=0, err_msg=f"{component} {p}")
+
+
+def test_text_encoder_loss_errors(setup, tmp_path):
+  """A batch of cached states (no input_ids) and a second component under the same prefix are named."""
+  batch = {k: v for k, v in setup["batch"].items() if k != "input_ids"}
+  batch["encoder_hidden_states"] = jnp.zeros((2, 16, 16))
+  with pytest.raises(ValueError, match="the batch has no input_ids"):
+    setup["loss_fn"](setup["params"], batch, jax.random.key(0))
+  unet = setup["parts"]["unet"]
+  with pytest.raises(ValueError, match="another component's prefix 'unet' must differ"):
+    mdt.save_lora(
+      unet["lora"], unet["params"], tmp_path / "x.safetensors", convert_key=unet["keymap"],
+      reference_names=unet["names"], prefix="unet",
+      also=[(unet["lora"], unet["params"], unet["keymap"], unet["names"], "unet")],
+    )  # fmt: skip
