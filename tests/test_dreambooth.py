@@ -198,9 +198,9 @@ def _variant(name, **overrides):
 
 
 # variant -> (recipe, the LoRA file's key prefix, the text conditioning in each batch, the latents of one
-# 32 px instance + class pair)
+# 32 px instance + class pair). SD 1.x's dreambooth-lora-tiny: with its text encoder trained, below (and
+# plain, tests/test_dreambooth_app.py).
 DREAMBOOTH_LORA = {
-  "dreambooth-lora-tiny": ("dreambooth_sd", "unet.", {"encoder_hidden_states"}, (2, 4, 4, 4)),
   "dreambooth-sdxl-lora-tiny": (
     "dreambooth_sd", "unet.", {"encoder_hidden_states", "text_embeds", "time_ids"}, (2, 4, 4, 4)
   ),
@@ -235,6 +235,42 @@ def test_dreambooth_lora_recipe_generates_class_images_and_trains(variant, tmp_p
   assert all(k.startswith(prefix) for k in md_core.SafetensorsFile(file))
 
 
+def test_dreambooth_lora_with_the_text_encoder_trains_both_and_the_pipeline_loads_them(tmp_path):
+  """`dreambooth-lora-tiny` with `train_text_encoder=True` (train_dreambooth_lora.py's flag): the batches
+  carry the prompts' token ids, two steps move both LoRAs' lora_B, and the export holds `unet.` and
+  `text_encoder.` factors that `Pipeline.load_lora` puts into both components' slots as trained. (One
+  step of this loss against peft: tests/test_train_lora_text.py.)"""
+  from md_train import recipes
+
+  config = _variant(
+    "dreambooth-lora-tiny", class_dir=str(tmp_path / "class"), num_class_images=2, class_steps=1,
+    train_text_encoder=True,
+  )  # fmt: skip
+  recipe = recipes.dreambooth_sd(config)
+  batch = next(iter(recipe.batches))
+  assert set(batch) == {"latents", "input_ids"} and batch["input_ids"].dtype == np.int32
+  assert not np.array_equal(batch["input_ids"][0], batch["input_ids"][1])  # instance, class prompt
+  recipe.batches.restore({"step": 0})
+  assert set(recipe.state.params) == {"denoiser", "text_encoder"}
+  state = mdt.fit(recipe, steps=2)
+  trained = {}
+  for part in ("denoiser", "text_encoder"):
+    flat = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(state.params[part])}
+    assert max(float(np.abs(v).max()) for p, v in flat.items() if p[-1] == "lora_b") > 1e-4, part
+    trained[part] = flat
+  file = recipe.export(state, tmp_path / "export")
+  keys = list(md_core.SafetensorsFile(file))
+  assert {k.split(".")[0] for k in keys} == {"unet", "text_encoder"}
+  pipe = md_sd.load_pipeline(fixture_path("sd_pipeline") / "sd")
+  pipe.load_lora(file, name="db", max_rank=4)
+  scale = np.float32(1.0)  # alpha = r in the variant
+  for part, module in (("denoiser", pipe.unet), ("text_encoder", pipe.text_encoder)):
+    slots = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(module))}
+    for p, v in trained[part].items():
+      want = v * scale if p[-1] == "lora_b" else v
+      np.testing.assert_allclose(slots[p], want, atol=1e-7, rtol=0, err_msg=f"{part} {p}")
+
+
 def test_dreambooth_recipe_option_errors(tmp_path):
   from md_train import recipes
 
@@ -254,3 +290,11 @@ def test_dreambooth_recipe_option_errors(tmp_path):
     recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", model=flux))
   with pytest.raises(ValueError, match="instance_prompt is required for dreambooth_klein"):
     recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", instance_prompt=""))
+  with pytest.raises(ValueError, match="train_text_encoder='yes' must be True or False"):
+    recipes.dreambooth_sd(_variant("dreambooth-lora-tiny", train_text_encoder="yes"))
+  with pytest.raises(ValueError, match="give recipe_options.lora too"):
+    recipes.dreambooth_sd(_variant("dreambooth-tiny", train_text_encoder=True))
+  with pytest.raises(ValueError, match="is an SDXL pipeline; md trains the text encoder of SD 1.x"):
+    recipes.dreambooth_sd(_variant("dreambooth-sdxl-lora-tiny", train_text_encoder=True))
+  with pytest.raises(ValueError, match="dreambooth_flux: recipe_options.train_text_encoder=True"):
+    recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", train_text_encoder=True))

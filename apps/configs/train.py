@@ -195,9 +195,12 @@ VARIANTS["dreambooth-tiny"] = (
     snr_gamma=0.0,
   ),
 )
+# train_text_encoder: train_dreambooth_lora.py's --train_text_encoder (a LoRA on the CLIP encoder too).
 VARIANTS["dreambooth-lora-tiny"] = (
   "md_train.recipes:dreambooth_sd",
-  dict(VARIANTS["dreambooth-tiny"][1], learning_rate=1e-2, lora=dict(_LORA)),
+  dict(
+    VARIANTS["dreambooth-tiny"][1], learning_rate=1e-2, lora=dict(_LORA), train_text_encoder=False
+  ),
 )
 # Dreambooth-LoRA for SDXL (train_dreambooth_lora_sdxl.py) and Flux.1 (train_dreambooth_lora_flux.py) on
 # their tiny pipelines, the same instance images; class images generated into their own class_dir.

@@ -33,7 +33,15 @@ import md_data
 from md_train import _dreambooth, families
 from md_train._eval import eval_loss
 from md_train._loop import Recipe, batch_sharding
-from md_train._lora import LoRA, LoRAConfig, add_lora, lora_loss, save_lora, split_lora
+from md_train._lora import (
+  LoRA,
+  LoRAConfig,
+  add_lora,
+  lora_loss,
+  save_lora,
+  split_lora,
+  text_encoder_lora_loss,
+)
 from md_train._losses import WAN22_EXPERTS, expert_range, flow_training_table
 from md_train._optim import make_optimizer
 from md_train._step import TrainState, init_state, make_train_step, split_trainable
@@ -697,6 +705,56 @@ def _trainable(
   return frozen, params, lora
 
 
+class _TextLoRA(NamedTuple):
+  """A text encoder's LoRA trained beside the denoiser's: the LoRA, the encoder's frozen part, its
+  trainable slots, its key map and checkpoint names (for the export)."""
+
+  lora: LoRA
+  frozen: Any
+  params: Any
+  key_map: Callable
+  names: list[str]
+
+
+def _trains_text_encoder(opts: Mapping[str, Any], pipe: Any, model: pathlib.Path) -> bool:
+  """Whether `train_text_encoder` is on, checked (a bool, with a `lora`, on an SD 1.x / 2.x pipeline)."""
+  value = opts.get("train_text_encoder", False)
+  if not isinstance(value, bool):
+    raise ValueError(f"recipe_options.train_text_encoder={value!r} must be True or False")
+  if not value:
+    return False
+  if not opts.get("lora"):
+    raise ValueError(
+      "recipe_options.train_text_encoder trains a LoRA on the text encoder beside the UNet's; give "
+      "recipe_options.lora too (md does not train a whole text encoder)"
+    )
+  if pipe.kind != "sd" or pipe.text_encoder is None:
+    raise ValueError(
+      f"recipe_options.train_text_encoder: {model} is an {pipe.kind.upper()} pipeline; md trains the "
+      "text encoder of SD 1.x / 2.x pipelines (one CLIP encoder) only"
+    )
+  return True
+
+
+def _text_encoder_lora(
+  config: Any, opts: Mapping[str, Any], pipe: Any, model: pathlib.Path
+) -> _TextLoRA:
+  """The text encoder's LoRA of `train_text_encoder` (train_dreambooth_lora.py: the `lora` option's rank
+  and alpha, gaussian init, on the CLIP attention's q / k / v / out projections), added to
+  `pipe.text_encoder`."""
+  spec = {
+    **{k: v for k, v in dict(opts["lora"]).items() if k != "targets"},
+    "seed": int(config.seed) + 1, "init": "gaussian", "targets": "q_proj,k_proj,v_proj,out_proj",
+  }  # fmt: skip
+  key_map = pipe.lora_key_map("text_encoder")
+  names = list(md_core.open_checkpoint(model / "text_encoder"))
+  lora = add_lora(
+    pipe.text_encoder, LoRAConfig.from_options(spec), convert_key=key_map, reference_names=names
+  )
+  frozen, params = split_lora(pipe.text_encoder)
+  return _TextLoRA(lora, frozen, params, key_map, names)
+
+
 def _denoiser_recipe(
   name: str,
   config: Any,
@@ -719,15 +777,21 @@ def _denoiser_recipe(
   batches: Any = None,
   evaluate: bool = True,
   records: PreparedData | None = None,
+  text_lora: _TextLoRA | None = None,
 ) -> Recipe:
   """The part every denoiser recipe shares: optimizer, state, shapes batches (unless `batches` are
   given; with `records`, the prepare_data workdir's train/ records), held-out eval (with `records`:
   its eval/ records at their fixed timesteps, none without eval/), export of `component` in the
   diffusers layout (with a `lora`: the adapter as `<folder>/<component>/pytorch_lora_weights.safetensors`,
-  PEFT names under `unet.` / `transformer.`), fingerprint."""
+  PEFT names under `unet.` / `transformer.`), fingerprint. With `text_lora` a text encoder's LoRA trains
+  beside the denoiser's (`text_encoder_lora_loss`; parameters `{"denoiser", "text_encoder"}`), written
+  into the same file under `text_encoder.`."""
   optimizer = _optimizer(opts)
   if lora is not None:
     loss_fn = lora_loss(loss_fn, lora, frozen)
+  if text_lora is not None:
+    loss_fn = text_encoder_lora_loss(loss_fn, text_lora.lora, text_lora.frozen)
+    params = {"denoiser": params, "text_encoder": text_lora.params}
   state = init_state(params, optimizer, rng=int(config.seed))
   batch_size = int(opts["batch_size"])
   evaluator = None
@@ -756,9 +820,14 @@ def _denoiser_recipe(
     out.mkdir(parents=True, exist_ok=True)
     names = list(md_core.open_checkpoint(source))
     prefix = "unet" if component == "unet" else "transformer"
+    params, also = s.params, []
+    if text_lora is not None:
+      params = s.params["denoiser"]
+      t = text_lora
+      also = [(t.lora, s.params["text_encoder"], t.key_map, t.names, "text_encoder")]
     return save_lora(
-      lora, s.params, out / LORA_FILE, convert_key=lora_key_map, reference_names=names,
-      prefix=prefix,
+      lora, params, out / LORA_FILE, convert_key=lora_key_map, reference_names=names,
+      prefix=prefix, also=also,
     )  # fmt: skip
 
   return Recipe(
@@ -1210,7 +1279,9 @@ def dreambooth_sd(config: Any) -> Recipe:
   `config.recipe_options`: `model`, `instance_dir`, `instance_prompt`, `class_dir`, `class_prompt`,
   `with_prior_preservation`, `prior_loss_weight`, `num_class_images`, `class_steps`,
   `class_guidance`, `batch_size` (examples per half), `size`, `learning_rate`, `warmup_steps`,
-  `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora`.
+  `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora`, `train_text_encoder` (with `lora`, SD 1.x / 2.x:
+  train_dreambooth_lora.py's `--train_text_encoder`, a LoRA of the same rank and alpha on the CLIP
+  encoder's attention projections, the prompts encoded in every step; both LoRAs in the exported file).
 
   Raises:
     FileNotFoundError / ValueError: a missing, empty or unreadable instance folder (named), a
@@ -1218,6 +1289,7 @@ def dreambooth_sd(config: Any) -> Recipe:
   """
   import md_schedulers as mdsch
   import md_sd
+  import md_text
 
   opts = _options(config)
   prior = _dreambooth_options(opts, "dreambooth_sd")
@@ -1237,7 +1309,11 @@ def dreambooth_sd(config: Any) -> Recipe:
       guidance_scale=float(opts.get("class_guidance", 7.5)), seed=seed, progress=False,
     )  # fmt: skip
 
+  train_text = _trains_text_encoder(opts, pipe, model)
+
   def encode_prompt(prompt):
+    if train_text:  # the text encoder trains: its token ids, encoded in every step
+      return {"input_ids": np.asarray(md_text.tokenize(pipe.tokenizer, [prompt]).ids[0], np.int32)}
     embeds, pooled = pipe.encode_prompt([prompt])
     out = {"encoder_hidden_states": np.asarray(embeds[0])}
     if pipe.kind == "sdxl":
@@ -1258,6 +1334,8 @@ def dreambooth_sd(config: Any) -> Recipe:
   frozen, params, lora = _trainable(
     config, pipe.unet, family="sd", source=model / "unet", key_map=key_map
   )
+  # after the class images: the pipeline generated them with its text encoder as loaded
+  text_lora = _text_encoder_lora(config, opts, pipe, model) if train_text else None
   gamma = float(opts.get("snr_gamma", 0.0) or 0.0)
   loss_fn = families.sd_loss(
     frozen, alphas_cumprod=acp, prediction_type=sched.get("prediction_type", "epsilon"),
@@ -1268,7 +1346,7 @@ def dreambooth_sd(config: Any) -> Recipe:
     "dreambooth-sd", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn,
     pixels=pixels, captions=None, sharding=sharding, frames=None, component="unet",
     convert_key=md_sd.unet_key_map(pipe.unet.cfg), eval_key="timesteps", eval_scale=1.0, lora=lora,
-    lora_key_map=key_map, batches=batches, evaluate=False,
+    lora_key_map=key_map, batches=batches, evaluate=False, text_lora=text_lora,
   )  # fmt: skip
 
 
@@ -1278,6 +1356,11 @@ def _flux_dreambooth(config: Any, recipe: str, default: str, cls: type, what: st
   loads."""
   opts = _options(config)
   prior = _dreambooth_options(opts, recipe)
+  if opts.get("train_text_encoder", False) is not False:
+    raise ValueError(
+      f"{recipe}: recipe_options.train_text_encoder={opts['train_text_encoder']!r}; md trains the text "
+      "encoder of SD 1.x / 2.x pipelines (dreambooth_sd) only"
+    )
   _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
   model = _fixture(config, default)
   mesh = _mesh(config)
