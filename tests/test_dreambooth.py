@@ -197,19 +197,22 @@ def _variant(name, **overrides):
   return ml_collections.ConfigDict(dict(seed=0, recipe_options=options))
 
 
-# variant -> (recipe, the LoRA file's key prefix, the text conditioning in each batch, the latents of one
-# 32 px instance + class pair). SD 1.x's dreambooth-lora-tiny: with its text encoder trained, below (and
-# plain, tests/test_dreambooth_app.py).
+# variant -> (recipe, the LoRA file's key prefixes, the text conditioning in each batch, the latents of one
+# 32 px instance + class pair, option overrides). SD 1.x's dreambooth-lora-tiny: with its text encoder
+# trained, below (and plain, tests/test_dreambooth_app.py); SDXL's here with both text encoders trained
+# (its batches carry both prompts' token ids).
 DREAMBOOTH_LORA = {
   "dreambooth-sdxl-lora-tiny": (
-    "dreambooth_sd", "unet.", {"encoder_hidden_states", "text_embeds", "time_ids"}, (2, 4, 4, 4)
+    "dreambooth_sd", {"unet", "text_encoder", "text_encoder_2"},
+    {"input_ids", "input_ids_2", "time_ids"}, (2, 4, 4, 4), {"train_text_encoder": True},
   ),
   "dreambooth-flux-lora-tiny": (
-    "dreambooth_flux", "transformer.", {"encoder_hidden_states", "pooled_projections"}, (2, 4, 4, 4)
+    "dreambooth_flux", {"transformer"}, {"encoder_hidden_states", "pooled_projections"},
+    (2, 4, 4, 4), {},
   ),
   # Klein: the VAE's latents patchified 2x2 (16 channels), as the pipeline encodes reference images
   "dreambooth-klein-lora-tiny": (
-    "dreambooth_klein", "transformer.", {"encoder_hidden_states"}, (2, 2, 2, 16)
+    "dreambooth_klein", {"transformer"}, {"encoder_hidden_states"}, (2, 2, 2, 16), {}
   ),
 }  # fmt: skip
 
@@ -218,8 +221,10 @@ DREAMBOOTH_LORA = {
 def test_dreambooth_lora_recipe_generates_class_images_and_trains(variant, tmp_path):
   from md_train import recipes
 
-  name, prefix, text, shape = DREAMBOOTH_LORA[variant]
-  config = _variant(variant, class_dir=str(tmp_path / "class"), num_class_images=2, class_steps=1)
+  name, prefixes, text, shape, overrides = DREAMBOOTH_LORA[variant]
+  config = _variant(
+    variant, class_dir=str(tmp_path / "class"), num_class_images=2, class_steps=1, **overrides
+  )
   recipe = getattr(recipes, name)(config)
   assert len(mdt.image_files(tmp_path / "class", what="class_dir")) == 2
   batch = next(iter(recipe.batches))
@@ -232,7 +237,7 @@ def test_dreambooth_lora_recipe_generates_class_images_and_trains(variant, tmp_p
   assert int(state.step) == 2
   file = recipe.export(state, tmp_path / "export")
   assert file.name == "pytorch_lora_weights.safetensors"
-  assert all(k.startswith(prefix) for k in md_core.SafetensorsFile(file))
+  assert {k.split(".")[0] for k in md_core.SafetensorsFile(file)} == prefixes
 
 
 def test_dreambooth_lora_with_the_text_encoder_trains_both_and_the_pipeline_loads_them(tmp_path):
@@ -294,7 +299,5 @@ def test_dreambooth_recipe_option_errors(tmp_path):
     recipes.dreambooth_sd(_variant("dreambooth-lora-tiny", train_text_encoder="yes"))
   with pytest.raises(ValueError, match="give recipe_options.lora too"):
     recipes.dreambooth_sd(_variant("dreambooth-tiny", train_text_encoder=True))
-  with pytest.raises(ValueError, match="is an SDXL pipeline; md trains the text encoder of SD 1.x"):
-    recipes.dreambooth_sd(_variant("dreambooth-sdxl-lora-tiny", train_text_encoder=True))
   with pytest.raises(ValueError, match="dreambooth_flux: recipe_options.train_text_encoder=True"):
     recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", train_text_encoder=True))

@@ -1,10 +1,11 @@
-"""LoRA on the SD UNet and its CLIP text encoder trained together (md_train.text_encoder_lora_loss,
-train_dreambooth_lora.py's `--train_text_encoder`) against torch + peft autograd
-(tools/fixtures/train_lora_text_step.py): the tiny SD pipeline, r 4, alpha 8 on the UNet's attention
-projections and the text encoder's q/k/v/out projections, the fixture's factors in md's slots; the prompt
-embeddings computed inside the step from token ids. Loss within 1e-5, every factor's gradient of both models
-within 1e-4; the export (both components in one file) is the file diffusers' `load_lora_weights` was checked
-on, and `Pipeline.load_lora` reads both components back into the trained slot values."""
+"""LoRA on the SD / SDXL UNet and its CLIP text encoders trained together (md_train.text_encoders_lora_loss,
+train_dreambooth_lora.py's / _sdxl.py's `--train_text_encoder`) against torch + peft autograd
+(tools/fixtures/train_lora_text_step.py): the tiny SD and SDXL pipelines, r 4, alpha 8 on the UNet's attention
+projections and the text encoders' q/k/v/out projections, the fixture's factors in md's slots; the prompt
+embeddings (SDXL: both encoders' penultimate states and the pooled projection) computed inside the step from
+token ids. Loss within 1e-5, every factor's gradient of every model within 1e-4; the export (every component
+in one file) is the file diffusers' `load_lora_weights` was checked on, and `Pipeline.load_lora` reads every
+component back into the trained slot values."""
 
 import chex
 import jax
@@ -25,7 +26,7 @@ from md_core.testing import fixture_path, load_arrays
 RANK, ALPHA = 4, 8.0
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 SCHED = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
-COMPONENTS = ("unet", "text_encoder")
+ENCODERS = {"sd": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2")}
 
 
 def _flat(state):
@@ -35,16 +36,17 @@ def _flat(state):
   }
 
 
-@pytest.fixture(scope="module")
-def setup():
-  ref = load_arrays(fixture_path("train_lora_text_step") / "sd.npz")
-  folder = fixture_path("sd_pipeline") / "sd"
+@pytest.fixture(scope="module", params=list(ENCODERS))
+def setup(request):
+  kind = request.param
+  ref = load_arrays(fixture_path("train_lora_text_step") / f"{kind}.npz")
+  folder = fixture_path("sd_pipeline") / kind
   pipe = md_sd.load_pipeline(folder)
   parts = {}
-  for component in COMPONENTS:
+  for component in ("unet",) + ENCODERS[kind]:
     model, keymap = getattr(pipe, component), pipe.lora_key_map(component)
     names = list(md_core.open_checkpoint(folder / component))
-    targets = TEXT_TARGETS if component == "text_encoder" else None
+    targets = None if component == "unet" else TEXT_TARGETS
     lora = mdt.add_lora(
       model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets), convert_key=keymap,
       reference_names=names, family="sd",
@@ -61,43 +63,45 @@ def setup():
     parts[component] = dict(
       model=model, keymap=keymap, names=names, lora=lora, frozen=frozen, params=params
     )
-  unet, text = parts["unet"], parts["text_encoder"]
+  unet = parts["unet"]
   acp = mdsch.ddpm(**SCHED).alphas_cumprod
-  loss_fn = mdt.text_encoder_lora_loss(
-    mdt.lora_loss(mtf.sd_loss(unet["frozen"], alphas_cumprod=acp), unet["lora"]),
-    text["lora"],
-    text["frozen"],
-  )
-  params = {"denoiser": unet["params"], "text_encoder": text["params"]}
+  denoiser = mdt.lora_loss(mtf.sd_loss(unet["frozen"], alphas_cumprod=acp), unet["lora"])
+  if kind == "sd":  # the one-encoder form
+    text = parts["text_encoder"]
+    loss_fn = mdt.text_encoder_lora_loss(denoiser, text["lora"], text["frozen"])
+  else:
+    encoders = {e: (parts[e]["lora"], parts[e]["frozen"]) for e in ENCODERS[kind]}
+    loss_fn = mdt.text_encoders_lora_loss(denoiser, encoders, mdt.sdxl_prompt_embeds)
+  params = {"denoiser": unet["params"], **{e: parts[e]["params"] for e in ENCODERS[kind]}}
   batch = {
     "latents": jnp.asarray(ref["latents"]).transpose(0, 2, 3, 1),
     "noise": jnp.asarray(ref["noise"]).transpose(0, 2, 3, 1),
     "timesteps": jnp.asarray(ref["timesteps"]),
-    "input_ids": jnp.asarray(ref["input_ids"], jnp.int32),
+    **{k: jnp.asarray(ref[k], jnp.int32) for k in mdt.TOKEN_KEYS if k in ref},
   }
+  if "time_ids" in ref:
+    batch["time_ids"] = jnp.asarray(ref["time_ids"])
   step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   (loss, _), grads = step(params, batch, jax.random.key(0))
-  return dict(
-    ref=ref, parts=parts, loss=loss, grads=grads, params=params, loss_fn=loss_fn, batch=batch
-  )
+  return dict(kind=kind, ref=ref, parts=parts, loss=loss, grads=grads, params=params)
 
 
 def test_targets_are_the_peft_modules(setup):
   ref = setup["ref"]
-  for component in COMPONENTS:
+  for component, part in setup["parts"].items():
     modules = sorted(k.split("/", 2)[2] for k in ref if k.startswith(f"{component}/a/"))
-    assert sorted(setup["parts"][component]["lora"].modules) == modules, component
+    assert sorted(part["lora"].modules) == modules, component
   assert len(setup["parts"]["text_encoder"]["lora"].modules) == 8  # 2 layers x q, k, v, out
 
 
 def test_step_matches_peft_on_both_models(setup):
-  """The loss, every lora_A / lora_B gradient of the UNet and the text encoder, and their global norm."""
+  """The loss, every lora_A / lora_B gradient of the UNet and the text encoders, and their global norm."""
   ref, grads = setup["ref"], setup["grads"]
   np.testing.assert_allclose(float(setup["loss"]), ref["loss"], atol=1e-5, rtol=0)
   np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=1e-4)
   worst = {}
-  for component, key in (("unet", "denoiser"), ("text_encoder", "text_encoder")):
-    part, flat = setup["parts"][component], _flat(grads[key])
+  for component, part in setup["parts"].items():
+    flat = _flat(grads["denoiser" if component == "unet" else component])
     worst[component] = 0.0
     for module, (path, layer) in part["lora"].modules.items():
       parts = tuple(int(p) if p.isdigit() else p for p in path.split("."))
@@ -110,52 +114,64 @@ def test_step_matches_peft_on_both_models(setup):
         got = got if layer is None else got[layer]
         chex.assert_trees_all_close(got, want, atol=1e-4, rtol=0, custom_message=module)
         worst[component] = max(worst[component], float(np.abs(got - want).max()))
-    # the text encoder's factors really get gradients (its LoRA changes the prompt embeddings)
+    # every encoder's factors really get gradients (its LoRA changes the prompt embeddings; SDXL's
+    # text_encoder only through its first layer: hidden_states[-2] of two layers)
     assert max(float(np.abs(v).max()) for v in flat.values()) > 1e-4, component
-  print(f"loss err {abs(float(setup['loss']) - ref['loss']):.1e}, max grad err {worst}")
+  print(
+    f"{setup['kind']}: loss err {abs(float(setup['loss']) - ref['loss']):.1e}, max grad err {worst}"
+  )
 
 
 def test_export_is_the_file_diffusers_read_and_the_pipeline_loads_it(setup, tmp_path):
-  """save_lora(..., also=[text encoder]) writes the one file diffusers' load_lora_weights gave the peft
-  models' output from (max abs 0.0, the fixture's README); `Pipeline.load_lora` puts both components'
+  """save_lora(..., also=[text encoders]) writes the one file diffusers' load_lora_weights gave the peft
+  models' output from (max abs 0.0, the fixture's README); `Pipeline.load_lora` puts every component's
   factors into its slots as trained (b at alpha / r)."""
-  unet, text = setup["parts"]["unet"], setup["parts"]["text_encoder"]
+  kind, parts = setup["kind"], setup["parts"]
+  unet = parts["unet"]
   path = tmp_path / "pytorch_lora_weights.safetensors"
+  also = [
+    (p["lora"], p["params"], p["keymap"], p["names"], e) for e, p in parts.items() if e != "unet"
+  ]
   mdt.save_lora(
     unet["lora"], unet["params"], path, convert_key=unet["keymap"], reference_names=unet["names"],
-    prefix="unet",
-    also=[(text["lora"], text["params"], text["keymap"], text["names"], "text_encoder")],
+    prefix="unet", also=also,
   )  # fmt: skip
   got = md_core.SafetensorsFile(path)
   want = md_core.SafetensorsFile(
-    fixture_path("train_lora_text_step") / "md_export" / "sd_unet_text_lora.safetensors"
+    fixture_path("train_lora_text_step") / "md_export" / f"{kind}_unet_text_lora.safetensors"
   )
   assert sorted(got) == sorted(want)
-  assert any(k.startswith("text_encoder.") for k in got)
+  assert {k.split(".")[0] for k in got} == {"unet", *ENCODERS[kind]}
   for k in want:
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
   assert got.metadata == want.metadata
 
-  pipe = md_sd.load_pipeline(fixture_path("sd_pipeline") / "sd")
+  pipe = md_sd.load_pipeline(fixture_path("sd_pipeline") / kind)
   pipe.load_lora(path, name="trained", max_rank=RANK)
-  for component in COMPONENTS:
-    part = setup["parts"][component]
+  for component, part in parts.items():
     slots = _flat(nnx.state(getattr(pipe, component)))
     for p, v in _flat(part["params"]).items():
       want = v * np.float32(part["lora"].scale) if p[-1] == "lora_b" else v
       np.testing.assert_allclose(slots[p], want, atol=1e-7, rtol=0, err_msg=f"{component} {p}")
 
 
-def test_text_encoder_loss_errors(setup, tmp_path):
+def test_text_encoder_loss_errors(tmp_path):
   """A batch of cached states (no input_ids) and a second component under the same prefix are named."""
-  batch = {k: v for k, v in setup["batch"].items() if k != "input_ids"}
-  batch["encoder_hidden_states"] = jnp.zeros((2, 16, 16))
+  folder = fixture_path("sd_pipeline") / "sd"
+  pipe = md_sd.load_pipeline(folder)
+  names = list(md_core.open_checkpoint(folder / "text_encoder"))
+  keymap = pipe.lora_key_map("text_encoder")
+  lora = mdt.add_lora(
+    pipe.text_encoder, mdt.LoRAConfig(rank=2, targets=TEXT_TARGETS), convert_key=keymap,
+    reference_names=names,
+  )  # fmt: skip
+  frozen, params = mdt.split_lora(pipe.text_encoder)
+  loss_fn = mdt.text_encoder_lora_loss(lambda p, b, k: (0.0, {}), lora, frozen)
+  batch = {"latents": jnp.zeros((1, 4, 4, 4)), "encoder_hidden_states": jnp.zeros((1, 16, 16))}
   with pytest.raises(ValueError, match="the batch has no input_ids"):
-    setup["loss_fn"](setup["params"], batch, jax.random.key(0))
-  unet = setup["parts"]["unet"]
-  with pytest.raises(ValueError, match="another component's prefix 'unet' must differ"):
+    loss_fn({"denoiser": {}, "text_encoder": params}, batch, jax.random.key(0))
+  with pytest.raises(ValueError, match="another component's prefix 'text_encoder' must differ"):
     mdt.save_lora(
-      unet["lora"], unet["params"], tmp_path / "x.safetensors", convert_key=unet["keymap"],
-      reference_names=unet["names"], prefix="unet",
-      also=[(unet["lora"], unet["params"], unet["keymap"], unet["names"], "unet")],
+      lora, params, tmp_path / "x.safetensors", convert_key=keymap, reference_names=names,
+      prefix="text_encoder", also=[(lora, params, keymap, names, "text_encoder")],
     )  # fmt: skip

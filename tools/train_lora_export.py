@@ -64,16 +64,15 @@ def export(name: str, out: pathlib.Path) -> pathlib.Path:
   return out
 
 
-def export_text(out: pathlib.Path) -> pathlib.Path:
-  """md's export of the UNet + text-encoder LoRA fixture, written to `out`."""
-  folder = FIX / "sd_pipeline" / "sd"
+def export_text(kind: str, out: pathlib.Path) -> pathlib.Path:
+  """md's export of the UNet + text-encoder(s) LoRA fixture `kind` (`sd`, `sdxl`), written to `out`."""
+  folder = FIX / "sd_pipeline" / kind
   pipe = md_sd.load_pipeline(folder)
   parts = []
-  with np.load(FIX / "train_lora_text_step" / "sd.npz") as ref:
-    for component, targets in (
-      ("unet", None),
-      ("text_encoder", ("q_proj", "k_proj", "v_proj", "out_proj")),
-    ):
+  text = ("q_proj", "k_proj", "v_proj", "out_proj")
+  encoders = ("text_encoder",) if kind == "sd" else ("text_encoder", "text_encoder_2")
+  with np.load(FIX / "train_lora_text_step" / f"{kind}.npz") as ref:
+    for component, targets in [("unet", None)] + [(e, text) for e in encoders]:
       model, keymap = getattr(pipe, component), pipe.lora_key_map(component)
       names = list(md_core.open_checkpoint(folder / component))
       lora = mdt.add_lora(
@@ -106,8 +105,10 @@ def main() -> None:
   ):
     path = export(name, FIX / "train_lora_step" / "md_export" / file)
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
-  path = export_text(FIX / "train_lora_text_step" / "md_export" / "sd_unet_text_lora.safetensors")
-  print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
+  for kind in ("sd", "sdxl"):
+    file = f"{kind}_unet_text_lora.safetensors"
+    path = export_text(kind, FIX / "train_lora_text_step" / "md_export" / file)
+    print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":

@@ -389,38 +389,62 @@ def lora_loss(loss_fn: LossFn, lora: LoRA, frozen: Frozen | None = None) -> Loss
   return wrapped
 
 
-def _last_hidden_state(model: nnx.Module, batch: Mapping[str, Any]) -> jax.Array:
-  return model(batch["input_ids"], output_hidden_states=False).last_hidden_state
+def sd_prompt_embeds(models: Mapping[str, nnx.Module], batch: Mapping[str, Any]) -> dict[str, Any]:
+  """SD 1.x / 2.x's prompt embeddings from the batch's `input_ids` (train_dreambooth_lora.py's
+  `encode_prompt`: `text_encoder(input_ids)[0]`, the last hidden state)."""
+  model = models["text_encoder"]
+  return {
+    "encoder_hidden_states": model(batch["input_ids"], output_hidden_states=False).last_hidden_state
+  }
 
 
-def text_encoder_lora_loss(
+def sdxl_prompt_embeds(
+  models: Mapping[str, nnx.Module], batch: Mapping[str, Any]
+) -> dict[str, Any]:
+  """SDXL's from `input_ids` and `input_ids_2` (train_dreambooth_lora_sdxl.py's `encode_prompt`): each
+  encoder's `hidden_states[-2]` concatenated, and text_encoder_2's projected pooled output as
+  `text_embeds`."""
+  o1 = models["text_encoder"](batch["input_ids"], output_hidden_states=True)
+  o2 = models["text_encoder_2"](batch["input_ids_2"], output_hidden_states=True)
+  states = jnp.concatenate([o1.hidden_states[-2], o2.hidden_states[-2]], axis=-1)
+  return {"encoder_hidden_states": states, "text_embeds": o2.text_embeds}
+
+
+TOKEN_KEYS = ("input_ids", "input_ids_2")  # the batch's token ids, consumed by the text encoders
+
+
+def text_encoders_lora_loss(
   loss_fn: LossFn,
-  lora: LoRA,
-  frozen: Frozen,
-  *,
-  encode: Callable[[nnx.Module, Mapping[str, Any]], jax.Array] = _last_hidden_state,
+  encoders: Mapping[str, tuple[LoRA, Frozen]],
+  encode: Callable[[Mapping[str, nnx.Module], Mapping[str, Any]], Mapping[str, Any]],
 ) -> LossFn:
-  """`loss_fn` (a denoiser's loss, e.g. `lora_loss(sd_loss(...), ...)`) with a LoRA on the text encoder
-  trained beside it (train_dreambooth_lora.py's `--train_text_encoder`).
+  """`loss_fn` (a denoiser's loss, e.g. `lora_loss(sd_loss(...), ...)`) with LoRAs on text encoders
+  trained beside it (train_dreambooth_lora*.py's `--train_text_encoder`).
 
-  The parameters are `{"denoiser": the denoiser's, "text_encoder": the text encoder's slots}`; each step
-  runs the batch's `input_ids [B, S]` through the text encoder (`frozen`: its `split_lora` frozen part,
-  the slots as `lora_loss` gives them) and passes `encode(model, batch)` (default: the last hidden state,
-  the script's `text_encoder(input_ids)[0]`) to `loss_fn` as the batch's `encoder_hidden_states`.
+  The parameters are `{"denoiser": the denoiser's, <encoder name>: its slots, ...}`; each step runs the
+  encoders (`encoders[name]`: its LoRA and `split_lora` frozen part, the slots as `lora_loss` gives
+  them) through `encode(models, batch)` (`sd_prompt_embeds`, `sdxl_prompt_embeds`), whose entries
+  replace the batch's token ids (`TOKEN_KEYS`) for `loss_fn`.
   """
-  view = _slot_view(lora, frozen)
+  views = {name: (_slot_view(lora, frozen), frozen) for name, (lora, frozen) in encoders.items()}
 
   def wrapped(params, batch, key):
     if "input_ids" not in batch:
       raise ValueError(
-        f"text_encoder_lora_loss: the batch has no input_ids (keys {sorted(batch)}); the text encoder "
-        "trains on token ids, not cached encoder_hidden_states"
+        f"text_encoder_lora_loss: the batch has no input_ids (keys {sorted(batch)}); the text encoders "
+        "train on token ids, not cached encoder_hidden_states"
       )
-    states = encode(frozen.merge(view(params["text_encoder"])), batch)
-    rest = {k: v for k, v in batch.items() if k != "input_ids"}
-    return loss_fn(params["denoiser"], {**rest, "encoder_hidden_states": states}, key)
+    models = {name: frozen.merge(view(params[name])) for name, (view, frozen) in views.items()}
+    rest = {k: v for k, v in batch.items() if k not in TOKEN_KEYS}
+    return loss_fn(params["denoiser"], {**rest, **encode(models, batch)}, key)
 
   return wrapped
+
+
+def text_encoder_lora_loss(loss_fn: LossFn, lora: LoRA, frozen: Frozen) -> LossFn:
+  """`text_encoders_lora_loss` for SD 1.x / 2.x's one text encoder: parameters `{"denoiser",
+  "text_encoder"}`, the batch's `input_ids` encoded by `sd_prompt_embeds`."""
+  return text_encoders_lora_loss(loss_fn, {"text_encoder": (lora, frozen)}, sd_prompt_embeds)
 
 
 def _slot_values(params: Any) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:

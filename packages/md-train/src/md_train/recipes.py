@@ -39,8 +39,10 @@ from md_train._lora import (
   add_lora,
   lora_loss,
   save_lora,
+  sd_prompt_embeds,
+  sdxl_prompt_embeds,
   split_lora,
-  text_encoder_lora_loss,
+  text_encoders_lora_loss,
 )
 from md_train._losses import WAN22_EXPERTS, expert_range, flow_training_table
 from md_train._optim import make_optimizer
@@ -717,7 +719,7 @@ class _TextLoRA(NamedTuple):
 
 
 def _trains_text_encoder(opts: Mapping[str, Any], pipe: Any, model: pathlib.Path) -> bool:
-  """Whether `train_text_encoder` is on, checked (a bool, with a `lora`, on an SD 1.x / 2.x pipeline)."""
+  """Whether `train_text_encoder` is on, checked (a bool, with a `lora`, a pipeline with `text_encoder`)."""
   value = opts.get("train_text_encoder", False)
   if not isinstance(value, bool):
     raise ValueError(f"recipe_options.train_text_encoder={value!r} must be True or False")
@@ -728,31 +730,38 @@ def _trains_text_encoder(opts: Mapping[str, Any], pipe: Any, model: pathlib.Path
       "recipe_options.train_text_encoder trains a LoRA on the text encoder beside the UNet's; give "
       "recipe_options.lora too (md does not train a whole text encoder)"
     )
-  if pipe.kind != "sd" or pipe.text_encoder is None:
+  if pipe.text_encoder is None:
     raise ValueError(
-      f"recipe_options.train_text_encoder: {model} is an {pipe.kind.upper()} pipeline; md trains the "
-      "text encoder of SD 1.x / 2.x pipelines (one CLIP encoder) only"
+      f"recipe_options.train_text_encoder: {model} has no text_encoder (an SDXL refiner?); md trains "
+      "the text encoders of SD 1.x / 2.x and SDXL base pipelines"
     )
   return True
 
 
-def _text_encoder_lora(
+def _text_encoder_loras(
   config: Any, opts: Mapping[str, Any], pipe: Any, model: pathlib.Path
-) -> _TextLoRA:
-  """The text encoder's LoRA of `train_text_encoder` (train_dreambooth_lora.py: the `lora` option's rank
-  and alpha, gaussian init, on the CLIP attention's q / k / v / out projections), added to
-  `pipe.text_encoder`."""
-  spec = {
-    **{k: v for k, v in dict(opts["lora"]).items() if k != "targets"},
-    "seed": int(config.seed) + 1, "init": "gaussian", "targets": "q_proj,k_proj,v_proj,out_proj",
-  }  # fmt: skip
-  key_map = pipe.lora_key_map("text_encoder")
-  names = list(md_core.open_checkpoint(model / "text_encoder"))
-  lora = add_lora(
-    pipe.text_encoder, LoRAConfig.from_options(spec), convert_key=key_map, reference_names=names
-  )
-  frozen, params = split_lora(pipe.text_encoder)
-  return _TextLoRA(lora, frozen, params, key_map, names)
+) -> tuple[dict[str, _TextLoRA], Callable]:
+  """The text encoders' LoRAs of `train_text_encoder` (train_dreambooth_lora.py / _sdxl.py: the `lora`
+  option's rank and alpha, gaussian init, on the CLIP attention's q / k / v / out projections of
+  `text_encoder` and, SDXL, `text_encoder_2`), added to the pipeline's encoders; and the prompt
+  embedding function (`sd_prompt_embeds` / `sdxl_prompt_embeds`)."""
+  names = ("text_encoder",) if pipe.kind == "sd" else ("text_encoder", "text_encoder_2")
+  out = {}
+  for i, name in enumerate(names):
+    spec = {
+      **{k: v for k, v in dict(opts["lora"]).items() if k != "targets"},
+      "seed": int(config.seed) + 1 + i, "init": "gaussian",
+      "targets": "q_proj,k_proj,v_proj,out_proj",
+    }  # fmt: skip
+    key_map = pipe.lora_key_map(name)
+    checkpoint = list(md_core.open_checkpoint(model / name))
+    module = getattr(pipe, name)
+    lora = add_lora(
+      module, LoRAConfig.from_options(spec), convert_key=key_map, reference_names=checkpoint
+    )
+    frozen, params = split_lora(module)
+    out[name] = _TextLoRA(lora, frozen, params, key_map, checkpoint)
+  return out, sd_prompt_embeds if pipe.kind == "sd" else sdxl_prompt_embeds
 
 
 def _denoiser_recipe(
@@ -777,21 +786,25 @@ def _denoiser_recipe(
   batches: Any = None,
   evaluate: bool = True,
   records: PreparedData | None = None,
-  text_lora: _TextLoRA | None = None,
+  text_loras: tuple[dict[str, _TextLoRA], Callable] | None = None,
 ) -> Recipe:
   """The part every denoiser recipe shares: optimizer, state, shapes batches (unless `batches` are
   given; with `records`, the prepare_data workdir's train/ records), held-out eval (with `records`:
   its eval/ records at their fixed timesteps, none without eval/), export of `component` in the
   diffusers layout (with a `lora`: the adapter as `<folder>/<component>/pytorch_lora_weights.safetensors`,
-  PEFT names under `unet.` / `transformer.`), fingerprint. With `text_lora` a text encoder's LoRA trains
-  beside the denoiser's (`text_encoder_lora_loss`; parameters `{"denoiser", "text_encoder"}`), written
-  into the same file under `text_encoder.`."""
+  PEFT names under `unet.` / `transformer.`), fingerprint. With `text_loras` (`{encoder name: its
+  LoRA}`, the prompt embedding function) the text encoders' LoRAs train beside the denoiser's
+  (`text_encoders_lora_loss`; parameters `{"denoiser", "text_encoder", ...}`), written into the same
+  file under their names."""
   optimizer = _optimizer(opts)
   if lora is not None:
     loss_fn = lora_loss(loss_fn, lora, frozen)
-  if text_lora is not None:
-    loss_fn = text_encoder_lora_loss(loss_fn, text_lora.lora, text_lora.frozen)
-    params = {"denoiser": params, "text_encoder": text_lora.params}
+  if text_loras is not None:
+    encoders, encode = text_loras
+    loss_fn = text_encoders_lora_loss(
+      loss_fn, {name: (t.lora, t.frozen) for name, t in encoders.items()}, encode
+    )
+    params = {"denoiser": params, **{name: t.params for name, t in encoders.items()}}
   state = init_state(params, optimizer, rng=int(config.seed))
   batch_size = int(opts["batch_size"])
   evaluator = None
@@ -821,10 +834,11 @@ def _denoiser_recipe(
     names = list(md_core.open_checkpoint(source))
     prefix = "unet" if component == "unet" else "transformer"
     params, also = s.params, []
-    if text_lora is not None:
+    if text_loras is not None:
       params = s.params["denoiser"]
-      t = text_lora
-      also = [(t.lora, s.params["text_encoder"], t.key_map, t.names, "text_encoder")]
+      also = [
+        (t.lora, s.params[name], t.key_map, t.names, name) for name, t in text_loras[0].items()
+      ]
     return save_lora(
       lora, params, out / LORA_FILE, convert_key=lora_key_map, reference_names=names,
       prefix=prefix, also=also,
@@ -1279,9 +1293,10 @@ def dreambooth_sd(config: Any) -> Recipe:
   `config.recipe_options`: `model`, `instance_dir`, `instance_prompt`, `class_dir`, `class_prompt`,
   `with_prior_preservation`, `prior_loss_weight`, `num_class_images`, `class_steps`,
   `class_guidance`, `batch_size` (examples per half), `size`, `learning_rate`, `warmup_steps`,
-  `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora`, `train_text_encoder` (with `lora`, SD 1.x / 2.x:
-  train_dreambooth_lora.py's `--train_text_encoder`, a LoRA of the same rank and alpha on the CLIP
-  encoder's attention projections, the prompts encoded in every step; both LoRAs in the exported file).
+  `max_grad_norm`, `weight_decay`, `snr_gamma`, `lora`, `train_text_encoder` (with `lora`:
+  train_dreambooth_lora.py's / _sdxl.py's `--train_text_encoder`, a LoRA of the same rank and alpha on
+  the CLIP encoders' attention projections (SDXL: both), the prompts encoded in every step; every LoRA
+  in the exported file).
 
   Raises:
     FileNotFoundError / ValueError: a missing, empty or unreadable instance folder (named), a
@@ -1312,12 +1327,17 @@ def dreambooth_sd(config: Any) -> Recipe:
   train_text = _trains_text_encoder(opts, pipe, model)
 
   def encode_prompt(prompt):
-    if train_text:  # the text encoder trains: its token ids, encoded in every step
-      return {"input_ids": np.asarray(md_text.tokenize(pipe.tokenizer, [prompt]).ids[0], np.int32)}
-    embeds, pooled = pipe.encode_prompt([prompt])
-    out = {"encoder_hidden_states": np.asarray(embeds[0])}
+    if train_text:  # the text encoders train: the prompt's token ids, encoded in every step
+      out = {"input_ids": np.asarray(md_text.tokenize(pipe.tokenizer, [prompt]).ids[0], np.int32)}
+      if pipe.kind == "sdxl":
+        ids = md_text.tokenize(pipe.tokenizer_2, [prompt]).ids[0]
+        out["input_ids_2"] = np.asarray(ids, np.int32)
+    else:
+      embeds, pooled = pipe.encode_prompt([prompt])
+      out = {"encoder_hidden_states": np.asarray(embeds[0])}
+      if pipe.kind == "sdxl":
+        out["text_embeds"] = np.asarray(pooled[0])
     if pipe.kind == "sdxl":
-      out["text_embeds"] = np.asarray(pooled[0])
       out["time_ids"] = np.asarray([size, size, 0, 0, size, size], np.float32)
     return out
 
@@ -1335,7 +1355,7 @@ def dreambooth_sd(config: Any) -> Recipe:
     config, pipe.unet, family="sd", source=model / "unet", key_map=key_map
   )
   # after the class images: the pipeline generated them with its text encoder as loaded
-  text_lora = _text_encoder_lora(config, opts, pipe, model) if train_text else None
+  text_loras = _text_encoder_loras(config, opts, pipe, model) if train_text else None
   gamma = float(opts.get("snr_gamma", 0.0) or 0.0)
   loss_fn = families.sd_loss(
     frozen, alphas_cumprod=acp, prediction_type=sched.get("prediction_type", "epsilon"),
@@ -1346,7 +1366,7 @@ def dreambooth_sd(config: Any) -> Recipe:
     "dreambooth-sd", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn,
     pixels=pixels, captions=None, sharding=sharding, frames=None, component="unet",
     convert_key=md_sd.unet_key_map(pipe.unet.cfg), eval_key="timesteps", eval_scale=1.0, lora=lora,
-    lora_key_map=key_map, batches=batches, evaluate=False, text_lora=text_lora,
+    lora_key_map=key_map, batches=batches, evaluate=False, text_loras=text_loras,
   )  # fmt: skip
 
 
