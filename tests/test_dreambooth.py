@@ -200,15 +200,15 @@ def _variant(name, **overrides):
 # variant -> (recipe, the LoRA file's key prefixes, the text conditioning in each batch, the latents of one
 # 32 px instance + class pair, option overrides). SD 1.x's dreambooth-lora-tiny: with its text encoder
 # trained, below (and plain, tests/test_dreambooth_app.py); SDXL's here with both text encoders trained
-# (its batches carry both prompts' token ids).
+# (its batches carry both prompts' token ids), Flux.1's with CLIP trained (its T5 states cached).
 DREAMBOOTH_LORA = {
   "dreambooth-sdxl-lora-tiny": (
     "dreambooth_sd", {"unet", "text_encoder", "text_encoder_2"},
     {"input_ids", "input_ids_2", "time_ids"}, (2, 4, 4, 4), {"train_text_encoder": True},
   ),
   "dreambooth-flux-lora-tiny": (
-    "dreambooth_flux", {"transformer"}, {"encoder_hidden_states", "pooled_projections"},
-    (2, 4, 4, 4), {},
+    "dreambooth_flux", {"transformer", "text_encoder"}, {"encoder_hidden_states", "input_ids"},
+    (2, 4, 4, 4), {"train_text_encoder": True},
   ),
   # Klein: the VAE's latents patchified 2x2 (16 channels), as the pipeline encodes reference images
   "dreambooth-klein-lora-tiny": (
@@ -299,5 +299,5 @@ def test_dreambooth_recipe_option_errors(tmp_path):
     recipes.dreambooth_sd(_variant("dreambooth-lora-tiny", train_text_encoder="yes"))
   with pytest.raises(ValueError, match="give recipe_options.lora too"):
     recipes.dreambooth_sd(_variant("dreambooth-tiny", train_text_encoder=True))
-  with pytest.raises(ValueError, match="dreambooth_flux: recipe_options.train_text_encoder=True"):
-    recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", train_text_encoder=True))
+  with pytest.raises(ValueError, match="dreambooth_klein: recipe_options.train_text_encoder=True"):
+    recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", train_text_encoder=True))

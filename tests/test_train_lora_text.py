@@ -1,11 +1,14 @@
-"""LoRA on the SD / SDXL UNet and its CLIP text encoders trained together (md_train.text_encoders_lora_loss,
-train_dreambooth_lora.py's / _sdxl.py's `--train_text_encoder`) against torch + peft autograd
-(tools/fixtures/train_lora_text_step.py): the tiny SD and SDXL pipelines, r 4, alpha 8 on the UNet's attention
-projections and the text encoders' q/k/v/out projections, the fixture's factors in md's slots; the prompt
-embeddings (SDXL: both encoders' penultimate states and the pooled projection) computed inside the step from
-token ids. Loss within 1e-5, every factor's gradient of every model within 1e-4; the export (every component
+"""LoRA on the SD / SDXL UNet or the Flux.1 transformer and its CLIP text encoders trained together
+(md_train.text_encoders_lora_loss, train_dreambooth_lora.py's / _sdxl.py's / _flux.py's `--train_text_encoder`)
+against torch + peft autograd (tools/fixtures/train_lora_text_step.py): the tiny SD, SDXL and Flux.1 dev
+pipelines, r 4, alpha 8 on the denoiser's default targets and the text encoders' q/k/v/out projections, the
+fixture's factors in md's slots; the prompt embeddings (SDXL: both encoders' penultimate states and the pooled
+projection; Flux: CLIP's pooled output, the frozen T5's states cached) computed inside the step from token
+ids. Loss within 1e-5, every factor's gradient of every model within 1e-4; the export (every component
 in one file) is the file diffusers' `load_lora_weights` was checked on, and `Pipeline.load_lora` reads every
 component back into the trained slot values."""
+
+import pathlib
 
 import chex
 import jax
@@ -16,6 +19,7 @@ import pytest
 from flax import nnx
 
 import md_core
+import md_flux
 import md_lora
 import md_schedulers as mdsch
 import md_sd
@@ -26,7 +30,22 @@ from md_core.testing import fixture_path, load_arrays
 RANK, ALPHA = 4, 8.0
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 SCHED = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
-ENCODERS = {"sd": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2")}
+ENCODERS = {
+  "sd": ("text_encoder",),
+  "sdxl": ("text_encoder", "text_encoder_2"),
+  "flux": ("text_encoder",),
+}
+DENOISER = {
+  "sd": "unet",
+  "sdxl": "unet",
+  "flux": "transformer",
+}  # Flux: CLIP trains, its T5 stays frozen
+
+
+def _pipeline(kind):
+  if kind == "flux":
+    return md_flux.load_pipeline(fixture_path("flux_pipeline") / "dev")
+  return md_sd.load_pipeline(fixture_path("sd_pipeline") / kind)
 
 
 def _flat(state):
@@ -40,16 +59,16 @@ def _flat(state):
 def setup(request):
   kind = request.param
   ref = load_arrays(fixture_path("train_lora_text_step") / f"{kind}.npz")
-  folder = fixture_path("sd_pipeline") / kind
-  pipe = md_sd.load_pipeline(folder)
+  pipe = _pipeline(kind)
+  folder = pathlib.Path(pipe.source)
   parts = {}
-  for component in ("unet",) + ENCODERS[kind]:
+  for component in (DENOISER[kind],) + ENCODERS[kind]:
     model, keymap = getattr(pipe, component), pipe.lora_key_map(component)
     names = list(md_core.open_checkpoint(folder / component))
-    targets = None if component == "unet" else TEXT_TARGETS
+    targets = None if component == DENOISER[kind] else TEXT_TARGETS
     lora = mdt.add_lora(
       model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets), convert_key=keymap,
-      reference_names=names, family="sd",
+      reference_names=names, family="flux" if kind == "flux" else "sd",
     )  # fmt: skip
     frozen, params = mdt.split_lora(model)
     tensors = {}
@@ -63,24 +82,27 @@ def setup(request):
     parts[component] = dict(
       model=model, keymap=keymap, names=names, lora=lora, frozen=frozen, params=params
     )
-  unet = parts["unet"]
-  acp = mdsch.ddpm(**SCHED).alphas_cumprod
-  denoiser = mdt.lora_loss(mtf.sd_loss(unet["frozen"], alphas_cumprod=acp), unet["lora"])
-  if kind == "sd":  # the one-encoder form
-    text = parts["text_encoder"]
-    loss_fn = mdt.text_encoder_lora_loss(denoiser, text["lora"], text["frozen"])
+  main = parts[DENOISER[kind]]
+  if kind == "flux":
+    family_loss = mtf.flux_loss(main["frozen"], guidance=3.5)
   else:
-    encoders = {e: (parts[e]["lora"], parts[e]["frozen"]) for e in ENCODERS[kind]}
-    loss_fn = mdt.text_encoders_lora_loss(denoiser, encoders, mdt.sdxl_prompt_embeds)
-  params = {"denoiser": unet["params"], **{e: parts[e]["params"] for e in ENCODERS[kind]}}
+    family_loss = mtf.sd_loss(main["frozen"], alphas_cumprod=mdsch.ddpm(**SCHED).alphas_cumprod)
+  denoiser = mdt.lora_loss(family_loss, main["lora"])
+  encoders = {e: (parts[e]["lora"], parts[e]["frozen"]) for e in ENCODERS[kind]}
+  if kind == "sd":  # the one-encoder form
+    loss_fn = mdt.text_encoder_lora_loss(denoiser, *encoders["text_encoder"])
+  else:
+    embeds = mdt.sdxl_prompt_embeds if kind == "sdxl" else mdt.flux_prompt_embeds
+    loss_fn = mdt.text_encoders_lora_loss(denoiser, encoders, embeds)
+  params = {"denoiser": main["params"], **{e: parts[e]["params"] for e in ENCODERS[kind]}}
   batch = {
     "latents": jnp.asarray(ref["latents"]).transpose(0, 2, 3, 1),
     "noise": jnp.asarray(ref["noise"]).transpose(0, 2, 3, 1),
-    "timesteps": jnp.asarray(ref["timesteps"]),
     **{k: jnp.asarray(ref[k], jnp.int32) for k in mdt.TOKEN_KEYS if k in ref},
+    **{k: jnp.asarray(ref[k]) for k in ("timesteps", "sigmas", "time_ids") if k in ref},
   }
-  if "time_ids" in ref:
-    batch["time_ids"] = jnp.asarray(ref["time_ids"])
+  if "encoder_hidden_states" in ref:  # Flux: the frozen T5's states, cached in the batch
+    batch["encoder_hidden_states"] = jnp.asarray(ref["encoder_hidden_states"])
   step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   (loss, _), grads = step(params, batch, jax.random.key(0))
   return dict(kind=kind, ref=ref, parts=parts, loss=loss, grads=grads, params=params)
@@ -101,7 +123,7 @@ def test_step_matches_peft_on_both_models(setup):
   np.testing.assert_allclose(float(optax.tree.norm(grads)), ref["grad_norm"], atol=1e-4)
   worst = {}
   for component, part in setup["parts"].items():
-    flat = _flat(grads["denoiser" if component == "unet" else component])
+    flat = _flat(grads["denoiser" if component == DENOISER[setup["kind"]] else component])
     worst[component] = 0.0
     for module, (path, layer) in part["lora"].modules.items():
       parts = tuple(int(p) if p.isdigit() else p for p in path.split("."))
@@ -127,26 +149,27 @@ def test_export_is_the_file_diffusers_read_and_the_pipeline_loads_it(setup, tmp_
   models' output from (max abs 0.0, the fixture's README); `Pipeline.load_lora` puts every component's
   factors into its slots as trained (b at alpha / r)."""
   kind, parts = setup["kind"], setup["parts"]
-  unet = parts["unet"]
+  name = DENOISER[kind]
+  main = parts[name]
   path = tmp_path / "pytorch_lora_weights.safetensors"
   also = [
-    (p["lora"], p["params"], p["keymap"], p["names"], e) for e, p in parts.items() if e != "unet"
+    (p["lora"], p["params"], p["keymap"], p["names"], e) for e, p in parts.items() if e != name
   ]
   mdt.save_lora(
-    unet["lora"], unet["params"], path, convert_key=unet["keymap"], reference_names=unet["names"],
-    prefix="unet", also=also,
+    main["lora"], main["params"], path, convert_key=main["keymap"], reference_names=main["names"],
+    prefix=name, also=also,
   )  # fmt: skip
   got = md_core.SafetensorsFile(path)
   want = md_core.SafetensorsFile(
-    fixture_path("train_lora_text_step") / "md_export" / f"{kind}_unet_text_lora.safetensors"
+    fixture_path("train_lora_text_step") / "md_export" / f"{kind}_{name}_text_lora.safetensors"
   )
   assert sorted(got) == sorted(want)
-  assert {k.split(".")[0] for k in got} == {"unet", *ENCODERS[kind]}
+  assert {k.split(".")[0] for k in got} == {name, *ENCODERS[kind]}
   for k in want:
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
   assert got.metadata == want.metadata
 
-  pipe = md_sd.load_pipeline(fixture_path("sd_pipeline") / kind)
+  pipe = _pipeline(kind)
   pipe.load_lora(path, name="trained", max_rank=RANK)
   for component, part in parts.items():
     slots = _flat(nnx.state(getattr(pipe, component)))

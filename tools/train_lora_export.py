@@ -65,19 +65,24 @@ def export(name: str, out: pathlib.Path) -> pathlib.Path:
 
 
 def export_text(kind: str, out: pathlib.Path) -> pathlib.Path:
-  """md's export of the UNet + text-encoder(s) LoRA fixture `kind` (`sd`, `sdxl`), written to `out`."""
-  folder = FIX / "sd_pipeline" / kind
-  pipe = md_sd.load_pipeline(folder)
+  """md's export of the denoiser + text-encoder(s) LoRA fixture `kind` (`sd`, `sdxl`, `flux`), written to
+  `out`."""
+  if kind == "flux":
+    folder = FIX / "flux_pipeline" / "dev"
+    pipe, denoiser = md_flux.load_pipeline(folder), "transformer"
+  else:
+    folder = FIX / "sd_pipeline" / kind
+    pipe, denoiser = md_sd.load_pipeline(folder), "unet"
   parts = []
   text = ("q_proj", "k_proj", "v_proj", "out_proj")
-  encoders = ("text_encoder",) if kind == "sd" else ("text_encoder", "text_encoder_2")
+  encoders = ("text_encoder", "text_encoder_2") if kind == "sdxl" else ("text_encoder",)
   with np.load(FIX / "train_lora_text_step" / f"{kind}.npz") as ref:
-    for component, targets in [("unet", None)] + [(e, text) for e in encoders]:
+    for component, targets in [(denoiser, None)] + [(e, text) for e in encoders]:
       model, keymap = getattr(pipe, component), pipe.lora_key_map(component)
       names = list(md_core.open_checkpoint(folder / component))
       lora = mdt.add_lora(
         model, mdt.LoRAConfig(rank=RANK, alpha=ALPHA, targets=targets), convert_key=keymap,
-        reference_names=names, family="sd",
+        reference_names=names, family="flux" if kind == "flux" else "sd",
       )  # fmt: skip
       tensors = {}
       for k in ref.files:
@@ -105,8 +110,11 @@ def main() -> None:
   ):
     path = export(name, FIX / "train_lora_step" / "md_export" / file)
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
-  for kind in ("sd", "sdxl"):
-    file = f"{kind}_unet_text_lora.safetensors"
+  for kind, file in (
+    ("sd", "sd_unet_text_lora.safetensors"),
+    ("sdxl", "sdxl_unet_text_lora.safetensors"),
+    ("flux", "flux_transformer_text_lora.safetensors"),
+  ):
     path = export_text(kind, FIX / "train_lora_text_step" / "md_export" / file)
     print(f"wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
 

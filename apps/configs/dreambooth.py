@@ -19,7 +19,7 @@ pipeline folder), `instance_dir` (the subject's images, center-cropped and resiz
 `class_dir` / `class_prompt` / `num_class_images` (the class images; the missing ones are generated into
 `class_dir` by md's own pipeline first: `class_steps` steps at `class_guidance`), `prior_loss_weight`,
 `batch_size` (examples per half), `learning_rate`, `lora` (rank, alpha, targets, init, seed, rslora, dora),
-`train_text_encoder` (with a `lora`: LoRAs on the CLIP text encoders too, SDXL's both, all in the export). The run
+`train_text_encoder` (with a `lora`: LoRAs on the CLIP text encoders too (SDXL's both, Flux.1's CLIP), all in the export). The run
 resumes from `<workdir>/checkpoints`; the model (or the LoRA, a PEFT file diffusers'
 `load_lora_weights` reads) is exported to `<workdir>/export`.
 """

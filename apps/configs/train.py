@@ -195,7 +195,7 @@ VARIANTS["dreambooth-tiny"] = (
     snr_gamma=0.0,
   ),
 )
-# train_text_encoder: train_dreambooth_lora.py's --train_text_encoder (a LoRA on the CLIP encoder too).
+# train_text_encoder: the scripts' --train_text_encoder (LoRAs on the CLIP encoders too; SD, SDXL, Flux.1).
 VARIANTS["dreambooth-lora-tiny"] = (
   "md_train.recipes:dreambooth_sd",
   dict(

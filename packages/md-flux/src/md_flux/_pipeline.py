@@ -55,9 +55,14 @@ class FluxPipeline(mdp.Pipeline):
     last_calls: the transformer calls the last generation made (a step cache may skip some).
   """
 
-  lora_components = ("transformer",)  # what pipe.load_lora adapts
+  lora_components = ("transformer", "text_encoder")  # what pipe.load_lora adapts
+  # The CLIP encoder takes a file's LoRA only where it holds its keys (train_dreambooth_lora_flux.py's
+  # `--train_text_encoder` writes `text_encoder.`; kohya's Flux LoRAs `lora_te1_`).
+  lora_prefixes = {"text_encoder": ("text_encoder.", "lora_te1_", "lora_te_")}
 
   def lora_key_map(self, component: str):
+    if component == "text_encoder":
+      return md_text.clip_text_convert_key
     from md_flux._weights1 import convert_key  # noqa: PLC0415
 
     return convert_key

@@ -410,6 +410,16 @@ def sdxl_prompt_embeds(
   return {"encoder_hidden_states": states, "text_embeds": o2.text_embeds}
 
 
+def flux_prompt_embeds(
+  models: Mapping[str, nnx.Module], batch: Mapping[str, Any]
+) -> dict[str, Any]:
+  """Flux.1's pooled embedding from the batch's CLIP `input_ids` (train_dreambooth_lora_flux.py's
+  `--train_text_encoder` trains CLIP only: the frozen T5's states stay the batch's
+  `encoder_hidden_states`)."""
+  model = models["text_encoder"]
+  return {"pooled_projections": model(batch["input_ids"], output_hidden_states=False).pooler_output}
+
+
 TOKEN_KEYS = ("input_ids", "input_ids_2")  # the batch's token ids, consumed by the text encoders
 
 

@@ -37,6 +37,7 @@ from md_train._lora import (
   LoRA,
   LoRAConfig,
   add_lora,
+  flux_prompt_embeds,
   lora_loss,
   save_lora,
   sd_prompt_embeds,
@@ -733,7 +734,7 @@ def _trains_text_encoder(opts: Mapping[str, Any], pipe: Any, model: pathlib.Path
   if pipe.text_encoder is None:
     raise ValueError(
       f"recipe_options.train_text_encoder: {model} has no text_encoder (an SDXL refiner?); md trains "
-      "the text encoders of SD 1.x / 2.x and SDXL base pipelines"
+      "the CLIP text encoders of SD 1.x / 2.x, SDXL base and Flux.1 pipelines"
     )
   return True
 
@@ -741,11 +742,13 @@ def _trains_text_encoder(opts: Mapping[str, Any], pipe: Any, model: pathlib.Path
 def _text_encoder_loras(
   config: Any, opts: Mapping[str, Any], pipe: Any, model: pathlib.Path
 ) -> tuple[dict[str, _TextLoRA], Callable]:
-  """The text encoders' LoRAs of `train_text_encoder` (train_dreambooth_lora.py / _sdxl.py: the `lora`
-  option's rank and alpha, gaussian init, on the CLIP attention's q / k / v / out projections of
-  `text_encoder` and, SDXL, `text_encoder_2`), added to the pipeline's encoders; and the prompt
-  embedding function (`sd_prompt_embeds` / `sdxl_prompt_embeds`)."""
-  names = ("text_encoder",) if pipe.kind == "sd" else ("text_encoder", "text_encoder_2")
+  """The text encoders' LoRAs of `train_text_encoder` (train_dreambooth_lora.py / _sdxl.py / _flux.py:
+  the `lora` option's rank and alpha, gaussian init, on the CLIP attention's q / k / v / out projections
+  of `text_encoder` and, SDXL, `text_encoder_2`; Flux's T5 stays frozen), added to the pipeline's
+  encoders; and the prompt embedding function (`sd_prompt_embeds`, `sdxl_prompt_embeds`,
+  `flux_prompt_embeds`)."""
+  kind = getattr(pipe, "kind", "flux")
+  names = ("text_encoder", "text_encoder_2") if kind == "sdxl" else ("text_encoder",)
   out = {}
   for i, name in enumerate(names):
     spec = {
@@ -761,7 +764,8 @@ def _text_encoder_loras(
     )
     frozen, params = split_lora(module)
     out[name] = _TextLoRA(lora, frozen, params, key_map, checkpoint)
-  return out, sd_prompt_embeds if pipe.kind == "sd" else sdxl_prompt_embeds
+  embeds = {"sd": sd_prompt_embeds, "sdxl": sdxl_prompt_embeds, "flux": flux_prompt_embeds}[kind]
+  return out, embeds
 
 
 def _denoiser_recipe(
@@ -1376,10 +1380,10 @@ def _flux_dreambooth(config: Any, recipe: str, default: str, cls: type, what: st
   loads."""
   opts = _options(config)
   prior = _dreambooth_options(opts, recipe)
-  if opts.get("train_text_encoder", False) is not False:
+  if recipe == "dreambooth_klein" and opts.get("train_text_encoder", False) is not False:
     raise ValueError(
-      f"{recipe}: recipe_options.train_text_encoder={opts['train_text_encoder']!r}; md trains the text "
-      "encoder of SD 1.x / 2.x pipelines (dreambooth_sd) only"
+      f"{recipe}: recipe_options.train_text_encoder={opts['train_text_encoder']!r}; md trains the CLIP "
+      "text encoders of SD, SDXL and Flux.1 (dreambooth_sd, dreambooth_flux), not Klein's Qwen3"
     )
   _dreambooth.image_files(_path(opts["instance_dir"]), what="instance_dir")
   model = _fixture(config, default)
@@ -1403,6 +1407,7 @@ def dreambooth_flux(config: Any) -> Recipe:
   `max_sequence_length`.
   """
   import md_flux
+  import md_text
 
   opts, prior, size, model, sharding, pipe = _flux_dreambooth(
     config, "dreambooth_flux", _FLUX, md_flux.FluxPipeline,
@@ -1417,12 +1422,16 @@ def dreambooth_flux(config: Any) -> Recipe:
       max_sequence_length=length, progress=False,
     )  # fmt: skip
 
+  train_text = _trains_text_encoder(opts, pipe, model)
+
   def encode_prompt(prompt):
     t5, pooled = pipe.encode_prompt([prompt], max_sequence_length=length)
-    return {
-      "encoder_hidden_states": np.asarray(t5[0]),
-      "pooled_projections": np.asarray(pooled[0]),
-    }
+    out = {"encoder_hidden_states": np.asarray(t5[0])}  # the T5 states: frozen, encoded once
+    if train_text:  # CLIP trains: the prompt's token ids, its pooled output computed in every step
+      out["input_ids"] = np.asarray(md_text.tokenize(pipe.tokenizer, [prompt]).ids[0], np.int32)
+    else:
+      out["pooled_projections"] = np.asarray(pooled[0])
+    return out
 
   pixels = _image_latents(pipe.vae, lambda m, z: m.scale_latents(z))
   batches = _dreambooth_batches(
@@ -1433,6 +1442,8 @@ def dreambooth_flux(config: Any) -> Recipe:
   frozen, params, lora = _trainable(
     config, pipe.transformer, family="flux", source=model / "transformer", key_map=key_map
   )
+  # after the class images: the pipeline generated them with its text encoder as loaded
+  text_loras = _text_encoder_loras(config, opts, pipe, model) if train_text else None
   guided = bool(pipe.transformer.cfg.guidance_embeds)
   loss_fn = families.flux_loss(
     frozen, guidance=float(opts.get("guidance", 3.5)) if guided else None,
@@ -1442,7 +1453,7 @@ def dreambooth_flux(config: Any) -> Recipe:
     "dreambooth-flux", config, opts, model, frozen=frozen, params=params, loss_fn=loss_fn,
     pixels=pixels, captions=None, sharding=sharding, frames=None, component="transformer",
     convert_key=md_flux.convert_key, eval_key="sigmas", eval_scale=1e-3, lora=lora,
-    lora_key_map=key_map, batches=batches, evaluate=False,
+    lora_key_map=key_map, batches=batches, evaluate=False, text_loras=text_loras,
   )  # fmt: skip
 
 
