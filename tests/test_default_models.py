@@ -410,6 +410,8 @@ def test_wan_vae_clip_stage_trains_only_the_decoder_side(tmp_path):
   assert any(not np.array_equal(before[k], after[k]) for k in before if k.startswith("decoder."))
 
 
+# Slow since 2026-12-07 (about 34 s): see test_sharding.py for the default suite's sharded-step check.
+@pytest.mark.slow
 def test_wan_vae_recipe_splits_each_batch_over_data_devices(monkeypatch):
   """The still VAE stage with `data_devices=2` (two CPU devices; the shipped VAE was trained on one): a
   step on two devices gives the loss and parameters of the same step on one (the foreground weights are
@@ -609,6 +611,8 @@ def test_wan_recipe_refuses_a_bad_sampler_before_encoding(monkeypatch):
     sm.wan_recipe(config)
 
 
+# Slow since 2026-12-07 (about 31 s): see test_sharding.py for the default suite's sharded-step check.
+@pytest.mark.slow
 def test_wan_recipe_splits_each_batch_over_data_devices():
   """`data_devices=2` (the shipped recipe's, on two CPU devices): the state sits replicated on two
   devices, and a step gives the loss and parameters of the same step on one device."""
