@@ -30,7 +30,7 @@ from PIL import Image
 
 import md_schedulers
 from md_serve._models import ServedModel
-from md_serve._requests import GenRequest
+from md_serve._requests import GenRequest, RequestError
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compiles = [0]
@@ -69,6 +69,8 @@ class ShuttingDown(Exception):
 
 
 DONE = ("succeeded", "failed", "cancelled")
+_BLOCK_LEVEL = ("first_block_cache", "magcache", "teacache")  # need transformer block stacks
+_UNET_ONLY = ("deepcache",)
 
 
 @dataclasses.dataclass
@@ -200,9 +202,12 @@ class JobQueue:
     """Queues a request.
 
     Raises:
+      RequestError: its cache policy does not apply to its model.
       QueueFull: `max_queue` jobs are already waiting or running.
       ShuttingDown: `shutdown` was called.
     """
+    if request.cache:
+      self.make_cache(self.models[request.model], request)  # refused now, not in the worker
     with self._cond:
       if self._closing:
         raise ShuttingDown("the server is shutting down")
@@ -376,14 +381,33 @@ class JobQueue:
     if r.scheduler:
       kw["scheduler"] = r.scheduler
     if r.cache:
-      import ml_collections  # noqa: PLC0415
-
-      from md_core import apps  # noqa: PLC0415
-
-      family = "sd" if hasattr(model.pipe, "unet") else "wan"
-      config = ml_collections.ConfigDict({"cache": r.cache, "cache_options": dict(r.cache_options)})
-      kw["cache"] = apps.make_cache(config, family)
+      kw["cache"] = self.make_cache(model, r)
     return kw
+
+  def make_cache(self, model: ServedModel, r: GenRequest) -> Any:
+    """The md-cache policy of a checked request (`parse_request` took its options: numbers and
+    registered names only, so nothing here reads a file).
+
+    Raises:
+      RequestError: the policy does not apply to the model's denoiser (param "cache").
+    """
+    import md_cache  # noqa: PLC0415
+
+    family = "sd" if hasattr(model.pipe, "unet") else "wan"
+    if r.cache in _BLOCK_LEVEL and family == "sd":
+      raise RequestError(
+        "cache", f"cache {r.cache!r} needs transformer blocks; {model.name} has a UNet"
+      )
+    if r.cache in _UNET_ONLY and family != "sd":
+      raise RequestError("cache", f"cache {r.cache!r} is for UNets; {model.name} has a transformer")
+    options = dict(r.cache_options)
+    ratios = options.pop("mag_ratios", None)
+    if ratios is not None:
+      options["mag_ratios"] = np.asarray(ratios, np.float32)
+    try:
+      return getattr(md_cache, r.cache)(**options)
+    except ValueError as e:
+      raise RequestError("cache_options", f"cache {r.cache!r}: {e}") from None
 
   def _progress(self, jobs: list[Job], model: ServedModel, total: int):
     last = [time.perf_counter()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -148,6 +149,9 @@ class ServedModel:
     max_frames: the most frames a video request may ask for.
     call_kwargs: settings every call of this model gets, below the request's own (e.g. a checkpoint's
       `max_sequence_length`, or LTX-2's `spatio_temporal_guidance_blocks` for a small transformer).
+    mag_ratios: `{name: ratios or a JSON file from md_cache.save_mag_ratios}`, read here at start-up:
+      the MagCache ratio sets requests may name (`"cache_options": {"mag_ratios": name}`); a request
+      never names a file.
   """
 
   def __init__(
@@ -162,6 +166,7 @@ class ServedModel:
     num_frames: int = 5,
     max_frames: int = 81,
     call_kwargs: Mapping[str, Any] | None = None,
+    mag_ratios: Mapping[str, Any] | None = None,
   ):
     self.name, self.pipe = name, pipe
     self.call_kwargs = dict(call_kwargs or {})
@@ -177,6 +182,16 @@ class ServedModel:
       int(num_frames),
       int(max_frames),
     )
+    self.mag_ratios: dict[str, tuple[float, ...]] = {}
+    for ratio_name, ratios in (mag_ratios or {}).items():
+      if isinstance(ratios, str | os.PathLike):
+        import md_cache  # noqa: PLC0415
+
+        ratios = md_cache.load_mag_ratios(ratios)
+      values = np.asarray(ratios, np.float64).reshape(-1)
+      if not values.size or not np.isfinite(values).all():
+        raise ValueError(f"ServedModel {name!r}: mag_ratios[{ratio_name!r}] must be finite numbers")
+      self.mag_ratios[str(ratio_name)] = tuple(float(v) for v in values)
     self.loras: dict[str, str] = {}
     self._active: tuple = ()
     for lora_name, file in (loras or {}).items():
@@ -213,5 +228,6 @@ class ServedModel:
       "size_multiple": self.multiple,
       "max_pixels": self.max_pixels,
       "loras": sorted(self.loras),
+      "mag_ratios": sorted(self.mag_ratios),
       "batched_seeds": self.spec is not None,
     }

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
+import md_cache
 from md_serve._models import ServedModel
 
 _FIELDS = {
@@ -24,8 +26,8 @@ _FIELDS = {
   "guidance": "classifier-free guidance scale",
   "seed": "random seed of the initial noise (default 0)",
   "scheduler": "a diffusers scheduler class name",
-  "cache": "an md-cache step cache policy name",
-  "cache_options": "options of the cache policy",
+  "cache": "an md-cache step cache policy name (see CACHES)",
+  "cache_options": "options of the cache policy: numbers, or names the operator registered",
   "loras": 'adapters from the registry: [{"name": ..., "scale": ...}]',
   "num_frames": "video frames (videos only)",
   "video_format": '"mp4" (default) or "gif" (videos only)',
@@ -37,6 +39,51 @@ _FORMATS = ("b64_json", "url")
 _VIDEO_FORMATS = ("mp4", "gif")
 _VIDEO_ONLY = ("num_frames", "video_format")
 _METHODS = ("random", "zero_order", "path")
+MAX_RATIOS = 1000  # inline MagCache ratios a request may send
+MAX_COEFFICIENTS = 16  # inline TeaCache polynomial coefficients
+
+
+def _num(kind: type, low: float, high: float) -> tuple:
+  return (kind, low, high)
+
+
+# The step caches a request may ask for and each one's options. A number option is (type, low, high);
+# a tuple of strings is a choice; "ratios" and "coefficients" are inline lists of finite numbers or a
+# name (ratios: one the operator registered on the model; coefficients: md_cache.TEACACHE_COEFFICIENTS).
+# No option is ever a path: a request names no file of the server.
+CACHES: dict[str, dict[str, Any]] = {
+  "first_block_cache": {"threshold": _num(float, 0, 10)},
+  "magcache": {
+    "mag_ratios": "ratios",
+    "threshold": _num(float, 0, 10),
+    "max_skip_steps": _num(int, 0, 1000),
+    "retention_ratio": _num(float, 0, 1),
+    "calibrate": bool,
+  },
+  "taylorseer": {
+    "interval": _num(int, 1, 1000),
+    "warmup_steps": _num(int, 0, 1000),
+    "stop_step": _num(int, 0, 1000),
+    "max_order": _num(int, 0, 4),
+    "factors_dtype": ("float32", "bfloat16", "float16"),
+  },
+  "teacache": {"threshold": _num(float, 0, 10), "coefficients": "coefficients"},
+  "faster_cache": {
+    "interval": _num(int, 1, 1000),
+    "alpha_low": _num(float, 0, 10),
+    "alpha_high": _num(float, 0, 10),
+  },
+  "deepcache": {"interval": _num(int, 1, 1000), "start": _num(int, 0, 1000)},
+  "sencache": {
+    "epsilon": _num(float, 0, 100),
+    "max_reuse": _num(int, 0, 1000),
+    "warmup_steps": _num(int, 0, 1000),
+    "nocache_start_ratio": _num(float, 0, 1),
+    "nocache_end_ratio": _num(float, 0, 1),
+    "alpha_x": _num(float, 0, 100),
+    "alpha_t": _num(float, 0, 100),
+  },
+}
 
 
 class RequestError(ValueError):
@@ -94,6 +141,75 @@ def _str(body: Mapping, key: str, default: str | None = None) -> str | None:
   if value is not None and not isinstance(value, str):
     raise RequestError(key, f"{key} must be a string, got {type(value).__name__}")
   return value
+
+
+def _is_number(value: Any) -> bool:
+  return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+def _numbers(param: str, value: list, limit: int) -> tuple[float, ...]:
+  """A non-empty list of at most `limit` finite numbers, as floats."""
+  if not value or len(value) > limit:
+    raise RequestError(param, f"{param} must hold 1 to {limit} numbers, got {len(value)}")
+  for i, v in enumerate(value):
+    if not _is_number(v) or not math.isfinite(float(v)) or abs(float(v)) > 1e30:
+      raise RequestError(param, f"{param}[{i}] must be a finite number, got {v!r}")
+  return tuple(float(v) for v in value)
+
+
+def _cache_options(name: str, options: Any, model: ServedModel) -> tuple:
+  """The checked options of cache policy `name`, as sorted (key, value) pairs (lists become tuples)."""
+  if not isinstance(options, dict):
+    raise RequestError("cache_options", "cache_options must be an object")
+  takes = CACHES[name]
+  out = {}
+  for key, value in options.items():
+    param = f"cache_options.{key}"
+    if key not in takes:
+      raise RequestError(param, f"{name} takes the options {sorted(takes)}, not {key!r}")
+    kind = takes[key]
+    if kind == "ratios":
+      if isinstance(value, str):
+        if value not in model.mag_ratios:
+          raise RequestError(
+            param,
+            f"{param} names no ratio set registered on {model.name} (registered: "
+            f"{sorted(model.mag_ratios)}); or give the ratios inline: a list of at most "
+            f"{MAX_RATIOS} numbers",
+          )
+        value = model.mag_ratios[value]
+      elif isinstance(value, list):
+        value = _numbers(param, value, MAX_RATIOS)
+      else:
+        raise RequestError(
+          param,
+          f"{param} must be a list of numbers or a registered name, got {type(value).__name__}",
+        )
+    elif kind == "coefficients":
+      if isinstance(value, str):
+        if value not in md_cache.TEACACHE_COEFFICIENTS:
+          raise RequestError(
+            param, f"{param}: {value!r} is not one of {sorted(md_cache.TEACACHE_COEFFICIENTS)}"
+          )
+      elif isinstance(value, list):
+        value = _numbers(param, value, MAX_COEFFICIENTS)
+      else:
+        raise RequestError(param, f"{param} must be a list of numbers or a name")
+    elif kind is bool:
+      if not isinstance(value, bool):
+        raise RequestError(param, f"{param} must be true or false, got {value!r}")
+    elif isinstance(kind, tuple) and isinstance(kind[0], str):
+      if value not in kind:
+        raise RequestError(param, f"{param} must be one of {kind}, got {value!r}")
+    else:
+      typ, low, high = kind
+      ok = _is_number(value) and (typ is float or isinstance(value, int))
+      if not ok or not math.isfinite(float(value)) or not low <= value <= high:
+        what = "an integer" if typ is int else "a number"
+        raise RequestError(param, f"{param} must be {what} in {low}..{high}, got {value!r}")
+      value = typ(value)
+    out[key] = value
+  return tuple(sorted(out.items()))
 
 
 def _nearest(value: int, multiple: int) -> str:
@@ -177,11 +293,16 @@ def parse_request(
   if scheduler is not None and "scheduler" not in model.params:
     raise RequestError("scheduler", f"{model.name} takes no scheduler choice")
   cache = _str(body, "cache")
+  if cache is not None and cache not in CACHES:
+    near = difflib.get_close_matches(cache, list(CACHES), n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise RequestError("cache", f"cache {cache!r} is not a policy{hint}; known: {sorted(CACHES)}")
   options = body.get("cache_options", {})
   if not isinstance(options, dict):
     raise RequestError("cache_options", "cache_options must be an object")
   if options and not cache:
     raise RequestError("cache_options", "cache_options given without cache")
+  cache_options = _cache_options(cache, options, model) if cache else ()
   loras = body.get("loras", [])
   if not isinstance(loras, list):
     raise RequestError("loras", 'loras must be a list of {"name": str, "scale": number}')
@@ -232,7 +353,7 @@ def parse_request(
     negative_prompt=_str(body, "negative_prompt"),
     scheduler=scheduler,
     cache=cache,
-    cache_options=tuple(sorted(options.items())),
+    cache_options=cache_options,
     loras=tuple(picked),
     response_format=fmt,
     video_format=video_format,

@@ -159,10 +159,9 @@ def make_app(
       return _error(400, f"the body is not valid JSON: {e}", "body")
     try:
       req = parse_request(body, kind, queue.models, max_n=queue.max_batch)
+      job = queue.submit(req)
     except RequestError as e:
       return _error(e.status, str(e), e.param)
-    try:
-      job = queue.submit(req)
     except QueueFull as e:
       return _error(429, str(e), None, **{"Retry-After": str(e.retry_after)})
     except ShuttingDown as e:
