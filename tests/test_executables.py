@@ -53,7 +53,7 @@ def test_programs_compile_once_then_load_in_a_fresh_process(tmp_path, plain):
     import jax
     import numpy as np
     import md_core, md_wan
-    jax.config.update("jax_default_matmul_precision", "highest")  # as conftest.py: a program setting
+    jax.config.update("jax_default_matmul_precision", "highest")  # as md_core.pytest_plugin: a program setting
     store = md_core.set_executable_store({str(store.folder)!r})
     pipe = md_wan.load_pipeline({str(FOLDER)!r})
     video = np.asarray(pipe("a red circle", "", **{CALL!r}))

@@ -43,7 +43,7 @@ def _run(app, args, cache):
     JAX_PLATFORMS="cpu",
     HF_HUB_OFFLINE="1",
     MD_PROGRESS="0",
-    # One device; the tests' fast-compile flags (conftest.py): compiling is most of these runs.
+    # One device; the tests' fast-compile flags (md_core.pytest_plugin): compiling is most of these runs.
     XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
     "--xla_llvm_disable_expensive_passes=true",
     MD_COMPILATION_CACHE=str(cache),

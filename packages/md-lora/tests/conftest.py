@@ -1,4 +1,4 @@
-"""What md-lora's tests share (the settings themselves come from the repository's conftest.py)."""
+"""What md-lora's tests share (the settings themselves come from md_core.pytest_plugin)."""
 
 import jax.numpy as jnp
 import pytest

@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 
 # XLA flags for a test's app subprocess: the tests' models are tiny, so compiling is most of a run, and
-# XLA's CPU backend optimisation (LLVM's passes) makes it about 1.6x slower (the conftest files set the
+# XLA's CPU backend optimisation (LLVM's passes) makes it about 1.6x slower (md_core.pytest_plugin sets the
 # same for the test processes themselves).
 FAST_COMPILE_XLA_FLAGS = (
   "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
