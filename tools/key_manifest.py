@@ -1,7 +1,7 @@
 """Writes a key manifest: the tensor names, shapes and dtypes a reference model class has for a real config.
 
-The model is built on torch's meta device, so no memory is allocated and no weights are needed; the JSON is
-small and lets md's tests prove that a key map covers a real checkpoint (md_core.coverage).
+The model is built on torch's meta device, so no memory is allocated and no weights are needed; the JSON
+(gzipped when the output name ends in .json.gz, as tests/fixtures/manifests stores them) is small and lets md's tests prove that a key map covers a real checkpoint (md_core.coverage).
 
   tools/.venv/bin/python tools/key_manifest.py diffusers:UNet2DConditionModel unet_config.json out.json
   tools/.venv/bin/python tools/key_manifest.py transformers:CLIPTextModel clip_config.json out.json \
@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from fixtures._common import dumps_manifest  # noqa: E402
+from fixtures._common import save_manifest  # noqa: E402
 
 
 def build_meta(spec: str, config: dict) -> torch.nn.Module:
@@ -59,7 +59,11 @@ def main(argv: list[str]) -> int:
   )
   parser.add_argument("model_class", help="module:Class, e.g. diffusers:WanTransformer3DModel")
   parser.add_argument("config", type=pathlib.Path, help="the real model's config.json")
-  parser.add_argument("out", type=pathlib.Path, help="where to write the manifest JSON")
+  parser.add_argument(
+    "out",
+    type=pathlib.Path,
+    help="where to write the manifest JSON (gzipped if it ends in .json.gz)",
+  )
   parser.add_argument("--prefix", action="append", default=[], help="OLD=NEW name prefix rename")
   parser.add_argument("--dtype", default=None, help="dtype to record (e.g. bfloat16)")
   parser.add_argument("--source", default=None, help="where the config came from (hub id)")
@@ -70,7 +74,7 @@ def main(argv: list[str]) -> int:
     model, source=args.source or str(args.config), prefixes=prefixes, dtype=args.dtype
   )
   args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(dumps_manifest(data))
+  save_manifest(args.out, data)
   print(f"{args.out}: {data['num_tensors']} tensors")
   return 0
 

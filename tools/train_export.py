@@ -73,7 +73,9 @@ def main() -> None:
     folder = recipe.export(state, OUT / name)
     assert folder == OUT / name / sub, folder
   x = inputs()
-  np.savez(OUT / "md_outputs.npz", **x, **{f"out/{k}": v for k, v in md_outputs(x).items()})
+  np.savez_compressed(
+    OUT / "md_outputs.npz", **x, **{f"out/{k}": v for k, v in md_outputs(x).items()}
+  )
   print(f"wrote {OUT}")
 
 

@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools
-import json
 
 import chex
 import jax
@@ -15,7 +14,7 @@ import md_attention as mda
 import md_core
 import md_flux
 import md_sharding as mds
-from md_core.testing import fixture_path, load_arrays
+from md_core.testing import fixture_path, load_arrays, load_manifest
 
 INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids")
 ATOL = 1e-4
@@ -249,7 +248,7 @@ def test_config():
 
 
 def _manifest(name):
-  data = json.loads((fixture_path("manifests") / f"{name}.json").read_text())
+  data = load_manifest(name)
   return {k: v["shape"] for k, v in data["tensors"].items()}, data
 
 

@@ -1,7 +1,6 @@
 """Flux.2 transformer: parity with diffusers (plain, guided, reference KV cache), errors, manifests."""
 
 import functools
-import json
 
 import chex
 import jax
@@ -14,7 +13,7 @@ import md_attention as mda
 import md_core
 import md_flux
 import md_sharding as mds
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 ATOL = 1e-4
 
@@ -156,7 +155,7 @@ def test_config():
 @pytest.mark.parametrize("variant", ["klein-4b", "klein-9b"])
 def test_manifest(variant):
   name = f"flux2_{variant.replace('-', '_')}_transformer"
-  data = json.loads((fixture_path("manifests") / f"{name}.json").read_text())
+  data = load_manifest(name)
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   cfg = md_flux.FLUX2_VARIANTS[variant]
   assert (

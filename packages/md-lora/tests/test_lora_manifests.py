@@ -4,8 +4,6 @@ shape, and a file for another model says so.
 
 The manifests hold names and shapes only; the tensors here are zero-stride stand-ins of those shapes."""
 
-import json
-
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,14 +13,14 @@ import md_lora
 import md_sd
 import md_text
 import md_wan
-from md_core.testing import fixture_path
+from md_core.testing import load_manifest
 
 
 class _StandIns(dict):
   """A manifest's tensors as zero-stride arrays of their shapes (no memory), named after the file."""
 
   def __init__(self, name):
-    data = json.loads((fixture_path("manifests") / f"{name}.json").read_text())
+    data = load_manifest(name)
     zero = np.zeros((), np.float32)
     super().__init__({k: np.broadcast_to(zero, v["shape"]) for k, v in data["tensors"].items()})
     self.name, self.data = f"{name}.json", data
@@ -44,7 +42,7 @@ def sdxl():
   abstract model). The other models here are built abstractly.
   """
   cfg = md_sd.VARIANTS["sdxl-base"]
-  base = json.loads((fixture_path("manifests") / "unet_sdxl_base.json").read_text())["tensors"]
+  base = load_manifest("unet_sdxl_base")["tensors"]
   key_map, shapes = md_sd.unet_key_map(cfg), {}
   for name, info in base.items():
     target = key_map(name)

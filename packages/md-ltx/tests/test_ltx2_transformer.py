@@ -1,8 +1,6 @@
 """LTX-2 transformer against diffusers' outputs (tests/fixtures/ltx2_transformer), the original single file,
 the real checkpoint's key manifests, sharding, and input/config/weight errors."""
 
-import json
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,7 +10,7 @@ from flax import nnx
 
 import md_core
 import md_sharding as mds
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 from md_ltx._ltx2_config import LTX2_VARIANTS, LTX2Config
 from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
 from md_ltx._ltx2_weights import (
@@ -176,7 +174,7 @@ def test_original_names_alone():
 
 
 def _manifest(name):
-  data = json.loads((repo_root() / "tests/fixtures/manifests" / f"{name}.json").read_text())
+  data = load_manifest(name)
   return {k: v["shape"] for k, v in data["tensors"].items()}
 
 

@@ -1,8 +1,6 @@
 """LTX latent upsamplers: parity with diffusers' models and the latent-upsample pipelines' step, loaders for
 the diffusers folder and original single files, key maps against the real upsamplers' manifests, errors."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +8,7 @@ import pytest
 from flax import nnx
 
 import md_core
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 from md_ltx._upsampler import (
   VARIANTS,
   LatentUpsampler,
@@ -95,7 +93,7 @@ REAL = {
 
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_manifest_coverage(name):
-  data = json.loads((repo_root() / "tests/fixtures/manifests" / f"{name}.json").read_text())
+  data = load_manifest(name)
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   cfg = LatentUpsamplerConfig.from_json(repo_root() / "tools/configs/ltx" / f"{name}.json")
   assert cfg == VARIANTS[REAL[name]]

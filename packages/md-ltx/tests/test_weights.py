@@ -1,17 +1,15 @@
 """LTX-Video key maps alone and against the real checkpoints' key manifests (diffusers and single file)."""
 
-import json
-
 import pytest
 from flax import nnx
 
 import md_core
 import md_ltx
-from md_core.testing import fixture_path, repo_root
+from md_core.testing import fixture_path, load_manifest, repo_root
 
 T = md_core.Target
 
-# manifest stem (tests/fixtures/manifests/ltx_<name>.json) → (config file in tools/configs/ltx, VARIANTS key)
+# manifest stem (tests/fixtures/manifests/ltx_<name>.json.gz) → (config file in tools/configs/ltx, VARIANTS key)
 REAL = {
   "video_2b_0.9": ("ltx_video_2b_0.9_transformer", "0.9-2b"),
   "video_13b_0.9.7_dev": ("ltx_video_13b_0.9.7_dev_transformer", "0.9.7-13b"),
@@ -65,7 +63,7 @@ def test_original_names_alone():
 
 
 def _manifest(name):
-  data = json.loads((repo_root() / "tests/fixtures/manifests" / f"ltx_{name}.json").read_text())
+  data = load_manifest(f"ltx_{name}")
   return {k: v["shape"] for k, v in data["tensors"].items()}
 
 

@@ -9,13 +9,13 @@ from flax import nnx
 
 import md_core
 import md_sd
-from md_core.testing import fixture_path, repo_root
+from md_core.testing import fixture_path, load_manifest, repo_root
 
 CONFIGS = repo_root() / "tools" / "configs" / "sd"
 
 
 def _manifest(name):
-  data = json.loads((fixture_path("manifests") / f"{name}.json").read_text())
+  data = load_manifest(name)
   return {k: v["shape"] for k, v in data["tensors"].items()}
 
 

@@ -13,7 +13,7 @@ from flax import nnx
 import md_core
 import md_sharding as mds
 import md_text
-from md_core.testing import fixture_path, load_arrays
+from md_core.testing import fixture_path, load_arrays, load_manifest
 
 ATOL = 1e-4
 
@@ -159,7 +159,7 @@ MANIFESTS = [
 
 @pytest.mark.parametrize("name,cls,config_cls,variant", MANIFESTS)
 def test_real_checkpoint_key_manifests(name, cls, config_cls, variant):
-  data = json.loads((fixture_path("manifests") / f"{name}.json").read_text())
+  data = load_manifest(name)
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   is_text = config_cls is md_text.CLIPTextConfig
   config = md_text.CLIP_TEXT_VARIANTS[variant] if is_text else md_text.CLIP_VISION_VARIANTS[variant]

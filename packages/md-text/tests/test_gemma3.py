@@ -15,7 +15,7 @@ from flax import nnx
 
 import md_core
 import md_text
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_keymap_alone():
 def test_manifest_coverage_gemma3_12b():
   """The real google/gemma-3-12b-it (LTX-2's text encoder): every language-model tensor mapped with the
   right shape; the SigLIP tower and projector are the only unused tensors."""
-  data = json.loads((fixture_path("manifests") / "gemma3_12b_text_encoder.json").read_text())
+  data = load_manifest("gemma3_12b_text_encoder")
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   cfg = md_text.GEMMA3_VARIANTS["gemma-3-12b"]
   problems = md_core.coverage(

@@ -14,7 +14,7 @@ from flax import nnx
 
 import md_core
 import md_text
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 PROMPTS = [
   "  a photo of a cat ",
@@ -161,7 +161,7 @@ def test_keymap_alone():
   "manifest, variant", [("ltx2_connectors", "ltx-2"), ("ltx2_connectors_23", "ltx-2.3")]
 )
 def test_manifest_coverage(manifest, variant):
-  data = json.loads((fixture_path("manifests") / f"{manifest}.json").read_text())
+  data = load_manifest(manifest)
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   cfg = md_text.LTX2_CONNECTORS_VARIANTS[variant]
   problems = md_core.coverage(
@@ -289,7 +289,7 @@ def test_original_single_file_names(tmp_path, connectors):
     md_text.load_ltx2_connectors_original(path, config="ltx-3")
 
   for manifest, variant in (("ltx2_connectors", "ltx-2"), ("ltx2_connectors_23", "ltx-2.3")):
-    data = json.loads((fixture_path("manifests") / f"{manifest}.json").read_text())
+    data = load_manifest(manifest)
     shapes = {_original_name(k): v["shape"] for k, v in data["tensors"].items()}
     shapes["model.diffusion_model.transformer_blocks.0.attn1.to_q.weight"] = [4096, 4096]
     cfg = md_text.LTX2_CONNECTORS_VARIANTS[variant]

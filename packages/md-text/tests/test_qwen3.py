@@ -12,7 +12,7 @@ from flax import nnx
 
 import md_core
 import md_text
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 PROMPTS = ["a photo of a cat", "An astronaut riding a horse on the moon, highly detailed"]
 ALL = (0, 1, 2, 3, 4)
@@ -110,7 +110,7 @@ def test_keymap_alone():
   [("qwen3_4b_text_encoder", "qwen3-4b", False), ("qwen3_8b_text_encoder", "qwen3-8b", True)],
 )
 def test_manifest_coverage(manifest, variant, has_head):
-  data = json.loads((fixture_path("manifests") / f"{manifest}.json").read_text())
+  data = load_manifest(manifest)
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   assert ("lm_head.weight" in shapes) == has_head
   cfg = md_text.QWEN3_VARIANTS[variant]

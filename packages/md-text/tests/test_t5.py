@@ -12,7 +12,7 @@ from flax import nnx
 
 import md_core
 import md_text
-from md_core.testing import fixture_path, load_arrays
+from md_core.testing import fixture_path, load_arrays, load_manifest
 
 KINDS = ("umt5", "t5", "t5_relu")
 
@@ -102,7 +102,7 @@ def test_keymap_alone():
   [("umt5_xxl_encoder", "umt5-xxl"), ("umt5_t5_v1_1_xxl_encoder", "t5-v1_1-xxl")],
 )
 def test_manifest_coverage(manifest, variant):
-  data = json.loads((fixture_path("manifests") / f"{manifest}.json").read_text())
+  data = load_manifest(manifest)
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   cfg = md_text.T5_VARIANTS[variant]
   problems = md_core.coverage(

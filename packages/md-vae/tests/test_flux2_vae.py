@@ -12,7 +12,7 @@ from flax import nnx
 
 import md_core
 import md_vae
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_keymap_alone():
 
 
 def test_manifest_coverage():
-  data = json.loads((fixture_path("manifests") / "vae_flux2.json").read_text())
+  data = load_manifest("vae_flux2")
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   assert shapes["bn.running_mean"] == [128]
   cfg = md_vae.FLUX2_VAE_VARIANTS["flux2"]

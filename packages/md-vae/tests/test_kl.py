@@ -14,7 +14,7 @@ from flax import nnx
 import md_core
 import md_sharding as mds
 import md_vae
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 ATOL = 1e-4
 nhwc, nchw = md_vae.nchw_to_nhwc, md_vae.nhwc_to_nchw
@@ -195,7 +195,7 @@ def _config(name):
 def test_real_checkpoint_key_manifests(manifest, config, variant):
   cfg = _config(config)
   assert cfg == md_vae.KL_VARIANTS[variant]
-  data = json.loads((fixture_path("manifests") / f"{manifest}.json").read_text())
+  data = load_manifest(manifest)
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   assert md_core.coverage(shapes, _abstract(cfg), md_vae.vae_kl_convert_key) == []
 

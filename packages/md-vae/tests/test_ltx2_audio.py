@@ -3,8 +3,6 @@ two tiny audio VAEs, the LTX-2.0 vocoder and the LTX-2.3 vocoder with bandwidth 
 equal to one pass, latent packing and statistics, the real models' key manifests, input errors, and an MP4
 whose audio stream has the vocoder's duration."""
 
-import json
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ from safetensors.numpy import save_file
 
 import md_core
 from md_core import media
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 from md_vae._ltx2_audio import (
   LTX2_AUDIO_VAE_VARIANTS,
   LTX2AudioVAE,
@@ -201,7 +199,7 @@ def test_convert_keys_alone():
 
 
 def _manifest(name):
-  data = json.loads((repo_root() / f"tests/fixtures/manifests/{name}.json").read_text())
+  data = load_manifest(name)
   return {k: v["shape"] for k, v in data["tensors"].items()}
 
 

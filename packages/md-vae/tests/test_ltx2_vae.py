@@ -2,8 +2,6 @@
 the released layout and of a timestep-conditioned one, forced-causal decode, tiled decode and encode, loading
 the original single-file names, the real VAE's key manifests, and input errors."""
 
-import json
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,7 +10,7 @@ import pytest
 from flax import nnx
 
 import md_core
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 from md_vae import (
   LTX2_VAE_VARIANTS,
   LTX2Tiling,
@@ -172,7 +170,7 @@ def test_convert_keys_alone():
 
 
 def _manifest(name):
-  data = json.loads((repo_root() / f"tests/fixtures/manifests/{name}.json").read_text())
+  data = load_manifest(name)
   return {k: v["shape"] for k, v in data["tensors"].items()}
 
 

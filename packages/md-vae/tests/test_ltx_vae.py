@@ -1,8 +1,6 @@
 """LTX-Video VAE against diffusers' outputs (tests/fixtures/vae_ltx): encode and decode of 0.9.0-, 0.9.1- and
 0.9.5-like tiny models, noise injection, latent statistics, the real VAEs' key manifests, and input errors."""
 
-import json
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,7 +10,7 @@ from flax import nnx
 
 import md_core
 import md_vae
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 from md_vae import (
   LTX_VAE_VARIANTS,
   LTXVideoVAE,
@@ -117,7 +115,7 @@ def test_real_vaes_are_covered(name):
   cfg = LTXVideoVAEConfig.from_json(repo_root() / f"tools/configs/ltx/ltx_video_{name}_vae.json")
   assert cfg == LTX_VAE_VARIANTS[name]
   assert (cfg.spatial_ratio, cfg.temporal_ratio) == (32, 8)
-  data = json.loads((repo_root() / f"tests/fixtures/manifests/ltx_vae_{name}.json").read_text())
+  data = load_manifest(f"ltx_vae_{name}")
   manifest = {k: v["shape"] for k, v in data["tensors"].items()}
   model = nnx.eval_shape(lambda: LTXVideoVAE(cfg, rngs=nnx.Rngs(0)))
   assert md_core.coverage(manifest, model, vae_ltx_convert_key) == []
@@ -158,9 +156,7 @@ def test_original_names_alone():
 
 @pytest.mark.parametrize("name", ("0.9.0", "0.9.1", "0.9.5"))
 def test_real_single_file_vaes_are_covered(name):
-  data = json.loads(
-    (repo_root() / f"tests/fixtures/manifests/ltx_vae_{name}_original.json").read_text()
-  )
+  data = load_manifest(f"ltx_vae_{name}_original")
 
   class Shapes(dict):
     def shape(self, key):

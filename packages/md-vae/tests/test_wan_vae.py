@@ -14,7 +14,7 @@ from flax import nnx
 
 import md_core
 import md_vae
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 # LLVM optimisation off: the same numbers (buffer assignment and HLO passes are unchanged) at a third of the
 # compile time on the shared CI cores.
@@ -213,7 +213,7 @@ def test_chunked_decode_memory_does_not_grow_with_frames():
 
 @pytest.mark.parametrize("version", ["2.1", "2.2"])
 def test_manifest_coverage(version):
-  manifest = json.loads((fixture_path("manifests") / f"vae_wan{version}.json").read_text())
+  manifest = load_manifest(f"vae_wan{version}")
   shapes = {k: v["shape"] for k, v in manifest["tensors"].items()}
   config = md_vae.WanVAEConfig.from_json(
     repo_root() / "tools/configs/wan" / f"vae_wan{version}.json"
@@ -232,9 +232,9 @@ def test_manifest_coverage(version):
 
 def test_original_file_manifest_coverage():
   # Names of the original Wan 2.1 VAE file, checked by the tool against diffusers' own single-file converter.
-  manifest = json.loads((fixture_path("manifests") / "vae_wan2.1_original.json").read_text())
+  manifest = load_manifest("vae_wan2.1_original")
   shapes = {k: v["shape"] for k, v in manifest["tensors"].items()}
-  diffusers = json.loads((fixture_path("manifests") / "vae_wan2.1.json").read_text())["tensors"]
+  diffusers = load_manifest("vae_wan2.1")["tensors"]
   config = md_vae.WAN_VARIANTS["wan2.1"]
   renamed = {md_vae.wan_original_to_diffusers_name(k, config): v for k, v in shapes.items()}
   assert renamed == {k: v["shape"] for k, v in diffusers.items()}
@@ -264,7 +264,7 @@ def test_real_sizes():
   # Wan 2.1 VAE: 127M parameters (its 508 MB float32 file); Wan 2.2 VAE: 705M (2.8 GB).
   counts = {}
   for version in ("2.1", "2.2"):
-    manifest = json.loads((fixture_path("manifests") / f"vae_wan{version}.json").read_text())
+    manifest = load_manifest(f"vae_wan{version}")
     counts[version] = sum(int(np.prod(t["shape"])) for t in manifest["tensors"].values())
   assert 126e6 < counts["2.1"] < 128e6 and 704e6 < counts["2.2"] < 706e6, counts
   wan22 = md_vae.WAN_VARIANTS["wan2.2"]

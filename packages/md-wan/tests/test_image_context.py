@@ -11,7 +11,7 @@ from flax import nnx
 
 import md_core
 import md_wan
-from md_core.testing import fixture_path, load_arrays, repo_root
+from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 
 FIXTURE = "wan_i2v_noadded"
 CASES = ("i2v", "flf2v")
@@ -52,7 +52,7 @@ def test_image_tokens_change_the_output():
 
 
 def test_real_size_key_map_covers_the_config():
-  data = json.loads((fixture_path(FIXTURE) / "manifest_i2v_14b_noadded.json").read_text())
+  data = load_manifest("manifest_i2v_14b_noadded", fixture_path(FIXTURE))
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   assert not any("add_k_proj" in k for k in shapes)
   config = json.loads(

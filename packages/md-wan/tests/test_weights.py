@@ -9,11 +9,11 @@ from flax import nnx
 
 import md_core
 import md_wan
-from md_core.testing import fixture_path, repo_root
+from md_core.testing import fixture_path, load_manifest, repo_root
 
 T = md_core.Target
 
-# manifest (tests/fixtures/manifests/wan_<name>.json) → (config file in tools/configs/wan, VARIANTS key)
+# manifest (tests/fixtures/manifests/wan_<name>.json.gz) → (config file in tools/configs/wan, VARIANTS key)
 REAL = {
   "2.1_t2v_1.3b": ("wan2.1_t2v_1.3b_transformer", "2.1-t2v-1.3b"),
   "2.1_t2v_14b": ("wan2.1_t2v_14b_transformer", "2.1-t2v-14b"),
@@ -73,7 +73,7 @@ def test_convert_key_alone():
 @pytest.mark.parametrize("name", list(REAL))
 def test_real_manifest_coverage(name):
   config_file, variant = REAL[name]
-  data = json.loads((fixture_path("manifests") / f"wan_{name}.json").read_text())
+  data = load_manifest(f"wan_{name}")
   shapes = {k: v["shape"] for k, v in data["tensors"].items()}
   cfg = md_wan.WanConfig.from_json(
     repo_root() / "tools" / "configs" / "wan" / f"{config_file}.json"

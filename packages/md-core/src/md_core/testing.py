@@ -1,5 +1,7 @@
 """Helpers for md's tests (any package may use them)."""
 
+import gzip
+import json
 import os
 import pathlib
 
@@ -46,6 +48,18 @@ def fixture_path(name: str) -> pathlib.Path:
       f"fixture set {name!r} not found at {path}; run `bash tools/make_fixtures.sh {name}`"
     )
   return path
+
+
+def load_manifest(name: str, folder: pathlib.Path | None = None) -> dict:
+  """Reads key manifest `name`: the tensor names, shapes and dtypes of a real checkpoint
+  (`<folder>/<name>.json.gz`, gzipped JSON written by tools/key_manifest.py and the fixture generators;
+  `folder` defaults to tests/fixtures/manifests)."""
+  path = (fixture_path("manifests") if folder is None else pathlib.Path(folder)) / f"{name}.json.gz"
+  if not path.is_file():
+    have = sorted(p.name.removesuffix(".json.gz") for p in path.parent.glob("*.json.gz"))
+    raise FileNotFoundError(f"no key manifest {name!r} at {path}; manifests there: {have}")
+  with gzip.open(path, "rt", encoding="utf-8") as f:
+    return json.load(f)
 
 
 def app_config(spec: str):

@@ -1,0 +1,33 @@
+"""The fixtures stay small: a budget on their total size (tests/fixtures/README.md says how to stay in it)."""
+
+import pathlib
+
+from md_core.testing import repo_root
+
+MB = 1_000_000
+# The design budget is 25 MB. What remains above it is the tiny models' weights themselves (random float32
+# safetensors, incompressible, one set per parity fixture): tests/fixtures/README.md lists what would
+# remove the rest. Lower this as fixtures shrink; never raise it to make room for a new fixture without
+# first sharing components and trimming recorded outputs.
+BUDGET_MB = 54
+
+
+def _fixture_files() -> list[pathlib.Path]:
+  root = repo_root()
+  folders = [root / "tests" / "fixtures", *sorted(root.glob("packages/*/tests/fixtures"))]
+  return [p for folder in folders for p in folder.rglob("*") if p.is_file()]
+
+
+def test_fixtures_within_budget():
+  root = repo_root()
+  files = _fixture_files()
+  total = sum(p.stat().st_size for p in files)
+  largest = sorted(files, key=lambda p: p.stat().st_size, reverse=True)[:15]
+  listing = "\n".join(
+    f"  {p.stat().st_size / MB:6.2f} MB  {p.relative_to(root)}" for p in largest
+  )
+  assert total <= BUDGET_MB * MB, (
+    f"the fixtures take {total / MB:.1f} MB in {len(files)} files, over the {BUDGET_MB} MB budget; "
+    f"share identical components (tests/fixtures/components) and store only the values a test compares. "
+    f"The largest files:\n{listing}"
+  )
