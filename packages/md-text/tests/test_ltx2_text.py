@@ -300,3 +300,46 @@ def test_original_single_file_names(tmp_path, connectors):
       allow_unused=md_text.LTX2_CONNECTORS_ORIGINAL_ALLOW_UNUSED,
     )
     assert problems == []
+
+
+@pytest.fixture(scope="module")
+def rope32():
+  return load_arrays(fixture_path("ltx2_text_rope32") / "io.npz")
+
+
+@pytest.mark.parametrize("rope_type,heads,head_dim", [("split", 8, 64), ("interleaved", 4, 32)])
+def test_float32_rope_tables_match_torch(rope32, rope_type, heads, head_dim):
+  """`rope_double_precision=False`: frequencies from torch's float32 linspace and a once-rounded pow, as
+  diffusers' `LTX2RotaryPosEmbed1d` builds them."""
+  cfg = md_text.LTX2ConnectorsConfig(
+    rope_double_precision=False, rope_type=rope_type, connector_rope_base_seq_len=32
+  )
+  cos, sin = md_text.connector_rope_tables(cfg, heads, head_dim, 8)  # [S, H, D]
+  want_cos, want_sin = rope32[f"{rope_type}_cos"][0], rope32[f"{rope_type}_sin"][0]
+  if rope_type == "split":  # [H, S, D/2] → md's [S, H, D] (both halves share the frequencies)
+    want_cos = np.concatenate([want_cos, want_cos], -1).transpose(1, 0, 2)
+    want_sin = np.concatenate([want_sin, want_sin], -1).transpose(1, 0, 2)
+  else:  # [S, H*D]
+    want_cos, want_sin = want_cos.reshape(cos.shape), want_sin.reshape(sin.shape)
+  # torch's vectorised float32 pow (SLEEF, 1-ulp accurate) is not correctly rounded on a few percent of
+  # the frequencies, where md's once-rounded pow is 1 ulp (2.4e-4 at 1.5e4) away; everywhere else the
+  # tables agree to float32 cos / sin rounding. NumPy's float32 linspace / pow were 1.9e-3 off.
+  for got, want in ((cos, want_cos), (sin, want_sin)):
+    err = np.abs(np.asarray(got, np.float64) - want)
+    assert err.max() <= 2.5e-4, err.max()
+    assert np.mean(err > 2e-6) <= 0.02, np.mean(err > 2e-6)
+
+
+def test_float32_rope_connectors_match_diffusers(tmp_path, io, rope32):
+  """The ltx2_text LTX-2.0 connectors run with `rope_double_precision=False` as diffusers runs them."""
+  src = fixture_path("ltx2_text") / "connectors"
+  config = json.loads((src / "config.json").read_text())
+  config["rope_double_precision"] = False
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  weights = "diffusion_pytorch_model.safetensors"
+  (tmp_path / weights).symlink_to(src / weights)
+  model = md_text.load_ltx2_connectors(tmp_path, subfolder=None)
+  assert not model.cfg.rope_double_precision
+  out = model(jnp.asarray(io["hidden"]), jnp.asarray(io["mask_right"]), padding_side="right")
+  chex.assert_trees_all_close(out.video, rope32["right_video"], atol=1e-4, rtol=0)
+  chex.assert_trees_all_close(out.audio, rope32["right_audio"], atol=1e-4, rtol=0)

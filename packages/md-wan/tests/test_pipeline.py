@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import md_core
 import md_schedulers as mdsch
 import md_sharding as mds
 import md_wan
@@ -87,6 +88,24 @@ def test_matches_reference(ref, case):
     image = np.asarray(ref["i2v/image"], np.float32)[None] / 255.0
     tokens = pipe.encode_image(image)
     np.testing.assert_allclose(np.asarray(tokens), ref["i2v/image_embeds"], atol=1e-4, rtol=0)
+
+
+def test_i2v_image_forms(ref):
+  """Wan 2.1 I2V takes the image forms every family takes (`md_core.images`): uint8 `[H, W, 3]`, its floats
+  `[1, H, W, 3]` in [0, 1] and a PIL image give bit-identical videos (uint8 scaled on the host as
+  `md_core.images` does), and the uint8 one is the reference's."""
+  from PIL import Image
+
+  pipe = md_wan.load_pipeline(ROOT / "i2v")
+  image = ref["i2v/image"]
+  assert image.dtype == np.uint8 and image.ndim == 3
+  base = np.asarray(_run(pipe, ref, "i2v"))
+  np.testing.assert_allclose(base, ref["i2v/frames"], atol=1e-3, rtol=0)
+  floats = md_core.images.pixel_values(image)[None]  # [1, H, W, 3]
+  for form in (floats[0], Image.fromarray(image), floats):
+    np.testing.assert_array_equal(np.asarray(_run(pipe, ref, "i2v", image=form)), base)
+  with pytest.raises(ValueError, match="image: expected one image per call; got a batch of 2"):
+    _run(pipe, ref, "i2v", image=np.stack([floats[0]] * 2))
 
 
 def test_per_layer_views_match_reference(ref, monkeypatch):

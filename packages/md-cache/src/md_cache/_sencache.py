@@ -67,9 +67,10 @@ def sencache(
   otherwise. A step-level cache: it applies to every denoiser, UNet included.
 
   Published defaults (MaxDiffusion): `epsilon=0.1`, `max_reuse=3`, warm-up 1, no-cache zones the first
-  30 % and the last 10 %, uniform weights. MaxDiffusion also forces a step at Wan 2.2's expert switch;
-  md's loop does not tell a step cache where experts switch, so put the switch inside a no-cache zone
-  (or lower `epsilon`) when that matters.
+  30 % and the last 10 %, uniform weights. MaxDiffusion also forces a step at Wan 2.2's expert switch,
+  and so does md's loop for every step cache: `md_schedulers.sample` runs each expert's first step
+  whatever the cache decides (its cached prediction is the other expert's) and that step becomes this
+  cache's new reference.
 
   Args:
     epsilon: the tolerance (traced).

@@ -34,6 +34,7 @@ from md_core._lora import (
   lora_rank,
   set_lora,
 )
+from md_core._numerics import torch_linspace_f32
 from md_core._orbax import restore_converted, save_converted
 from md_core._safetensors import (
   Checkpoint,
@@ -114,6 +115,7 @@ __all__ = [
   "save_safetensors",
   "shapes_only",
   "stack_layers",
+  "torch_linspace_f32",
   "target_shape",
   "torch_module_keymap",
 ]

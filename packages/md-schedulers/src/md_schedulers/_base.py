@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from md_core import torch_linspace_f32
+
 
 class SchedulerState(NamedTuple):
   """What a scheduler carries from one model call to the next.
@@ -163,16 +165,6 @@ def rescale_zero_terminal_snr(betas: np.ndarray) -> np.ndarray:
   ab = sqrt_ab**2
   alphas = np.concatenate([ab[:1], ab[1:] / ab[:-1]])
   return (np.float32(1.0) - alphas).astype(np.float32)
-
-
-def torch_linspace_f32(start: float, end: float, n: int) -> np.ndarray:
-  """float32 linspace with the reference's rounding: a float32 step, each point start + i * step (or
-  end - (n - 1 - i) * step in the second half) rounded once, as a fused multiply-add gives."""
-  s, e = np.float32(start), np.float32(end)
-  step = (e - s) / np.float32(max(n - 1, 1))
-  i = np.arange(n, dtype=np.float64)
-  out = np.where(i < n // 2, float(s) + float(step) * i, float(e) - float(step) * (n - 1 - i))
-  return out.astype(np.float32)
 
 
 def train_betas(

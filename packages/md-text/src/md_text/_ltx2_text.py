@@ -257,15 +257,21 @@ def connector_rope_tables(
   """The connectors' rotary tables `(cos, sin)` `[S, heads, head_dim]` float32 for positions `0..S-1`.
 
   Frequencies `theta ** linspace(0, 1, width / 2) * pi / 2` (float64 when `rope_double_precision`, then
-  float32) over the whole width `heads * head_dim`; angles `(2 i / rope_base_seq_len - 1) * freq` in
+  float32; else float32 as torch computes them) over the whole width `heads * head_dim`; angles `(2 i / rope_base_seq_len - 1) * freq` in
   float32, as the reference computes them. "interleaved": each frequency covers two adjacent features;
   "split": head `h` takes frequencies `h * head_dim/2 ..` for its first half and again its second half.
   Constants of the shapes: computed with numpy at trace time.
   """
   width = heads * head_dim
-  ftype = np.float64 if cfg.rope_double_precision else np.float32
-  steps = np.linspace(0.0, 1.0, width // 2, dtype=ftype)
-  freqs = (np.power(ftype(cfg.rope_theta), steps) * ftype(np.pi) / ftype(2.0)).astype(np.float32)
+  if cfg.rope_double_precision:
+    steps = np.linspace(0.0, 1.0, width // 2, dtype=np.float64)
+    freqs = (np.power(cfg.rope_theta, steps) * np.pi / 2.0).astype(np.float32)
+  else:
+    # torch's float32 linspace, and its float32 pow rounded once (NumPy's float32 pow is often 1 ulp off,
+    # 1e-3 radians at theta 10000), then each product rounded to float32 as torch does.
+    steps = md_core.torch_linspace_f32(0.0, 1.0, width // 2)
+    powers = np.power(np.float64(cfg.rope_theta), steps.astype(np.float64)).astype(np.float32)
+    freqs = powers * np.float32(np.pi) / np.float32(2.0)
   grid = np.arange(seq_len, dtype=np.float32) / np.float32(cfg.connector_rope_base_seq_len)
   angles = (grid[:, None] * np.float32(2.0) - np.float32(1.0)) * freqs[None, :]  # [S, width/2]
   cos, sin = np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))

@@ -64,18 +64,15 @@ def _nearest(value: int, factor: int) -> str:
   return str(low) if low == value else f"{low} or {low + factor}" if low < value else str(low)
 
 
-def _image_array(image: Any, what: str) -> jax.Array:
-  """An image as float32 `[1, H, W, 3]` in [0, 1] (uint8 input is divided by 255)."""
-  if hasattr(image, "convert"):  # PIL
-    image = np.asarray(image.convert("RGB"))
-  x = jnp.asarray(image)
-  if x.ndim == 3:
-    x = x[None]
-  if x.ndim != 4 or x.shape[-1] != 3 or x.shape[0] != 1:
+def _image_array(image: Any, what: str) -> np.ndarray:
+  """One image as float32 `[1, H, W, 3]` in [0, 1], read by `md_core.images.image_batch` (the forms and
+  the uint8 scaling every family's image input takes)."""
+  x = md_core.images.image_batch(image, what=what)
+  if x.shape[0] != 1:
     raise ValueError(
-      f"{what} must be one RGB image [H, W, 3] (uint8, or float in [0, 1]); got shape {x.shape}"
+      f"{what}: expected one image per call; got a batch of {x.shape[0]} ({x.shape})"
     )
-  return x.astype(jnp.float32) / 255.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32)
+  return x
 
 
 class WanVideoPipeline(mdp.Pipeline):
@@ -486,10 +483,10 @@ class WanVideoPipeline(mdp.Pipeline):
     condition = image_tokens = None
     mode = "expand" if self.expand_timesteps else "concat" if self.image_to_video else "plain"
     if image is not None:
-      first = self._fit_image(image, height, width, "image")
-      last = (
-        None if last_image is None else self._fit_image(last_image, height, width, "last_image")
-      )
+      given = [image] if last_image is None else [image, last_image]
+      pixels = [_image_array(x, name) for x, name in zip(given, ("image", "last_image"))]
+      first = self._fit_image(pixels[0], height, width)
+      last = None if last_image is None else self._fit_image(pixels[1], height, width)
       fn = self.jit(
         ("condition", num_frames, last is not None),
         lambda: self._condition_fn(num_frames, last is not None),
@@ -505,7 +502,10 @@ class WanVideoPipeline(mdp.Pipeline):
       if self.transformer.cfg.image_dim is not None:
         if image_embeds is None:
           # As the reference: CLIP sees the images as given (its processor resizes them itself).
-          image_embeds = self.encode_image([image] if last is None else [image, last_image])
+          # PIL images go as given: CLIP's processor composites transparency onto white.
+          image_embeds = self.encode_image(
+            [x if hasattr(x, "convert") else p[0] for x, p in zip(given, pixels)]
+          )
         image_tokens = self._video_image_tokens(image_embeds, batch)
     channels = x.shape[-1] + (0 if mode != "concat" else condition.shape[-1])
     if channels != self.transformer.cfg.in_channels:
@@ -571,8 +571,8 @@ class WanVideoPipeline(mdp.Pipeline):
       )
     return jnp.tile(tokens, (batch, 1, 1))
 
-  def _fit_image(self, image: Any, height: int, width: int, what: str) -> jax.Array:
-    x = _image_array(image, what)
+  def _fit_image(self, image: np.ndarray, height: int, width: int) -> jax.Array:
+    x = jnp.asarray(image)  # [1, H, W, 3]
     if x.shape[1:3] != (height, width):
       # The reference resizes with PIL (lanczos); a resize here gives close but not identical pixels.
       x = jax.image.resize(x, (1, height, width, 3), method="lanczos3")
