@@ -31,7 +31,7 @@ def test_bad_settings_are_one_line_each():
   out = _run(
     "--config.image_model=/nonexistent/folder", "--config.verifier=bogus",
     "--config.shutdown=later", "--config.batch_buckets=a,b", "--config.image_loras=x=missing.safetensors",
-    "--config.video_max_sequence_length=-1",
+    "--config.video_max_sequence_length=-1", "--config.port=70000", "--config.host=0.0.0.0",
   )  # fmt: skip
   assert out.returncode == 2, out.stderr[-2000:]
   assert "Traceback" not in out.stderr
@@ -45,6 +45,8 @@ def test_bad_settings_are_one_line_each():
     "--config.batch_buckets",
     "'x=missing.safetensors' is not name=<existing .safetensors file>",
     "--config.video_max_sequence_length=-1 must be ≥ 0",
+    "--config.port=70000 is out of range: expected 1..65535",
+    "--config.host=0.0.0.0 is not loopback: set a token",
   ):
     assert words in text, (words, text)
 

@@ -1,7 +1,10 @@
 """serve: md's HTTP server (md-serve) over an image and a video pipeline, with the web page at /.
 
 uv run apps/serve --config=apps/configs/serve.py:default                 # http://127.0.0.1:8000/
-uv run apps/serve --config=apps/configs/serve.py:default --config.port=8080 --config.token=s3cret
+MD_SERVE_TOKEN=s3cret uv run apps/serve --config=apps/configs/serve.py:default --config.port=8080
+uv run apps/serve --config=apps/configs/serve.py:default --config.host=0.0.0.0 \
+  --config.token_file=/run/secrets/md-token --config.allowed_hosts=md.example.com \
+  --config.public_url=https://md.example.com       # behind a TLS terminator at md.example.com
 uv run apps/serve --config=apps/configs/serve.py:image --config.image_model=path/to/diffusers-folder
 uv run apps/serve --config=apps/configs/serve.py:default --config.image_loras=style=style.safetensors
 uv run apps/serve --config=apps/configs/serve.py:default --config.verifier=shapes   # search requests
@@ -58,12 +61,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.video_size = "32x32"
   c.num_frames = 5
   c.video_max_sequence_length = 0  # text tokens of every video call (0: the pipeline's default)
-  c.max_pixels = 1024 * 1024
+  c.max_pixels = 0  # largest height x width a request may ask for (0: 4 x the default size's)
+  c.max_steps = 100  # most denoising steps a request may ask for
+  c.video_mag_ratios = ""  # comma-separated name=ratios.json: MagCache ratio sets requests may name
   c.dtype = "float32"
   # The server.
+  # Loopback by default; any other address needs a token (and a TLS terminator in front).
   c.host = "127.0.0.1"
   c.port = 8000
-  c.token = ""  # a bearer token /v1/* requires ("" : open)
+  # The bearer token /v1/* requires: from token_file (first line), else $MD_SERVE_TOKEN, else token
+  # (visible in `ps`: prefer the other two); all empty: open, which only loopback allows.
+  c.token_file = ""
+  c.token = ""
+  c.allowed_hosts = ""  # comma-separated Host names besides the loopback ones and --config.host
+  c.allowed_origins = ""  # comma-separated origins of other sites' pages allowed to call the API
+  c.public_url = ""  # base of result URLs, e.g. https://md.example.com ("": relative URLs)
   c.shutdown = "finish"  # on stop: "finish" accepted jobs, or "cancel" them
   # The queue: jobs waiting or running before 429, rows per call, the batch sizes calls are padded to,
   # how long the first job waits for compatible ones, a preview event every k steps (0: none).
@@ -72,6 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.batch_buckets = "1,2,4"
   c.batch_wait_s = 0.05
   c.preview_every = 4
+  c.job_timeout_s = 600.0  # a job running longer fails at its next step (0: no deadline)
+  c.max_programs = 8  # distinct compiled shapes kept; past that all are freed and compile again
   # Inference-time search ("search": {"budget": 8} in a request): "" (off), "shapes" (md-data's shapes
   # analyser) or "clip=<folder>" (a local CLIP with tokenizer/, text_encoder/, image_encoder/).
   c.verifier = ""

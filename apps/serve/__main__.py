@@ -73,7 +73,30 @@ def _check(config):
   p.require(bool(found), "no model: set --config.image_model and/or --config.video_model")
   loras = _loras(p, "image_loras")
   p.require(config.shutdown in ("finish", "cancel"), "--config.shutdown must be finish or cancel")
-  p.positive("max_queue", "max_batch", "port", "num_frames")
+  p.positive("max_queue", "max_batch", "num_frames", "max_steps", "max_programs")
+  p.at_least("max_pixels", 0)
+  p.at_least("job_timeout_s", 0)
+  p.require(
+    1 <= config.port <= 65535, f"--config.port={config.port} is out of range: expected 1..65535"
+  )
+  try:
+    token = md_serve_token(config)
+  except ValueError as e:
+    p.add(f"--config.token_file: {e}")
+    token = None
+  loopback = config.host in ("127.0.0.1", "localhost", "::1")
+  p.require(
+    loopback or bool(token),
+    f"--config.host={config.host} is not loopback: set a token (--config.token_file or "
+    "$MD_SERVE_TOKEN) and put a TLS terminator in front",
+  )
+  ratios = {}
+  for item in filter(None, (x.strip() for x in config.video_mag_ratios.split(","))):
+    name, _, file = item.partition("=")
+    file = apps.repo_path(file, apps.config_file())
+    if not name or not file or not os.path.isfile(file):
+      p.add(f"--config.video_mag_ratios: {item!r} is not name=<existing ratios .json file>")
+    ratios[name] = file
   p.at_least("video_max_sequence_length", 0)
   p.at_least("batch_wait_s", 0)
   p.at_least("preview_every", 0)
@@ -90,7 +113,18 @@ def _check(config):
   p.dtype("dtype")
   if p.lines:
     raise apps.UsageError(p.lines)
-  return found, loras, buckets
+  return found, loras, buckets, token, ratios
+
+
+def md_serve_token(config):
+  """The token: --config.token_file's first line, else $MD_SERVE_TOKEN, else --config.token."""
+  import md_serve
+
+  return md_serve.read_token(config.token_file or None) or config.token or None
+
+
+def _names(text):
+  return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main(argv):
@@ -102,7 +136,7 @@ def main(argv):
 
   config = _CONFIG.value
   with md_progress.phase("checking"):
-    found, loras, buckets = _check(config)
+    found, loras, buckets, token, ratios = _check(config)
   apps.configure_jax(compilation_cache=config.compilation_cache, executables=config.executables)
   import md_serve
 
@@ -117,8 +151,10 @@ def main(argv):
         pipe,
         loras=loras if kind == "image" else None,
         default_size=spec["size"],
-        max_pixels=config.max_pixels,
+        max_pixels=config.max_pixels or None,
+        max_steps=config.max_steps,
         num_frames=config.num_frames,
+        mag_ratios=ratios if kind == "video" else None,
         call_kwargs=(
           {"max_sequence_length": config.video_max_sequence_length}
           if kind == "video" and config.video_max_sequence_length > 0
@@ -135,8 +171,13 @@ def main(argv):
     models,
     host=config.host,
     port=config.port,
-    token=config.token or None,
+    token=token,
     shutdown=config.shutdown,
+    allowed_hosts=["127.0.0.1", "localhost", "::1", config.host, *_names(config.allowed_hosts)],
+    allowed_origins=_names(config.allowed_origins),
+    public_url=config.public_url,
+    job_timeout_s=config.job_timeout_s or None,
+    max_programs=config.max_programs,
     max_queue=config.max_queue,
     max_batch=config.max_batch,
     batch_buckets=buckets,

@@ -50,7 +50,7 @@ def test_defaults_and_bucket(models):
     ({"prompt": "x", "size": "256x256"}, "size", "at most 16384"),
     ({"prompt": "x", "steps": 0}, "steps", "out of range"),
     ({"prompt": "x", "seed": "1"}, "seed", "must be an integer"),
-    ({"prompt": "x", "guidance": -1}, "guidance", ">= 0"),
+    ({"prompt": "x", "guidance": -1}, "guidance", "in 0..100"),
     ({"prompt": "x", "loras": "a"}, "loras", "must be a list"),
     ({"prompt": "x", "loras": [{"name": "a"}]}, "loras[0].name", "loaded: []"),
     ({"prompt": "x", "cache_options": {"a": 1}}, "cache_options", "without cache"),

@@ -221,6 +221,11 @@ class Pipeline:
       lambda: _executables.AotProgram(store, self.fingerprint(), key, make()),
     )
 
+  def clear_programs(self) -> None:
+    """Drops this pipeline's compiled programs (they compile again on next use); with
+    `jax.clear_caches()` this frees their memory (a server bounds its compiled shapes with it)."""
+    self._memo.clear()
+
   def use_executables(self, store: Any) -> None:
     """Ahead-of-time executables for this pipeline's programs (`md_core.ExecutableStore`): a folder or a
     store; None turns them off for this pipeline even when the process has a default store."""

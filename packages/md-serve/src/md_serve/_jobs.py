@@ -94,6 +94,9 @@ class Job:
   batch_rows: int = 0
   events: list = dataclasses.field(default_factory=list)
   cancel_requested: bool = False
+  http_status: int = (
+    500  # what a failure answers: 422 the pipeline refused the request, 504 deadline
+  )
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
   def emit(self, kind: str, **data: Any) -> None:
@@ -154,6 +157,11 @@ class JobQueue:
     verifier: the verifier requests with `search` use (None: such requests fail).
     chunk: steps per host dispatch (the loop's `chunk`; progress and cancel act at its boundaries).
     keep_jobs: finished jobs remembered for `GET /v1/jobs/{id}`.
+    job_timeout_s: a job still running this long after it started fails at the next step boundary
+      (None: no deadline).
+    max_programs: distinct program shapes (model, size, frames, steps, rows, cache) kept compiled; a new
+      one past that frees every compiled program (`jax.clear_caches` and each pipeline's memo), so memory
+      stays bounded however many sizes requests ask for (the ones in use compile again).
   """
 
   def __init__(
@@ -168,6 +176,8 @@ class JobQueue:
     verifier: Any = None,
     chunk: int | str | None = 1,
     keep_jobs: int = 256,
+    job_timeout_s: float | None = 600.0,
+    max_programs: int = 8,
   ):
     start_counting_compiles()
     self.models = dict(models)
@@ -175,6 +185,9 @@ class JobQueue:
     self.batch_buckets = sorted(int(b) for b in batch_buckets)
     self.batch_wait_s, self.preview_every = float(batch_wait_s), int(preview_every)
     self.verifier, self.chunk, self.keep_jobs = verifier, chunk, int(keep_jobs)
+    self.job_timeout_s = None if job_timeout_s is None else float(job_timeout_s)
+    self.max_programs = int(max_programs)
+    self._programs: collections.OrderedDict[tuple, None] = collections.OrderedDict()
     self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
     self._pending: list[Job] = []
     self._cond = threading.Condition()
@@ -270,7 +283,7 @@ class JobQueue:
       self.step_seconds_sum = 0.0
     return rows
 
-  def cancel(self, job_id: str) -> Job | None:
+  def cancel(self, job_id: str, reason: str = "cancelled by request") -> Job | None:
     """Cancels a queued job at once, a running one at the next step boundary (its slot is freed now)."""
     with self._cond:
       job = self.jobs.get(job_id)
@@ -281,31 +294,41 @@ class JobQueue:
         self._pending.remove(job)
       if job in self._running:
         self._running.remove(job)
-      job.finish("cancelled", "cancelled by request")
+      job.finish("cancelled", reason)
       self.stats["cancelled"] += 1
       self._cond.notify_all()
     return job
 
-  def shutdown(self, mode: str = "finish", timeout: float = 60.0) -> list[Job]:
-    """Stops taking jobs; `"finish"` runs every accepted job first, `"cancel"` cancels them (each one
-    gets a `cancelled` status and event, and is logged to stderr: none is lost silently). Returns the jobs
-    that did not succeed."""
+  def shutdown(self, mode: str = "finish", timeout: float | None = None) -> list[Job]:
+    """Stops taking jobs; `"finish"` runs every accepted job first (for at most `timeout` seconds, None:
+    as long as they take, each within the job deadline), `"cancel"` cancels them. A job that does not
+    succeed gets a `cancelled` or `failed` status and event and one stderr line: none is lost silently.
+    Returns once the worker has stopped (never with a program still running), with the jobs that did
+    not succeed."""
     if mode not in ("finish", "cancel"):
       raise ValueError(f"shutdown mode {mode!r}: expected 'finish' or 'cancel'")
     with self._cond:
       self._closing = True
       unfinished = list(self._pending) + list(self._running)
       if mode == "cancel":
-        for job in unfinished:
-          job.cancel_requested = True
-          job.finish("cancelled", "server shut down")
-          print(
-            f"md-serve: {job.id} cancelled by shutdown ({job.request.prompt!r})", file=sys.stderr
-          )
-        self._pending.clear()
+        self._cancel_all("server shut down")
       self._cond.notify_all()
     self._thread.join(timeout)
+    if self._thread.is_alive():  # finish ran out of time: what is left is cancelled and said so
+      with self._cond:
+        self._cancel_all(f"server shut down ({timeout:g} s to finish ran out)")
+      self._thread.join()
     return [j for j in unfinished if j.status != "succeeded"]
+
+  def _cancel_all(self, reason: str) -> None:
+    for job in list(self._pending) + list(self._running):
+      if job.status in DONE:
+        continue
+      job.cancel_requested = True
+      job.finish("cancelled", reason)
+      self.stats["cancelled"] += 1
+      print(f"md-serve: {job.id} cancelled: {reason} ({job.request.prompt!r})", file=sys.stderr)
+    self._pending.clear()
 
   # --- the worker -------------------------------------------------------------------------------------
   def _take(self) -> list[Job] | None:
@@ -356,15 +379,45 @@ class JobQueue:
           self._run(batch)
       except md_schedulers.Cancelled:
         for job in batch:
-          job.finish("cancelled", "cancelled by request")
+          if self._late(job):
+            job.http_status = 504
+            job.finish("failed", f"the job ran past its deadline of {self.job_timeout_s:g} s")
+            self.stats["failed"] += 1
+          else:
+            job.finish("cancelled", "cancelled by request")
       except Exception as e:  # a failed batch fails its jobs, never the worker
         for job in batch:
+          # The pipeline's ValueError / TypeError is a request it refuses (e.g. a size its model
+          # cannot take): the client's to fix (422); anything else is the server's (500).
+          job.http_status = 422 if isinstance(e, ValueError | TypeError) else 500
           job.finish("failed", f"{type(e).__name__}: {e}")
         self.stats["failed"] += len(batch)
       finally:
         with self._cond:
           self._running = []
           self._cond.notify_all()
+
+  def _late(self, job: Job) -> bool:
+    return (
+      self.job_timeout_s is not None
+      and job.started is not None
+      and time.time() - job.started > self.job_timeout_s
+    )
+
+  def _use_program(self, model: ServedModel, r: GenRequest, rows: int) -> None:
+    """Notes the program shape a call is about to use; past `max_programs` shapes every compiled
+    program is freed (the memos and jax's caches), so the memory they hold stays bounded."""
+    key = (r.model, r.height, r.width, r.num_frames, r.steps, rows, r.cache, bool(r.search))
+    if key in self._programs:
+      self._programs.move_to_end(key)
+      return
+    if len(self._programs) >= self.max_programs:
+      self._programs.clear()
+      for m in self.models.values():
+        m.pipe.clear_programs()
+      jax.clear_caches()
+      self.stats["program_evictions"] += 1
+    self._programs[key] = None
 
   def _kwargs(self, model: ServedModel, r: GenRequest, jobs: list[Job]) -> dict:
     kw = dict(
@@ -462,7 +515,9 @@ class JobQueue:
     total = r.steps
 
     def cancel():
-      return all(j.cancel_requested for j in jobs)
+      return all(j.cancel_requested or self._late(j) for j in jobs)
+
+    self._use_program(model, r, len(prompts))
 
     out = pipe(prompts, callback=self._progress(jobs, model, total), cancel=cancel, **kw)
     # LTX-2 returns its video with a soundtrack (`frames`, `audio`, `sample_rate`): both are kept.
@@ -504,7 +559,9 @@ class JobQueue:
       kw["negative_prompt"] = r.negative_prompt
 
     def cancel():
-      return job.cancel_requested
+      return job.cancel_requested or self._late(job)
+
+    self._use_program(model, r, self.max_batch)
 
     def on_round(samples, budget, best):
       job.step, job.total = samples, budget
@@ -536,6 +593,12 @@ class JobQueue:
       ("md_serve_batches_total", "counter", "pipeline calls", s["batches"]),
       ("md_serve_denoiser_calls_total", "counter", "denoiser calls", s["denoiser_calls"]),
       ("md_serve_compiles_total", "counter", "XLA compiles in this process", compile_count()),
+      (
+        "md_serve_program_evictions_total",
+        "counter",
+        "frees of every compiled program",
+        s["program_evictions"],
+      ),
     ]
     out = []
     for name, kind, help_, value in lines:

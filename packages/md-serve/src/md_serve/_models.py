@@ -144,9 +144,11 @@ class ServedModel:
       each batch selects its requests' adapters and scales with `pipe.set_adapters` (never a recompile).
     lora_rank: the slots' rank (adapters used together share it; default: the pipeline's, 64).
     default_size: (height, width) when a request gives no size (default: the pipeline's own).
-    max_pixels: the largest height × width a request may ask for.
+    max_pixels: the largest height × width a request may ask for (default: 4 × the default size's,
+      e.g. 1024 x 1024 for a 512 x 512 model).
     num_frames: a video model's default frame count.
     max_frames: the most frames a video request may ask for.
+    max_steps: the most denoising steps a request may ask for.
     call_kwargs: settings every call of this model gets, below the request's own (e.g. a checkpoint's
       `max_sequence_length`, or LTX-2's `spatio_temporal_guidance_blocks` for a small transformer).
     mag_ratios: `{name: ratios or a JSON file from md_cache.save_mag_ratios}`, read here at start-up:
@@ -162,9 +164,10 @@ class ServedModel:
     loras: Mapping[str, Any] | None = None,
     lora_rank: int | None = None,
     default_size: tuple[int, int] | None = None,
-    max_pixels: int = 1024 * 1024,
+    max_pixels: int | None = None,
     num_frames: int = 5,
     max_frames: int = 81,
+    max_steps: int = 100,
     call_kwargs: Mapping[str, Any] | None = None,
     mag_ratios: Mapping[str, Any] | None = None,
   ):
@@ -177,11 +180,17 @@ class ServedModel:
     self.multiple = self.spec.multiple if self.spec else 16
     size = default_size or (getattr(pipe, "default_size", None) or 512,) * 2
     self.default_size = (int(size[0]), int(size[1]))
-    self.max_pixels, self.num_frames, self.max_frames = (
-      int(max_pixels),
+    h, w = self.default_size
+    self.max_pixels = int(max_pixels) if max_pixels else 4 * h * w
+    self.num_frames, self.max_frames, self.max_steps = (
       int(num_frames),
       int(max_frames),
+      int(max_steps),
     )
+    for what, value in (("max_pixels", self.max_pixels), ("max_frames", self.max_frames),
+                        ("max_steps", self.max_steps), ("num_frames", self.num_frames)):  # fmt: skip
+      if value < 1:
+        raise ValueError(f"ServedModel {name!r}: {what}={value} must be >= 1")
     self.mag_ratios: dict[str, tuple[float, ...]] = {}
     for ratio_name, ratios in (mag_ratios or {}).items():
       if isinstance(ratios, str | os.PathLike):
@@ -221,13 +230,17 @@ class ServedModel:
   def describe(self) -> dict:
     """What `/v1/models` lists for this model."""
     h, w = self.default_size
-    return {
+    out = {
       "id": self.name,
       "kind": self.kind,
       "default_size": f"{w}x{h}",
       "size_multiple": self.multiple,
       "max_pixels": self.max_pixels,
+      "max_steps": self.max_steps,
       "loras": sorted(self.loras),
       "mag_ratios": sorted(self.mag_ratios),
       "batched_seeds": self.spec is not None,
     }
+    if self.kind == "video":
+      out.update(num_frames=self.num_frames, max_frames=self.max_frames)
+    return out

@@ -243,7 +243,6 @@ def parse_request(
   models: Mapping[str, ServedModel],
   *,
   max_n: int = 8,
-  max_steps: int = 1000,
   max_budget: int = 64,
 ) -> GenRequest:
   """Checks a decoded JSON body for `POST /v1/{images,videos}/generations`.
@@ -287,8 +286,8 @@ def parse_request(
       "video_format", f"video_format must be one of {_VIDEO_FORMATS}, got {video_format!r}"
     )
   guidance = body.get("guidance", 5.0)
-  if isinstance(guidance, bool) or not isinstance(guidance, int | float) or guidance < 0:
-    raise RequestError("guidance", f"guidance must be a number >= 0, got {guidance!r}")
+  if not _is_number(guidance) or not math.isfinite(float(guidance)) or not 0 <= guidance <= 100:
+    raise RequestError("guidance", f"guidance must be a number in 0..100, got {guidance!r}")
   scheduler = _str(body, "scheduler")
   if scheduler is not None and "scheduler" not in model.params:
     raise RequestError("scheduler", f"{model.name} takes no scheduler choice")
@@ -313,13 +312,13 @@ def parse_request(
     if not isinstance(item, dict) or set(item) - {"name", "scale"}:
       raise RequestError(f"loras[{i}]", 'each LoRA is {"name": str, "scale": number}')
     lname, scale = item.get("name"), item.get("scale", 1.0)
-    if lname not in model.loras:
+    if not isinstance(lname, str) or lname not in model.loras:
       raise RequestError(
         f"loras[{i}].name",
         f"unknown LoRA {lname!r} for {model.name}; loaded: {sorted(model.loras)}",
       )
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-      raise RequestError(f"loras[{i}].scale", f"scale must be a number, got {scale!r}")
+    if not _is_number(scale) or not math.isfinite(float(scale)) or abs(scale) > 100:
+      raise RequestError(f"loras[{i}].scale", f"scale must be a number in -100..100, got {scale!r}")
     picked.append((lname, float(scale)))
   search = body.get("search")
   search_t: tuple = ()
@@ -347,7 +346,7 @@ def parse_request(
     height=h,
     width=w,
     num_frames=frames,
-    steps=_int(body, "steps", 20, 1, max_steps),
+    steps=_int(body, "steps", min(20, model.max_steps), 1, model.max_steps),
     guidance=float(guidance),
     seed=_int(body, "seed", 0, 0, 2**31 - 1),
     negative_prompt=_str(body, "negative_prompt"),
