@@ -3,6 +3,7 @@
 from md_flux._config import FLUX2_VARIANTS, FLUX_VARIANTS, Flux2Config, FluxConfig
 from md_flux._flux1 import BlockKV, FluxTransformer
 from md_flux._flux2 import Flux2Transformer
+from md_flux._inputs import Flux2Inputs, FluxInputs, flux1_model_inputs, flux2_model_inputs
 from md_flux._load import load_pipeline
 from md_flux._pipeline import FluxPipeline
 from md_flux._pipeline2 import (
@@ -29,9 +30,11 @@ __all__ = [
   "MAX_REFERENCE_IMAGES",
   "BlockKV",
   "Flux2Config",
+  "Flux2Inputs",
   "Flux2KleinPipeline",
   "Flux2Transformer",
   "FluxConfig",
+  "FluxInputs",
   "FluxPipeline",
   "FluxTransformer",
   "bfl_view",
@@ -41,6 +44,8 @@ __all__ = [
   "convert_key",
   "convert_key_bfl",
   "convert_key_flux2",
+  "flux1_model_inputs",
+  "flux2_model_inputs",
   "image_ids",
   "load_pipeline",
   "load_flux",

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import md_flux
 import md_schedulers as mdsch
 import md_text
 import md_vae
@@ -151,11 +152,12 @@ class FluxPipeline(mdp.Pipeline):
 
     def denoise(params, x, t, cond, *, step):
       del step
-      g = jnp.full((x.shape[0],), cond["guidance"], jnp.float32) if guided else None
-      model = tr.merge(params)
-      return model(
-        x, cond["context"], cond["pooled"], t / 1000, cond["img_ids"], cond["txt_ids"], g
-      )
+      # Looked up on the package at trace time: the one model-input function training uses too.
+      inputs = md_flux.flux1_model_inputs(
+        x, t / 1000, cond["context"], cond["pooled"], img_ids=cond["img_ids"],
+        txt_ids=cond["txt_ids"], guidance=cond["guidance"] if guided else None,
+      )  # fmt: skip
+      return tr.merge(params)(*inputs)
 
     return denoise
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import md_core
+import md_flux
 import md_schedulers as mdsch
 import md_text
 import md_vae
@@ -289,11 +290,16 @@ class Flux2KleinPipeline(mdp.Pipeline):
       del step
       model, t = tr.merge(params), t / 1000
       if mode == "cached":
-        return model(x, cond["context"], t, cond["img_ids"], cond["txt_ids"], kv_cache=cond["kv"])
-      if mode == "append":
-        refs = cond["refs"]  # [B, R, C]: the same references for every guidance branch
-        x = jnp.concatenate([x, jnp.concatenate([refs] * (x.shape[0] // refs.shape[0]))], axis=1)
-      return model(x, cond["context"], t, cond["ids"], cond["txt_ids"])[:, :s_img]
+        inputs = md_flux.flux2_model_inputs(
+          x, t, cond["context"], img_ids=cond["img_ids"], txt_ids=cond["txt_ids"]
+        )
+        return model(*inputs, kv_cache=cond["kv"])
+      # Looked up on the package at trace time: the one model-input function training uses too.
+      inputs = md_flux.flux2_model_inputs(
+        x, t, cond["context"], img_ids=cond["ids"], txt_ids=cond["txt_ids"],
+        references=cond["refs"] if mode == "append" else None,
+      )  # fmt: skip
+      return model(*inputs)[:, :s_img]
 
     return denoise
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 import md_flux
 import md_ltx
+import md_wan
 from md_train._losses import (
   FLOW_SAMPLERS,
   FlowTable,
@@ -170,16 +171,12 @@ def flux_loss(
       else flow_sigmas(k_t, b, sampler=sampler, **sampler_options)
     )
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
-    g = None if guidance is None else jnp.full((b,), guidance, jnp.float32)
-    img_ids = jnp.asarray(md_flux.image_ids(h // 2, w // 2))
-    context = batch["encoder_hidden_states"]
-    txt_ids = batch.get("txt_ids")
-    if txt_ids is None:
-      txt_ids = jnp.zeros((context.shape[1], 3), jnp.float32)
-    model = transformer.merge(params)
-    pred = model(
-      md_flux.pack_latents(noisy), context, batch["pooled_projections"], sigmas, img_ids, txt_ids, g
-    )
+    inputs = md_flux.flux1_model_inputs(
+      md_flux.pack_latents(noisy), sigmas, batch["encoder_hidden_states"],
+      batch["pooled_projections"], img_ids=jnp.asarray(md_flux.image_ids(h // 2, w // 2)),
+      txt_ids=batch.get("txt_ids"), guidance=guidance,
+    )  # fmt: skip
+    pred = transformer.merge(params)(*inputs)
     pred = md_flux.unpack_latents(pred, h, w)
     return _prior_preserving(pred, target, None, prior_loss_weight)
 
@@ -311,27 +308,31 @@ def wan_loss(
         per_group = jnp.where(pick[:, None], own.reshape(b, groups), sigmas[:, None])
       timestep, noisy = _frame_noise(model.cfg.patch_size, latents, noise, per_group)
     loss_map = batch.get("loss_map")
+    condition = batch.get("condition")
+    frame_mask = None
     if clean_first_frame:
+      if condition is not None:
+        raise ValueError(
+          "clean_first_frame (Wan 2.2 TI2V) conditions on the clean first frame; the batch's "
+          "condition channels are for the image-to-video checkpoints: pass one or the other"
+        )
       if latents.shape[1] < 2:
         raise ValueError(
           f"clean_first_frame: latents {latents.shape} have one frame; nothing would be left to learn"
         )
-      noisy = noisy.at[:, 0].set(latents[:, 0])
-      _, ph, pw = model.cfg.patch_size
-      per_frame = (latents.shape[2] // ph) * (latents.shape[3] // pw)
-      tokens = per_frame * (latents.shape[1] // model.cfg.patch_size[0])
-      timestep = jnp.where(jnp.arange(tokens) < per_frame, 0.0, timestep[:, None])
-    x = noisy
-    if "condition" in batch:
-      condition = batch["condition"]
-      if condition.shape[:4] != latents.shape[:4]:
-        raise ValueError(
-          f"condition has shape {condition.shape}; it must match the latents {latents.shape} on every "
-          "axis but the channels"
-        )
-      x = jnp.concatenate([noisy, condition.astype(noisy.dtype)], axis=-1)
-    image = batch.get("encoder_hidden_states_image")
-    pred = model(x, timestep, batch["encoder_hidden_states"], image, layout="BFHWC")
+      # TI2V: the clean first frame is the condition the pipeline blends in, at timestep 0.
+      condition = latents[:, :1]
+      frame_mask = jnp.asarray(md_wan.first_frame_mask(latents.shape, clean_first=True))
+    elif condition is not None and condition.shape[:4] != latents.shape[:4]:
+      raise ValueError(
+        f"condition has shape {condition.shape}; it must match the latents {latents.shape} on every "
+        "axis but the channels"
+      )
+    inputs = md_wan.model_inputs(
+      noisy, timestep, batch["encoder_hidden_states"], condition=condition, frame_mask=frame_mask,
+      image_tokens=batch.get("encoder_hidden_states_image"), patch_size=model.cfg.patch_size,
+    )  # fmt: skip
+    pred = model(*inputs, layout="BFHWC")
     if clean_first_frame:
       pred, target = pred[:, 1:], target[:, 1:]
       loss_map = None if loss_map is None else loss_map[:, 1:]
@@ -379,11 +380,11 @@ def klein_loss(
     )
     noisy, target = diffusion_inputs("flow", latents, noise, sigmas)
     ctx = batch["encoder_hidden_states"]
-    img_ids = jnp.asarray(md_flux.image_ids(h, w, axes=4))
-    txt_ids = jnp.asarray(md_flux.text_ids(ctx.shape[1]))
-    g = None if guidance is None else jnp.full((b,), guidance, jnp.float32)
-    model = transformer.merge(params)
-    pred = model(noisy.reshape(b, h * w, c), ctx, sigmas, img_ids, txt_ids, g)
+    inputs = md_flux.flux2_model_inputs(
+      noisy.reshape(b, h * w, c), sigmas, ctx, img_ids=jnp.asarray(md_flux.image_ids(h, w, axes=4)),
+      txt_ids=jnp.asarray(md_flux.text_ids(ctx.shape[1])), guidance=guidance,
+    )  # fmt: skip
+    pred = transformer.merge(params)(*inputs)
     return _prior_preserving(pred.reshape(b, h, w, -1), target, None, prior_loss_weight)
 
   return loss_fn

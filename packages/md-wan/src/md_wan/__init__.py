@@ -2,6 +2,7 @@
 
 from md_core import REMAT_POLICIES
 from md_wan._config import VARIANTS, WanConfig
+from md_wan._inputs import WanInputs, blend_first_frame, first_frame_mask, model_inputs
 from md_wan._pipeline import (
   DEFAULT_NEGATIVE_PROMPT,
   WanVideoPipeline,
@@ -20,11 +21,15 @@ __all__ = [
   "WanAttention",
   "WanBlock",
   "WanConfig",
+  "WanInputs",
   "WanTransformer",
   "WanVideoPipeline",
+  "blend_first_frame",
   "clean_prompt",
   "convert_key",
+  "first_frame_mask",
   "load_pipeline",
   "load_transformer",
+  "model_inputs",
   "rope_tables",
 ]

@@ -29,6 +29,7 @@ import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
+import md_wan
 from md_core import pipeline as mdp
 from md_wan._transformer import WanTransformer
 from md_wan._weights import load_transformer
@@ -245,23 +246,13 @@ class WanVideoPipeline(mdp.Pipeline):
       def rows(a):  # per-video inputs, repeated for each guidance branch
         return None if a is None else jnp.concatenate([a] * reps, axis=0)
 
-      t = t.astype(jnp.float32)
-      condition = rows(cond["condition"])
-      if mode == "concat":
-        xin = jnp.concatenate([x, condition], axis=-1)
-        timestep = t
-      elif mode == "expand":
-        mask = cond["frame_mask"]  # [1, f, h, w, 1]: 0 on the image's latent frame
-        if condition is not None:
-          xin = (1 - mask) * condition + mask * x
-        else:
-          xin = x
-        per_token = mask[0, :, :: patch[1], :: patch[2], 0].reshape(-1)
-        timestep = per_token[None] * t[:, None]  # [rows, tokens]
-      else:
-        xin, timestep = x, t
-      model = split.merge(params)
-      return model(xin, timestep, cond["context"], rows(cond["image_tokens"]), layout="BFHWC")
+      # Looked up on the package at trace time: the one model-input function training uses too.
+      inputs = md_wan.model_inputs(
+        x, t, cond["context"], condition=rows(cond["condition"]),
+        frame_mask=cond["frame_mask"] if mode == "expand" else None,
+        image_tokens=rows(cond["image_tokens"]), patch_size=patch,
+      )  # fmt: skip
+      return split.merge(params)(*inputs, layout="BFHWC")
 
     return denoise
 
@@ -528,10 +519,7 @@ class WanVideoPipeline(mdp.Pipeline):
     frame_mask = None
     if mode == "expand":
       # 0 on the image's first latent frame, 1 elsewhere (all ones without an image).
-      frame_mask = np.ones((1, f, h, w, 1), np.float32)
-      if condition is not None:
-        frame_mask[:, 0] = 0.0
-      frame_mask = jnp.asarray(frame_mask)
+      frame_mask = jnp.asarray(md_wan.first_frame_mask(shape, clean_first=condition is not None))
     cond = dict(
       context=context, image_tokens=image_tokens, condition=condition, frame_mask=frame_mask
     )
@@ -550,8 +538,8 @@ class WanVideoPipeline(mdp.Pipeline):
         chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
       )  # fmt: skip
     x = carry.latents
-    if mode == "expand" and condition is not None:
-      x = (1 - frame_mask) * condition + frame_mask * x
+    if mode == "expand":
+      x = md_wan.blend_first_frame(x, condition, frame_mask)
     self.last_calls, self.last_cache = int(carry.calls), carry.cache
     if output_type == "latent":
       return jnp.transpose(x, (0, 4, 1, 2, 3))
