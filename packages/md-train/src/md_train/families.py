@@ -309,7 +309,7 @@ def wan_loss(
       timestep, noisy = _frame_noise(model.cfg.patch_size, latents, noise, per_group)
     loss_map = batch.get("loss_map")
     condition = batch.get("condition")
-    frame_mask = None
+    frame_mask, patch = None, None
     if clean_first_frame:
       if condition is not None:
         raise ValueError(
@@ -323,6 +323,7 @@ def wan_loss(
       # TI2V: the clean first frame is the condition the pipeline blends in, at timestep 0.
       condition = latents[:, :1]
       frame_mask = jnp.asarray(md_wan.first_frame_mask(latents.shape, clean_first=True))
+      patch = model.cfg.patch_size
     elif condition is not None and condition.shape[:4] != latents.shape[:4]:
       raise ValueError(
         f"condition has shape {condition.shape}; it must match the latents {latents.shape} on every "
@@ -330,7 +331,7 @@ def wan_loss(
       )
     inputs = md_wan.model_inputs(
       noisy, timestep, batch["encoder_hidden_states"], condition=condition, frame_mask=frame_mask,
-      image_tokens=batch.get("encoder_hidden_states_image"), patch_size=model.cfg.patch_size,
+      image_tokens=batch.get("encoder_hidden_states_image"), patch_size=patch,
     )  # fmt: skip
     pred = model(*inputs, layout="BFHWC")
     if clean_first_frame:

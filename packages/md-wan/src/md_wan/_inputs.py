@@ -56,7 +56,7 @@ def model_inputs(
   condition: jax.Array | None = None,
   frame_mask: jax.Array | None = None,
   image_tokens: jax.Array | None = None,
-  patch_size: tuple[int, int, int] = (1, 2, 2),
+  patch_size: tuple[int, int, int] | None = None,
 ) -> WanInputs:
   """Turns noisy latents, their timestep and the conditioning into the Wan transformer's inputs.
 
@@ -71,13 +71,15 @@ def model_inputs(
       0, and each token gets the timestep times the mask at its patch (per-token timesteps
       `[B, tokens]`). None for the other checkpoints.
     image_tokens: Wan 2.1 I2V's CLIP image tokens `[B, T, D_img]`, or None.
-    patch_size: the transformer's `(pt, ph, pw)`.
+    patch_size: the transformer's `(pt, ph, pw)` (needed with `frame_mask`).
 
   Returns:
     A `WanInputs`.
   """
   timestep = jnp.asarray(timestep).astype(jnp.float32)
   if frame_mask is not None:
+    if patch_size is None:
+      raise ValueError("model_inputs: frame_mask (per-token timesteps) needs the patch_size")
     x = blend_first_frame(latents, condition, frame_mask)
     _, ph, pw = patch_size
     per_token = frame_mask[0, :, ::ph, ::pw, 0].reshape(-1)  # [tokens]
