@@ -104,6 +104,45 @@ def test_a_file_that_does_not_load_is_compiled_again(tmp_path, plain):
   assert all(f.read_bytes() != b"not an executable" for f in files)  # rewritten
 
 
+class _Planted:
+  """A pickle that, when loaded, runs code (here: touches a marker file)."""
+
+  def __init__(self, marker):
+    self.marker = str(marker)
+
+  def __reduce__(self):
+    return (open, (self.marker, "w"))
+
+
+def test_a_planted_pickle_never_runs(tmp_path, plain):
+  import pickle
+
+  store = md_core.ExecutableStore(tmp_path / "exe")
+  pipe = md_wan.load_pipeline(FOLDER)
+  pipe.use_executables(store)
+  _video(pipe)
+  assert (store.folder / "manifest.json").is_file()
+  assert oct(store.folder.stat().st_mode & 0o777) == "0o700"
+  marker = tmp_path / "ran"
+  for f in store.files():
+    f.write_bytes(pickle.dumps(_Planted(marker)))  # same names, planted content
+  fresh = md_wan.load_pipeline(FOLDER)
+  fresh.use_executables(md_core.ExecutableStore(store.folder))
+  with pytest.warns(UserWarning, match=r"SHA-256 is not the one manifest.json records"):
+    np.testing.assert_array_equal(_video(fresh), plain)
+  assert not marker.exists()
+  # A folder others can write is not read at all (nor written), even with a matching manifest.
+  os.chmod(store.folder, 0o777)
+  for f in store.files():
+    f.write_bytes(pickle.dumps(_Planted(marker)))
+  again = md_core.ExecutableStore(store.folder)
+  other = md_wan.load_pipeline(FOLDER)
+  other.use_executables(again)
+  with pytest.warns(UserWarning, match=r"not reading .* writable by other users \(mode 777\)"):
+    np.testing.assert_array_equal(_video(other), plain)
+  assert not marker.exists() and again.stats["loaded"] == 0
+
+
 def test_a_folder_that_cannot_be_written_warns_and_still_answers(tmp_path, plain):
   blocker = tmp_path / "file"
   blocker.write_text("a file where the folder should be")

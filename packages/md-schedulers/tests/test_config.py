@@ -175,6 +175,10 @@ def test_bad_config_is_a_clear_error(config, overrides, match):
 def test_bad_init_is_a_clear_error():
   with pytest.raises(ValueError, match="cannot exceed num_train_timesteps=1000"):
     mdsch.ddim().init(1001)
+  for make in (mdsch.ddim, mdsch.ddpm):  # SD's leading spacing with steps_offset=1
+    with pytest.raises(ValueError, match="starts at timestep 1000, .* at most 999 steps"):
+      make(timestep_spacing="leading", steps_offset=1).init(1000)
+    assert make(timestep_spacing="leading", steps_offset=1).init(999).timesteps[0] == 999
   with pytest.raises(ValueError, match="positive int"):
     mdsch.euler().init(0)
   with pytest.raises(ValueError, match="needs init\\(..., mu=...\\)"):

@@ -9,12 +9,20 @@ program's key in its pipeline (`Pipeline.jit`), the pipeline's module graphs (st
 LoRA slots, quantization), the arguments' tree, shapes, dtypes and shardings, md's own source code, the
 jax / jaxlib versions and the devices. A key whose text names an object's address (no stable repr) is
 never stored: such programs run through `jax.jit` as before.
+
+An executable file is a pickle, and unpickling runs code, so a file is read back only when md wrote it:
+the folder must belong to this user and be writable by no one else (md makes it 0700), and the file's
+SHA-256 must be the one `manifest.json` (written by the store, same rules) records for it. Anything else
+is compiled again, with a warning; an untrusted folder is neither read nor written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import json
 import os
 import pathlib
 import pickle
@@ -27,6 +35,18 @@ import jax
 import numpy as np
 
 FORMAT = 1  # bumped when the file layout changes
+MANIFEST = "manifest.json"  # {"format": 1, "files": {name: sha256 hex}}: what this store wrote
+
+
+def _untrusted(path: pathlib.Path) -> str | None:
+  """Why `path` (a folder or file md reads code from) cannot be trusted, or None: it must belong to this
+  user and be writable by no one else."""
+  st = path.stat()
+  if st.st_uid != os.getuid():
+    return f"{path} belongs to uid {st.st_uid}, not this user ({os.getuid()})"
+  if st.st_mode & 0o022:
+    return f"{path} is writable by other users (mode {st.st_mode & 0o777:o})"
+  return None
 
 
 @functools.cache
@@ -117,6 +137,7 @@ class ExecutableStore:
     self.folder = pathlib.Path(folder).expanduser()  # made when the first executable is written
     self.stats = {"compiled": 0, "loaded": 0, "unstored": 0}
     self._lock = threading.Lock()
+    self._warned: set[str] = set()
 
   def __repr__(self) -> str:
     return f"ExecutableStore({str(self.folder)!r}, {self.stats})"
@@ -131,15 +152,55 @@ class ExecutableStore:
       digest.update(b"\0")
     return self.folder / f"{digest.hexdigest()[:40]}.jaxexe"
 
+  def _warn_once(self, message: str) -> None:
+    if message not in self._warned:
+      self._warned.add(message)
+      warnings.warn(message, stacklevel=4)
+
+  def _folder_problem(self) -> str | None:
+    problem = _untrusted(self.folder)
+    manifest = self.folder / MANIFEST
+    if problem is None and manifest.exists():
+      problem = _untrusted(manifest)
+    return problem
+
+  def _manifest(self) -> dict[str, str]:
+    path = self.folder / MANIFEST
+    if not path.exists():
+      return {}
+    try:
+      data = json.loads(path.read_text())
+      files = data["files"] if data.get("format") == FORMAT else {}
+    except (ValueError, KeyError, TypeError, AttributeError):
+      return {}
+    return files if isinstance(files, dict) else {}
+
+  @contextlib.contextmanager
+  def _manifest_lock(self):
+    with open(self.folder / f"{MANIFEST}.lock", "a") as lock:  # noqa: PTH123
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      try:
+        yield
+      finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+
   def load(self, path: pathlib.Path) -> Any | None:
-    """The executable in `path`, or None when there is none (a file that does not load is reported
-    and compiled again)."""
+    """The executable in `path`, or None when there is none; a file md did not write (its digest is not
+    the manifest's), or any file of an untrusted folder, is never unpickled: it is reported and the
+    program compiled again."""
     from jax.experimental import serialize_executable
 
     if not path.exists():
       return None
+    problem = self._folder_problem()
+    if problem is not None:
+      self._warn_once(f"md executables: not reading {self.folder} ({problem}); compiling instead")
+      return None
     try:
-      payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+      data = path.read_bytes()
+      if self._manifest().get(path.name) != hashlib.sha256(data).hexdigest():
+        raise ValueError(f"its SHA-256 is not the one {MANIFEST} records: not written by md")
+      payload, in_tree, out_tree, device_ids = pickle.loads(data)
       by_id = {d.id: d for d in jax.devices()}
       compiled = serialize_executable.deserialize_and_load(
         payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids] or None
@@ -160,10 +221,25 @@ class ExecutableStore:
     payload, in_tree, out_tree = serialize_executable.serialize(compiled)
     devices = [d.id for d in _devices_of(compiled)]  # where it runs
     data = pickle.dumps((payload, in_tree, out_tree, devices), protocol=pickle.HIGHEST_PROTOCOL)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    problem = self._folder_problem()
+    if problem is not None:
+      self._warn_once(f"md executables: not writing to {self.folder} ({problem})")
+      return
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    with self._manifest_lock():
+      files = self._manifest()
+      files[path.name] = hashlib.sha256(data).hexdigest()
+      manifest = self.folder / MANIFEST
+      new = manifest.with_name(f"{MANIFEST}.{os.getpid()}.{threading.get_ident()}.tmp")
+      fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+      with os.fdopen(fd, "w") as f:
+        json.dump({"format": FORMAT, "files": files}, f, indent=0, sort_keys=True)
+      os.replace(tmp, path)  # atomic: a concurrent reader sees the whole file or none
+      os.replace(new, manifest)
     with self._lock:
       self.stats["compiled"] += 1
 

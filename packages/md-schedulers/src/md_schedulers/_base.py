@@ -254,6 +254,18 @@ def spaced_timesteps(
     ts = (np.arange(0, n + 1 if extra else n) * ratio).round()[::-1]
     ts = (ts[:-1] if extra else ts).copy().astype(dtype)
     ts += steps_offset
+    # The offset can push the first timestep past the table the discrete schedulers index (the
+    # sigma-based ones interpolate, clamping, as the reference does).
+    if np.issubdtype(ts.dtype, np.integer) and len(ts) and ts[0] >= num_train:
+      most = max(
+        k for k in range(1, n + 1)
+        if (k if extra else k - 1) * (num_train // (k + 1 if extra else k)) + steps_offset < num_train
+      )  # fmt: skip
+      raise ValueError(
+        f"num_inference_steps={n} with timestep_spacing='leading' and steps_offset={steps_offset} "
+        f"starts at timestep {int(ts[0])}, past num_train_timesteps={num_train}: at most {most} "
+        "steps, or timestep_spacing='trailing'"
+      )
     return ts
   if spacing == "trailing":
     ratio = num_train / n
