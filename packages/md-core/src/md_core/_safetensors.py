@@ -41,6 +41,45 @@ class SafetensorsError(ValueError):
   """A safetensors file that cannot be read as one (truncated, corrupt, unknown dtype)."""
 
 
+def _index(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry(path: pathlib.Path, key: str, info, data_size: int) -> tuple:
+  """One header entry, checked: (dtype, shape, begin, end) or a `SafetensorsError` naming the tensor."""
+  where = f"{path}: tensor {key!r}"
+  if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+    raise SafetensorsError(
+      f"{where} has an unsupported entry {str(info)[:200]} (expected dtype, shape and data_offsets)"
+    )
+  name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+  if not isinstance(name, str) or name not in _DTYPES:
+    raise SafetensorsError(f"{where} has an unsupported dtype {name!r}; known: {sorted(_DTYPES)}")
+  if not isinstance(shape, list) or not all(_index(d) for d in shape):
+    raise SafetensorsError(f"{where} has shape {shape!r}: expected a list of integers >= 0")
+  if not isinstance(offsets, list) or len(offsets) != 2 or not all(_index(o) for o in offsets):
+    raise SafetensorsError(
+      f"{where} has data_offsets {offsets!r}: expected [begin, end], integers >= 0"
+    )
+  begin, end = offsets
+  if end < begin:
+    raise SafetensorsError(
+      f"{where} has data_offsets [{begin}, {end}]: the end is before the begin"
+    )
+  dtype = _DTYPES[name]
+  want = int(np.prod(shape, dtype=object)) * dtype.itemsize
+  if end - begin != want:
+    raise SafetensorsError(
+      f"{where} of shape {tuple(shape)} {name} needs {want} bytes, header gives {end - begin}"
+    )
+  if end > data_size:
+    raise SafetensorsError(
+      f"{where} ends at byte {end} of the data section but the file holds only {data_size} data "
+      "bytes (truncated file?)"
+    )
+  return dtype, tuple(shape), begin, end
+
+
 class SafetensorsFile(Mapping[str, np.ndarray]):
   """One `.safetensors` file, memory-mapped. A read-only mapping from tensor name to numpy array."""
 
@@ -63,31 +102,26 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
         header = json.loads(f.read(n))
       except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SafetensorsError(f"{self.path}: unreadable header ({e})") from None
-    self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+    if not isinstance(header, dict):
+      raise SafetensorsError(f"{self.path}: the header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+      raise SafetensorsError(f"{self.path}: __metadata__ is not an object of strings")
+    self.metadata: dict[str, str] = metadata
     self._data_start = 8 + n
     data_size = size - self._data_start
     self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
     for key, info in header.items():
-      try:
-        dtype = _DTYPES[info["dtype"]]
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(o) for o in info["data_offsets"])
-      except KeyError as e:
-        raise SafetensorsError(
-          f"{self.path}: tensor {key!r} has an unsupported entry {info!r} ({e})"
-        ) from None
-      want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-      if end - begin != want:
-        raise SafetensorsError(
-          f"{self.path}: tensor {key!r} of shape {shape} {info['dtype']} needs {want} bytes, "
-          f"header gives {end - begin}"
-        )
-      if end > data_size:
-        raise SafetensorsError(
-          f"{self.path}: tensor {key!r} ends at byte {end} of the data section but the file holds only "
-          f"{data_size} data bytes (truncated file?)"
-        )
+      dtype, shape, begin, end = _entry(self.path, key, info, data_size)
       self._entries[key] = (dtype, shape, begin, end)
+    # No two tensors may share bytes (a crafted header could alias one onto another).
+    spans = sorted((b, e, k) for k, (_, _, b, e) in self._entries.items() if e > b)
+    for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:]):
+      if b1 < e0:
+        raise SafetensorsError(
+          f"{self.path}: tensor {k1!r} starts at data byte {b1}, inside tensor {k0!r} (which ends at "
+          f"{e0}): overlapping tensors"
+        )
     self._map: np.memmap | None = None
 
   def _buffer(self) -> np.ndarray:

@@ -4,7 +4,7 @@ The family losses (SD UNet, Flux.1, Wan 2.1) are in `md_train.families` and the 
 `md_train.recipes` (both import the family packages).
 """
 
-from md_train._checkpoint import Checkpointer, CheckpointError, Restored
+from md_train._checkpoint import CheckpointCorrupt, Checkpointer, CheckpointError, Restored
 from md_train._dreambooth import (
   IMAGE_SUFFIXES,
   DreamboothBatches,
@@ -92,6 +92,7 @@ __all__ = [
   "SCHEDULES",
   "TENSORBOARD_DIR",
   "WAN22_EXPERTS",
+  "CheckpointCorrupt",
   "CheckpointError",
   "Checkpointer",
   "DreamboothBatches",

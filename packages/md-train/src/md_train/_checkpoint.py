@@ -6,12 +6,18 @@ A checkpoint of step `n` is the folder `<directory>/<n>/` with two items: `state
 `meta` (JSON: the leaves' pytree paths, the data iterator's position, the fingerprint). Orbax writes each
 step into a temporary folder and renames it when complete, so a save that fails (disk full, a killed
 process) never hides the previous checkpoint.
+
+`meta` also holds a SHA-256 digest of every array (its dtype, shape and bytes) taken at save;
+`restore` checks each restored array against it, so a flipped bit or a damaged file is found, and without
+an explicit step falls back to the newest checkpoint that reads and verifies (one line on stderr says so).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +31,24 @@ _VERSION = 1
 
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written (the previous one stays restorable)."""
+
+
+class CheckpointCorrupt(RuntimeError):
+  """A checkpoint does not read back as written (an array's digest differs, a file is damaged)."""
+
+
+class _Refused(ValueError):
+  """A checkpoint that reads fine but belongs to another run (no older one is tried)."""
+
+
+def digest(value: Any) -> str | None:
+  """SHA-256 of an array's dtype, shape and bytes (None when this process does not hold all of it)."""
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    return None
+  a = np.ascontiguousarray(np.asarray(jax.device_get(value)))
+  h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+  h.update(a.view(np.uint8).reshape(-1) if a.size else b"")
+  return h.hexdigest()
 
 
 class Restored(Mapping):
@@ -159,11 +183,13 @@ class Checkpointer:
         keys[name] = str(jax.random.key_impl(leaf))
         leaf = jax.random.key_data(leaf)
       arrays[f"leaf_{i:05d}"] = leaf
+    digests = {k: d for k, v in arrays.items() if (d := digest(v)) is not None}
     meta = {
       "version": _VERSION,
       "step": step,
       "leaves": names,
       "keys": keys,
+      "digests": digests,
       "data": data,
       "fingerprint": dict(fingerprint or {}),
     }
@@ -296,14 +322,49 @@ class Checkpointer:
     Returns:
       (the restored state, `Restored` with `step`, `data` (the saved data position) and `fingerprint`).
 
+    Without `step`, a checkpoint that does not read or verify (`CheckpointCorrupt`: an array whose
+    digest differs, a damaged or truncated file) is skipped for the newest one that does, with one line
+    on stderr naming what was skipped and why.
+
     Raises:
       FileNotFoundError: no (such) checkpoint.
+      CheckpointCorrupt: the checkpoint of `step` (or, without `step`, every checkpoint) does not read
+        back as written.
       ValueError: the fingerprint differs (the differing keys named), or the saved state does not fit
         `target` (paths or shapes listed).
     """
+    if step is not None:
+      return self._restore_step(target, self._step_or_latest(step), fingerprint)
+    steps = self.steps()
+    if not steps:
+      raise FileNotFoundError(f"{self.directory}: no checkpoint here")
+    problems = []
+    for s in reversed(steps):
+      try:
+        out = self._restore_step(target, s, fingerprint)
+      except _Refused:
+        raise
+      except Exception as e:  # noqa: BLE001 - Orbax and tensorstore raise many kinds on damaged files
+        problems.append(f"step {s}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        continue
+      if problems:
+        print(
+          f"{self.directory}: restored step {s}, the newest checkpoint that verifies (skipped "
+          f"{'; '.join(problems)})",
+          file=sys.stderr,
+          flush=True,
+        )
+      return out
+    raise CheckpointCorrupt(
+      f"{self.directory}: no checkpoint verifies ({'; '.join(problems)}); start a new workdir or "
+      "restore one from a backup"
+    )
+
+  def _restore_step(
+    self, target: TrainState, step: int, fingerprint: Mapping[str, Any] | None
+  ) -> tuple[TrainState, Restored]:
     import orbax.checkpoint as ocp
 
-    step = self._step_or_latest(step)
     meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     where = f"{self.directory / str(step)}"
     if fingerprint is not None:
@@ -311,7 +372,7 @@ class Checkpointer:
       if diff:
         saved, want = meta.get("fingerprint", {}), dict(fingerprint)
         lines = [f"{k}: saved {_get(saved, k)!r}, this run {_get(want, k)!r}" for k in diff[:8]]
-        raise ValueError(
+        raise _Refused(
           f"{where}: the checkpoint was written by another run (fingerprint differs in "
           f"{', '.join(diff)}):\n  " + "\n  ".join(lines) + "\nuse a new workdir, or the run's "
           "settings"
@@ -320,7 +381,7 @@ class Checkpointer:
     if meta["leaves"] != names:
       extra = sorted(set(meta["leaves"]) - set(names))[:5]
       missing = sorted(set(names) - set(meta["leaves"]))[:5]
-      raise ValueError(
+      raise _Refused(
         f"{where}: the saved state does not fit this run's state ({len(meta['leaves'])} saved "
         f"arrays, {len(names)} expected; saved only: {extra}; expected only: {missing})"
       )
@@ -339,9 +400,15 @@ class Checkpointer:
     except ValueError as e:
       raise ValueError(f"{where}: the saved arrays do not fit this run's state: {e}") from None
     out = []
+    digests = meta.get("digests", {})
     for i, (name, leaf) in enumerate(zip(names, leaves)):
       value = restored[f"leaf_{i:05d}"]
       want = abstract[f"leaf_{i:05d}"]
+      saved = digests.get(f"leaf_{i:05d}")
+      if saved is not None and (got := digest(value)) is not None and got != saved:
+        raise CheckpointCorrupt(
+          f"{where}: array {name} does not match the digest written at save (damaged on disk)"
+        )
       if tuple(value.shape) != tuple(want.shape):
         raise ValueError(
           f"{where}: array {name} has shape {tuple(value.shape)}, this run's state {want.shape}"

@@ -197,6 +197,18 @@ def fit(
     bar = tqdm.tqdm(total=steps, initial=start, desc="training", unit="step")
   last_time, last_step = time.perf_counter(), start
   tracing = False
+  unchecked = None  # (step, loss) of the step whose loss is checked once the next one is dispatched
+
+  def check_loss(n, loss):
+    value = float(jax.device_get(loss))
+    if not np.isfinite(value):
+      latest = ckpt.latest_step() if ckpt is not None else None
+      kept = f"; the newest checkpoint is step {latest}" if latest is not None else ""
+      raise FloatingPointError(
+        f"training stopped: the loss is {value} at step {n}{kept} (lower the learning rate, check "
+        "the data or the loss)"
+      )
+
   try:
     for n in range(start + 1, steps + 1):
       if first is not None:
@@ -207,6 +219,9 @@ def fit(
         jax.profiler.start_trace(str(trace_dir))
         tracing = True
       state, metrics = step_fn(state, batch)
+      if unchecked is not None:  # the previous step's loss: ready by now, no wait on this step
+        check_loss(*unchecked)
+      unchecked = (n, metrics["loss"]) if "loss" in metrics else None
       if tracing and (n == profile_start + profile_steps or n == steps):
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
@@ -234,12 +249,17 @@ def fit(
       if recipe.eval is not None and eval_every and (n % eval_every == 0 or last):
         log(n, {k: v for k, v in recipe.eval(state).items()})
       if ckpt is not None and (ckpt.should_save(n) or last):
+        if unchecked is not None:  # never save a state that a non-finite loss produced
+          check_loss(*unchecked)
+          unchecked = None
         ckpt.save(
           state,
           data=_json_safe(batches.state()) if resumable else None,
           fingerprint=fingerprint,
           force=last,
         )
+    if unchecked is not None:
+      check_loss(*unchecked)
     if ckpt is not None and start >= steps and ckpt.latest_step() != start:
       data = _json_safe(batches.state()) if resumable else None
       ckpt.save(state, data=data, fingerprint=fingerprint, force=True)
