@@ -78,12 +78,15 @@ def _check(config, folder):
 def main(argv):
   from md_core import media
   from md_core import progress as md_progress
+  from md_data import prompt_warning
 
   config = _CONFIG.value
   folder = apps.output_folder(_WORKDIR.value, overwrite=_OVERWRITE.value)
   with md_progress.phase("checking"):
     mesh, src, files = _check(config, folder)
   print(apps.describe_mesh(mesh))
+  if config.variant == "default" and (note := prompt_warning(config.prompt, kind="image")):
+    print(f"warning: {note}", file=sys.stderr)  # md's shapes model draws its grammar only
 
   import jax.numpy as jnp
   import numpy as np

@@ -82,3 +82,52 @@ def test_bad_labels():
     mdd.caption(mdd.ShapeLabel("red", "circle", "black"))
   with pytest.raises(TypeError, match="a caption is a str"):
     mdd.parse_caption(None)
+
+
+@pytest.mark.parametrize(
+  "prompt, kind",
+  [
+    ("a green triangle moving up on a black background", "video"),
+    ("A red circle, in the top left, on a white background.", "image"),
+    ("a purple star on a gray background", None),
+    ("a blue square at the bottom on a white background", None),
+  ],
+)
+def test_prompt_warning_none_for_what_the_models_draw(prompt, kind):
+  assert mdd.prompt_warning(prompt, kind=kind) is None
+
+
+@pytest.mark.parametrize(
+  "prompt, kind, reason",
+  [
+    ("a cat surfing", "video", "unknown word 'cat'"),
+    ("a green triangle moving up", "video", "no background"),
+    (
+      "a red circle in the top left on a blue background",
+      "image",
+      "'blue' where the grammar expects a background colour",
+    ),
+    ("red red", None, "'red' where the grammar expects a shape"),
+    (
+      "a red circle in the top left on a white background",
+      "video",
+      "a position, where the video model",
+    ),
+    ("a red circle moving up on a white background", "image", "a direction, where the image model"),
+  ],
+)
+def test_prompt_warning_says_why_and_names_the_grammar(prompt, kind, reason):
+  warning = mdd.prompt_warning(prompt, kind=kind)
+  assert "\n" not in warning
+  assert warning.startswith(f"prompt {prompt!r} is outside") and reason in warning
+  for word in (*mdd.COLOURS, *mdd.SHAPES, *mdd.BACKGROUNDS):
+    assert word in warning
+  assert all(d in warning for d in mdd.DIRECTIONS) == (kind != "image")
+  assert ("top left" in warning.split("They know")[1]) == (kind != "video")
+  example = warning.split('e.g. "')[1].rstrip('"')
+  assert mdd.prompt_warning(example, kind=kind) is None  # the example it gives is drawable
+
+
+def test_prompt_warning_rejects_an_unknown_kind():
+  with pytest.raises(ValueError, match="kind='audio'; expected 'image', 'video' or None"):
+    mdd.prompt_warning("a red circle on a white background", kind="audio")

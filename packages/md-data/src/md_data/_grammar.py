@@ -223,6 +223,69 @@ def parse_caption(text: str) -> Caption:
   return Caption(colour, shape, background, position, direction)
 
 
+def grammar_summary(kind: str | None = None) -> str:
+  """One line naming what the shapes grammar knows: colours, shapes, directions (videos), positions
+  (images) and backgrounds, with an example prompt of `kind` ("image", "video" or None for both)."""
+  parts = [f"colours {', '.join(COLOURS)}", f"shapes {', '.join(SHAPES)}"]
+  if kind in (None, "video"):
+    parts.append(f"directions (videos: moving …) {', '.join(DIRECTIONS)}")
+  if kind in (None, "image"):
+    parts.append(f"positions (images: in the …) {', '.join(POSITIONS)}")
+  parts.append(f"backgrounds {', '.join(BACKGROUNDS)}")
+  example = {
+    "video": "a green triangle moving up on a black background",
+    "image": "a red circle in the top left on a white background",
+  }.get(kind, "a red circle in the top left on a white background")
+  return "; ".join(parts) + f'; e.g. "{example}"'
+
+
+def prompt_warning(prompt: str, *, kind: str | None = None) -> str | None:
+  """A one-line warning for a prompt md's default shapes models cannot draw, or None for one they can.
+
+  The default models (models/shapes-sd, models/shapes-wan) were trained on captions of this grammar
+  only, each naming its background: a prompt with another word, a missing colour, shape or background, a
+  position for the video model or a direction for the image model gets a warning that says why and names
+  what the grammar knows.
+
+  Args:
+    prompt: the prompt as typed.
+    kind: "image" (positions), "video" (directions) or None (either).
+
+  Returns:
+    None, or one line: the reason, then the grammar's words and an example.
+
+  Raises:
+    ValueError: for a `kind` other than "image", "video" or None.
+  """
+  if kind not in (None, "image", "video"):
+    raise ValueError(f"prompt_warning: kind={kind!r}; expected 'image', 'video' or None")
+  reason = None
+  try:
+    parsed = parse_caption(prompt)
+  except (TypeError, ValueError) as err:
+    unknown = re.search(r"unknown word ('[^']*')", str(err))
+    misplaced = re.search(r"expected (.*?)(?: \(.*\))? at word \d+, got ([^;]*)", str(err))
+    if unknown:
+      reason = f"unknown word {unknown[1]}"
+    elif misplaced:
+      reason = f"{misplaced[2]} where the grammar expects {misplaced[1]}"
+    else:
+      reason = "not a caption of the shapes grammar"
+  else:
+    if parsed.background is None:
+      reason = "no background, which every training caption names ('on a black background')"
+    elif kind == "video" and parsed.position is not None:
+      reason = "a position, where the video model knows motion directions ('moving up')"
+    elif kind == "image" and parsed.direction is not None:
+      reason = "a direction, where the image model knows positions ('in the top left')"
+  if reason is None:
+    return None
+  return (
+    f"prompt {prompt!r} is outside what md's default shapes models draw: {reason}. They know "
+    f"{grammar_summary(kind)}"
+  )
+
+
 def palette(names) -> np.ndarray:
   """RGB rows of the named colours (shape colours or backgrounds), `[len(names), 3]` float32."""
   table = {**COLOURS, **BACKGROUNDS}
