@@ -10,6 +10,7 @@ from flax import nnx
 
 import md_lora
 import md_sd
+import md_text
 from md_core import testing
 
 ATOL = 1e-3
@@ -71,6 +72,58 @@ def test_kohya_file_equals_peft_file(sd, root):
   merged = [nnx.state(md_lora.merge(sd.unet, [(x, 0.9)])) for x in (peft, kohya)]
   for (p, v0), (_, v1) in zip(*(nnx.to_flat_state(m) for m in merged)):
     np.testing.assert_allclose(v1.get_value(), v0.get_value(), atol=1e-6, rtol=0, err_msg=str(p))
+
+
+def test_diffusers_pre_peft_layouts(sd, root, outputs):
+  """The layouts diffusers' own SD / SDXL scripts wrote before PEFT (tests/fixtures/lora_diffusers_old, from
+  sd_a's tensors with alpha / r folded into `up`): `<module>.lora.down` names read into sd_a's adapter,
+  `attn.processor.to_q_lora` names into its attention part, and both run as diffusers runs them."""
+  old = testing.fixture_path("lora_diffusers_old")
+  peft = _read(sd, root / "sd_a.safetensors")
+  layers = _read(sd, old / "sd_a_lora_layers.safetensors")
+  procs = _read(sd, old / "sd_a_attn_procs.safetensors")
+  assert set(layers.weights) == set(peft.weights)
+  attention = {s for s in peft.weights if s.path[-2] in ("to_q", "to_k", "to_v", "to_out")}
+  assert set(procs.weights) == attention and len(attention) > 10
+  assert {w.scale for w in (*layers.weights.values(), *procs.weights.values())} == {1.0}  # no alpha
+  for site, w in peft.weights.items():
+    np.testing.assert_allclose(layers.weights[site].delta(), w.delta(), atol=1e-6, rtol=0)
+    if site in attention:
+      np.testing.assert_allclose(procs.weights[site].delta(), w.delta(), atol=1e-6, rtol=0)
+  latents = outputs["one"]["latents"]
+  for adapter, want in ((layers, outputs["one"]["images"]), (procs, None)):
+    if want is None:
+      want = testing.load_arrays(old / "outputs.npz")["attn_procs/images"]
+    err = float(np.abs(_generate(sd, sd.unet, [(adapter, 1.0)], latents) - want).max())
+    print(f"{adapter.source}: max abs error {err:.2e}")
+    assert err < ATOL, f"max abs error {err:.2e}"
+
+
+def test_diffusers_pre_peft_text_encoder_names(sd):
+  """Text-encoder factors named `q_proj.lora_linear_layer.down` (diffusers 0.21-0.24) or
+  `self_attn.to_q_lora.down` (older) read as the PEFT file of the same tensors (`q_proj.lora_A`)."""
+  rng = np.random.default_rng(0)
+  width = sd.text_encoder.config.hidden_size
+  peft, linear_layer, processor = {}, {}, {}
+  for proj, old in (("q_proj", "to_q_lora"), ("out_proj", "to_out_lora")):
+    down = rng.standard_normal((2, width), np.float32)
+    up = rng.standard_normal((width, 2), np.float32)
+    attn = "text_encoder.text_model.encoder.layers.0.self_attn"
+    peft |= {f"{attn}.{proj}.lora_A.weight": down, f"{attn}.{proj}.lora_B.weight": up}
+    linear_layer |= {
+      f"{attn}.{proj}.lora_linear_layer.down.weight": down,
+      f"{attn}.{proj}.lora_linear_layer.up.weight": up,
+    }
+    processor |= {f"{attn}.{old}.down.weight": down, f"{attn}.{old}.up.weight": up}
+  read = [
+    md_lora.load_lora(t, md_text.clip_text_convert_key, sd.text_encoder, prefix="text_encoder.")
+    for t in (peft, linear_layer, processor)
+  ]
+  assert len(read[0].weights) == 2
+  for other in read[1:]:
+    assert set(other.weights) == set(read[0].weights)
+    for site, w in read[0].weights.items():
+      np.testing.assert_array_equal(other.weights[site].delta(), w.delta())
 
 
 def test_unmerge_restores_the_unet(sd, root):

@@ -4,6 +4,8 @@ shape, and a file for another model says so.
 
 The manifests hold names and shapes only; the tensors here are zero-stride stand-ins of those shapes."""
 
+import re
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -129,6 +131,38 @@ def test_xlabs_flux_and_other_families(sdxl):
   ):
     md_lora.load_lora(tensors, md_sd.unet_key_map(cfg), unet)
   with pytest.raises(
-    md_lora.LoRAFileError, match=r"SD / SDXL UNet \(SGM names\)\): 722 of its 722 modules"
+    md_lora.LoRAFileError, match=r"those of an SDXL UNet \(SGM names\)\): 722 of its 722 modules"
   ):
     md_lora.load_lora(_StandIns("lora_kohya_sdxl"), md_flux.convert_key, flux)
+  with pytest.raises(md_lora.LoRAFileError, match=r"those of an SDXL UNet \(diffusers names\)\)"):
+    md_lora.load_lora(_StandIns("lora_hyper_sdxl_8steps"), md_flux.convert_key, flux)
+
+
+@pytest.mark.parametrize(
+  "width, blocks, model",
+  [
+    (768, "down_blocks_0_attentions_0_transformer_blocks_0", "an SD 1.x UNet (diffusers names)"),
+    (1024, "down_blocks_0_attentions_0_transformer_blocks_0", "an SD 2.x UNet (diffusers names)"),
+    (2048, "down_blocks_2_attentions_0_transformer_blocks_5", "an SDXL UNet (diffusers names)"),
+    (768, "input_blocks_1_1_transformer_blocks_0", "an SD 1.x UNet (SGM names)"),
+    (2048, "input_blocks_7_1_transformer_blocks_3", "an SDXL UNet (SGM names)"),
+  ],
+)
+def test_another_sd_unet_is_named(sdxl, width, blocks, model):
+  """A UNet LoRA read for another model names the SD version its keys belong to: the cross-attention width
+  `attn2.to_k` reads (SD 1.x 768, SD 2.x 1024, SDXL 2048), else blocks only one version has."""
+  zero = np.zeros((), np.float32)
+  tensors = {}
+  for proj, inputs in (("attn1_to_q", 320), ("attn2_to_k", width), ("attn2_to_v", width)):
+    name = f"lora_unet_{blocks}_{proj}"
+    tensors[f"{name}.lora_down.weight"] = np.broadcast_to(zero, (4, inputs))
+    tensors[f"{name}.lora_up.weight"] = np.broadcast_to(zero, (320, 4))
+  flux = _abstract(lambda: md_flux.FluxTransformer(md_flux.FLUX_VARIANTS["dev"], rngs=nnx.Rngs(0)))
+  with pytest.raises(md_lora.LoRAFileError, match=f"its names are those of {re.escape(model)}\\):"):
+    md_lora.load_lora(tensors, md_flux.convert_key, flux)
+  # Without the cross-attention modules the blocks still tell SDXL (several transformer blocks).
+  names = {k: v for k, v in tensors.items() if "attn1" in k}
+  if blocks.endswith("_0"):
+    return
+  with pytest.raises(md_lora.LoRAFileError, match=r"those of an SDXL UNet"):
+    md_lora.load_lora(names, md_flux.convert_key, flux)

@@ -32,6 +32,9 @@ with `.alpha` (the constraint) and an optional `.rescale`, are read as rotations
 the upper triangles of skew blocks, with `adapter_config.json`) and BOFT files (`<module>.boft_R`
 `[stages, num, b, b]`, `<module>.boft_s` the output scales), as rotations of the weight's input axis.
 Other OFT tensors (PEFT < 0.14's `oft_r` / `oft_s`…) are named and refused.
+diffusers' own layouts from before PEFT (`<attn>.processor.to_q_lora.down.weight`, `<module>.lora.down.weight`,
+`<module>.lora_linear_layer.down.weight`, no alpha) are renamed to the PEFT names of the same modules
+(`diffusers_old_keys`) and read as peft files, as diffusers converts them.
 Module names then go through a layout translator (md_lora._layouts) to the family's diffusers names.
 """
 
@@ -341,6 +344,72 @@ def kohya_module_name(name: str) -> str:
   return ".".join(out)
 
 
+# diffusers' own layouts before PEFT (its SD / SDXL training scripts, diffusers <= 0.24): attention
+# processors `<attn>.processor.to_q_lora.down.weight` (`to_k_lora`, `to_v_lora`, `to_out_lora`), LoRA layers
+# `<module>.lora.down.weight`, text-encoder layers `<module>.lora_linear_layer.down.weight`; no alpha.
+_DIFFUSERS_OLD = re.compile(
+  r"(?P<module>.+?)(?P<proc>\.processor)?\.(?P<what>to_q_lora|to_k_lora|to_v_lora|to_out_lora|lora|"
+  r"lora_linear_layer)\.(?P<ab>down|up)\.weight"
+)
+# The attention processors' names → the projections they adapt, in a UNet and in a CLIP text encoder
+# (diffusers' UNET_TO_DIFFUSERS and DIFFUSERS_OLD_TO_PEFT).
+_PROCESSOR_TARGETS = {
+  "unet": {
+    "to_q_lora": "to_q",
+    "to_k_lora": "to_k",
+    "to_v_lora": "to_v",
+    "to_out_lora": "to_out.0",
+  },
+  "text": {
+    "to_q_lora": "q_proj",
+    "to_k_lora": "k_proj",
+    "to_v_lora": "v_proj",
+    "to_out_lora": "out_proj",
+  },
+}
+
+
+def diffusers_old_keys(keys: Sequence[str]) -> dict[str, str] | None:
+  """For a file in diffusers' pre-PEFT layout, `{PEFT key: file key}` naming each factor as diffusers'
+  PEFT files name the same module (`lora_A` / `lora_B`); None for a file in any other layout.
+
+  >>> diffusers_old_keys(["unet.mid_block.attentions.0.transformer_blocks.0.attn2.processor.to_out_lora.up.weight"])
+  {'unet.mid_block.attentions.0.transformer_blocks.0.attn2.to_out.0.lora_B.weight': 'unet.mid_block.attentions.0.transformer_blocks.0.attn2.processor.to_out_lora.up.weight'}
+  """
+  matches = [(k, _DIFFUSERS_OLD.fullmatch(k)) for k in keys]
+  if not any(m for _, m in matches) or any(
+    _PEFT_FACTOR.fullmatch(k) or _XLABS.fullmatch(k) for k in keys
+  ):
+    return None
+  out = {}
+  for key, m in matches:
+    if m is None:
+      out[key] = key
+      continue
+    module, what = m["module"], m["what"]
+    if what not in ("lora", "lora_linear_layer"):
+      text = module.startswith("text_encoder") or ".self_attn" in module or "text_model." in module
+      module = f"{module}.{_PROCESSOR_TARGETS['text' if text else 'unet'][what]}"
+    out[f"{module}.lora_{'A' if m['ab'] == 'down' else 'B'}.weight"] = key
+  return out
+
+
+class RenamedTensors(Mapping):
+  """A file's tensors under other names (`{new name: file key}`), read lazily from the file."""
+
+  def __init__(self, tensors: Mapping[str, Any], names: Mapping[str, str]):
+    self._tensors, self._names = tensors, dict(names)
+
+  def __getitem__(self, key: str) -> Any:
+    return self._tensors[self._names[key]]
+
+  def __iter__(self):
+    return iter(self._names)
+
+  def __len__(self) -> int:
+    return len(self._names)
+
+
 def detect_format(keys: Sequence[str], where: str) -> str:
   """The format of a LoRA file from its key names; LoRAFileError (with examples) when none fits.
 
@@ -366,7 +435,8 @@ def detect_format(keys: Sequence[str], where: str) -> str:
   shown = ", ".join(repr(k) for k in list(keys)[:5])
   raise LoRAFileError(
     f"{where}: unknown LoRA format: no `lora_A`/`lora_B` (diffusers / PEFT), `lora_down`/`lora_up` "
-    f"(kohya), `diffusion_model.` (ComfyUI) or `processor.*_lora` (XLabs) keys among {len(keys)} "
+    f"(kohya), `diffusion_model.` (ComfyUI), `processor.*_lora` (XLabs) or `.lora.down` / "
+    f"`processor.to_q_lora.down` / `lora_linear_layer.down` (diffusers before PEFT) keys among {len(keys)} "
     f"tensors (first: {shown}); md reads {FORMATS} and LyCORIS LoHa / LoKr / OFT / BOFT"
   )
 

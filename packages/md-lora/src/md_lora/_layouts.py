@@ -381,23 +381,57 @@ FAMILY_HINTS = (
 )
 
 
-def guess_model(names: Sequence[str]) -> str | None:
-  """A short guess at the model a LoRA's module names belong to (None when they do not say)."""
+# SD 1.x / 2.x and SDXL UNets, told apart by their cross-attention width (the text states' width that
+# `attn2.to_k` / `attn2.to_v` read) or, without those modules, by blocks only one of them has: SDXL has
+# several transformer blocks per attention, none in its first down / last up block (SGM `input_blocks.1-2`,
+# `output_blocks.9-11`), attention in its first up block (SGM `output_blocks.0-2`).
+_UNET_WIDTHS = {768: "an SD 1.x UNet", 1024: "an SD 2.x UNet", 2048: "an SDXL UNet"}
+_SDXL_BLOCKS = re.compile(
+  r"(^|\.)(transformer_blocks\.[1-9]|up_blocks\.0\.attentions|output_blocks\.[0-2]\.1)\.|label_emb\."
+)
+_SD1_BLOCKS = re.compile(
+  r"(^|\.)(down_blocks\.0\.attentions|up_blocks\.3\.attentions|input_blocks\.[12]\.1|"
+  r"output_blocks\.(9|10|11)\.1)\."
+)
+
+
+def _unet_model(names: Sequence[str], context_widths: Collection[int]) -> str:
+  """Which SD UNet a file's modules come from: by cross-attention width, else by block names."""
+  known = {_UNET_WIDTHS[w] for w in context_widths if w in _UNET_WIDTHS}
+  if len(known) == 1:
+    return known.pop()
+  sdxl = any(_SDXL_BLOCKS.search(n) for n in names)
+  sd1 = any(_SD1_BLOCKS.search(n) for n in names)
+  if sdxl != sd1:
+    return "an SDXL UNet" if sdxl else "an SD 1.x / 2.x UNet"
+  return "an SD / SDXL UNet"
+
+
+def guess_model(names: Sequence[str], context_widths: Collection[int] = ()) -> str | None:
+  """A short guess at the model a LoRA's module names belong to (None when they do not say).
+
+  Args:
+    names: the file's module names.
+    context_widths: the input widths of its cross-attention key / value modules (`attn2.to_k`), which
+      tell SD 1.x (768), SD 2.x (1024) and SDXL (2048) UNets apart.
+  """
   flux2 = ("double_stream_modulation", "single_stream_modulation", "to_qkv_mlp_proj", "linear_in")
   if any(w in n for n in names for w in flux2):
     return "Flux.2 (BFL or diffusers names)"
   layout = detect_layout(names)
+  if layout == "sgm-unet":
+    return f"{_unet_model(names, context_widths)} (SGM names)"
   if layout is not None:
     return dict(FAMILY_HINTS)[layout]
   checks = (
     ("single_transformer_blocks.", "Flux.1 (diffusers names)"),
-    ("down_blocks.", "an SD / SDXL UNet (diffusers names)"),
+    ("down_blocks.", "UNET (diffusers names)"),
     ("text_model.encoder.layers.", "a CLIP text encoder"),
     ("audio_to_video_attn", "LTX-2 (diffusers names)"),
   )
   for needle, what in checks:
     if any(needle in n for n in names):
-      return what
+      return what.replace("UNET", _unet_model(names, context_widths))
   if any(re.match(r"blocks\.\d+\.attn1\.", n) for n in names):
     return "Wan (diffusers names)"
   return None

@@ -24,7 +24,9 @@ from md_lora._formats import (
   RawIA3,
   RawLoRA,
   RawOFT,
+  RenamedTensors,
   detect_format,
+  diffusers_old_keys,
   read_modules,
 )
 from md_lora._layouts import detect_layout, guess_model, translator
@@ -301,6 +303,8 @@ def load_lora(
   keys = list(tensors)
   if format is not None and format not in FORMATS:
     raise LoRAFileError(f"{path}: format={format!r}; md reads {FORMATS}")
+  if format in (None, "peft") and (renamed := diffusers_old_keys(keys)) is not None:
+    tensors, keys = RenamedTensors(tensors, renamed), list(renamed)  # read as the PEFT names
   fmt = format or detect_format(keys, str(path))
   modules, deltas, rotations, leftovers, others, rslora = read_modules(
     tensors, metadata, path, fmt, prefix, config, default_alpha
@@ -312,6 +316,10 @@ def load_lora(
   source_ids = (
     {m.keys[0] for m in modules} | {d.key for d in deltas} | {r.keys[0] for r in rotations}
   )
+  # Cross-attention key / value input widths (the text states' width) say which SD UNet a file is for.
+  context_widths = {
+    int(m.a.shape[1]) for m in modules if re.search(r"attn2\.to_[kv]$", m.module) and m.a.ndim == 2
+  }
   layout = detect_layout(source_names)
   modules, deltas, rotations, untranslated = _translate(
     modules, deltas, rotations, list(shapes), layout
@@ -475,7 +483,7 @@ def load_lora(
     model = _model_name(params_or_model)
     head = f"{path}: {len(problems)} problem(s) applying this {fmt} LoRA to {model}"
     if n_modules and bad * 2 > n_modules:
-      guess = guess_model(source_names)
+      guess = guess_model(source_names, context_widths)
       made_for = f" (its names are those of {guess})" if guess else ""
       head = (
         f"{path}: this LoRA is for another model{made_for}: {bad} of its {n_modules} modules "
