@@ -4,6 +4,7 @@ without compiling, and a restart reads every program back."""
 
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -111,6 +112,38 @@ def test_warm_up_with_executables_serves_without_compiling(tmp_path):
   proc.wait(60)
   assert f"executables in {tmp_path / 'exe'}: 3 read back, 0 compiled and written" in lines, lines
   assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == written  # nothing new
+
+
+def test_sigterm_in_finish_mode_records_every_accepted_job(tmp_path):
+  """SIGTERM with more queued work than `finish_timeout_s`: the running job's loop stops at a step
+  boundary, every accepted job ends succeeded or cancelled with a stderr line, and the process exits 0
+  (it used to abort with 134 while the worker was still in a program)."""
+  port = _free_port()
+  proc, lines = _start(
+    tmp_path, port, "--config.finish_timeout_s=2", "--config.max_steps=400",
+    "--config.preview_every=0",
+  )  # fmt: skip
+  try:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+      for _ in range(100):
+        try:
+          client.get("/healthz")
+          break
+        except httpx.ConnectError:
+          time.sleep(0.1)
+      body = {"prompt": "a red circle", "steps": 400, "wait": False}
+      ids = [client.post("/v1/videos/generations", json=body).json()["id"] for _ in range(4)]
+      while client.get(f"/v1/jobs/{ids[0]}").json()["status"] == "queued":
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  cancelled = [i for i in ids if f"md-serve: {i} cancelled: server shut down (2 s to finish" in out]
+  assert len(cancelled) >= 3, out[-3000:]  # 400 steps each: at most the first finished
 
 
 def _free_port() -> int:

@@ -77,6 +77,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.allowed_origins = ""  # comma-separated origins of other sites' pages allowed to call the API
   c.public_url = ""  # base of result URLs, e.g. https://md.example.com ("": relative URLs)
   c.shutdown = "finish"  # on stop: "finish" accepted jobs, or "cancel" them
+  c.finish_timeout_s = 300.0  # "finish" runs them this long, then cancels the rest (each recorded)
   # The queue: jobs waiting or running before 429, rows per call, the batch sizes calls are padded to,
   # how long the first job waits for compatible ones, a preview event every k steps (0: none).
   c.max_queue = 32

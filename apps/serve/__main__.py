@@ -76,6 +76,7 @@ def _check(config):
   p.positive("max_queue", "max_batch", "num_frames", "max_steps", "max_programs")
   p.at_least("max_pixels", 0)
   p.at_least("job_timeout_s", 0)
+  p.at_least("finish_timeout_s", 0)
   p.require(
     1 <= config.port <= 65535, f"--config.port={config.port} is out of range: expected 1..65535"
   )
@@ -173,6 +174,7 @@ def main(argv):
     port=config.port,
     token=token,
     shutdown=config.shutdown,
+    finish_timeout_s=config.finish_timeout_s,
     allowed_hosts=["127.0.0.1", "localhost", "::1", config.host, *_names(config.allowed_hosts)],
     allowed_origins=_names(config.allowed_origins),
     public_url=config.public_url,

@@ -161,6 +161,7 @@ def make_app(
   *,
   token: str | None = None,
   shutdown: str = "finish",
+  finish_timeout_s: float | None = 300.0,
   max_body_bytes: int = 64 * 1024,
   body_timeout_s: float = 30.0,
   allowed_hosts: Sequence[str] | None = LOOPBACK,
@@ -174,6 +175,8 @@ def make_app(
     queue: the job queue (it owns the models and the worker).
     token: a bearer token /v1/* requires (None: open; see `read_token`).
     shutdown: on server stop, "finish" runs accepted jobs first, "cancel" cancels them.
+    finish_timeout_s: how long "finish" runs them; what is left then is cancelled, each job recorded
+      (status, event, a stderr line). None: as long as they take.
     max_body_bytes: larger request bodies get 413 (counted as they stream in).
     body_timeout_s: a body not complete within this gets 408.
     allowed_hosts: the host names requests may address (the Host header, port aside); None: any (only
@@ -353,7 +356,7 @@ def make_app(
   @contextlib.asynccontextmanager
   async def lifespan(app):
     yield
-    await asyncio.to_thread(queue.shutdown, shutdown)
+    await asyncio.to_thread(queue.shutdown, shutdown, finish_timeout_s)
 
   routes = [
     Route("/", guard(page, auth=False)),
@@ -413,6 +416,7 @@ def serve(
   port: int = 8000,
   token: str | None = None,
   shutdown: str = "finish",
+  finish_timeout_s: float | None = 300.0,
   warmup: bool = False,
   allowed_hosts: Sequence[str] | None = None,
   allowed_origins: Sequence[str] = (),
@@ -431,6 +435,7 @@ def serve(
     port: the port (1..65535).
     token: optional bearer token (`read_token` reads one from a file or the environment).
     shutdown: "finish" or "cancel" (what happens to accepted jobs on stop).
+    finish_timeout_s: how long "finish" may take before the rest is cancelled (None: no limit).
     warmup: run `JobQueue.warm_up` (every model × batch bucket once) before listening; one line each.
     allowed_hosts: Host names requests may use (None: the loopback names, plus `host` when it is a name
       or address other than 0.0.0.0 / ::).
@@ -469,7 +474,8 @@ def serve(
         flush=True,
       )
   app = make_app(
-    queue, token=token, shutdown=shutdown, allowed_hosts=allowed_hosts,
+    queue, token=token, shutdown=shutdown, finish_timeout_s=finish_timeout_s,
+    allowed_hosts=allowed_hosts,
     allowed_origins=allowed_origins, public_url=public_url,
   )  # fmt: skip
   print(f"md-serve: ready, listening on http://{host}:{port}/", flush=True)
