@@ -31,4 +31,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from md_core import apps as md_apps
+
+  md_apps.run(main, doc=__doc__)  # quiet start-up (no TPU INFO line), one-line errors
