@@ -28,8 +28,9 @@ def cache(tmp_path_factory):
 
 
 def test_default_variant_generates_trains_exports_and_resumes(tmp_path, cache):
-  work, klass = tmp_path / "run", tmp_path / "class"
-  args = [f"--workdir={work}", f"--config.recipe_options.class_dir={klass}", "--config.steps=2"]
+  work = tmp_path / "run"
+  klass = work / "class_images"  # the variant's class_dir is empty: inside --workdir
+  args = [f"--workdir={work}", "--config.steps=2"]
   done = _run(args, cache)
   assert done.returncode == 0, done.stderr[-3000:]
   out = done.stdout

@@ -16,7 +16,7 @@ images of tests/fixtures/train_dreambooth_step/instance; the same recipes as app
 variants (`md_train.recipes.dreambooth_sd` / `dreambooth_flux` / `dreambooth_klein`). `recipe_options`: `model` (a diffusers
 pipeline folder), `instance_dir` (the subject's images, center-cropped and resized to `size`),
 `instance_prompt` (with the identifier, e.g. "a photo of sks dog"), `with_prior_preservation`,
-`class_dir` / `class_prompt` / `num_class_images` (the class images; the missing ones are generated into
+`class_dir` (default: `<workdir>/class_images`) / `class_prompt` / `num_class_images` (the class images; the missing ones are generated into
 `class_dir` by md's own pipeline first: `class_steps` steps at `class_guidance`), `prior_loss_weight`,
 `batch_size` (examples per half), `learning_rate`, `lora` (rank, alpha, targets, init, seed, rslora, dora),
 `train_text_encoder` (with a `lora`: LoRAs on the CLIP text encoders too (SDXL's both, Flux.1's CLIP), all in the export). The run

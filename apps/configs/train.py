@@ -179,7 +179,7 @@ VARIANTS["dreambooth-tiny"] = (
     model="tests/fixtures/sd_pipeline/sd",
     instance_dir="tests/fixtures/train_dreambooth_step/instance",
     instance_prompt="a photo of sks disc",
-    class_dir="runs/dreambooth-tiny/class_images",
+    class_dir="",  # empty: <workdir>/class_images (apps/train and apps/dreambooth_train fill it in)
     class_prompt="a photo of a disc",
     with_prior_preservation=True,
     prior_loss_weight=1.0,
@@ -209,7 +209,6 @@ VARIANTS["dreambooth-sdxl-lora-tiny"] = (
   dict(
     VARIANTS["dreambooth-lora-tiny"][1],
     model="tests/fixtures/sd_pipeline/sdxl",
-    class_dir="runs/dreambooth-sdxl-lora-tiny/class_images",
   ),
 )
 _DB_FLUX = {k: v for k, v in VARIANTS["dreambooth-lora-tiny"][1].items() if k != "snr_gamma"}
@@ -218,7 +217,6 @@ VARIANTS["dreambooth-flux-lora-tiny"] = (
   dict(
     _DB_FLUX,
     model="tests/fixtures/flux_pipeline/dev",
-    class_dir="runs/dreambooth-flux-lora-tiny/class_images",
     class_guidance=3.5,
     guidance=3.5,
     max_sequence_length=64,
@@ -232,7 +230,6 @@ VARIANTS["dreambooth-klein-lora-tiny"] = (
   dict(
     _DB_FLUX,
     model="tests/fixtures/flux2_pipeline/klein",
-    class_dir="runs/dreambooth-klein-lora-tiny/class_images",
     class_guidance=4.0,
     text_encoder_out_layers="1,2,3",  # the tiny Qwen3 has 3 layers
     max_sequence_length=96,

@@ -83,6 +83,7 @@ def _describe(config):
 def main(argv):
   from md_train import _app
 
+  _app.fill_class_dir(_CONFIG.value, _WORKDIR.value)  # class images inside --workdir by default
   _app.train(_CONFIG.value, _WORKDIR.value, describe=_describe(_CONFIG.value))
 
 

@@ -51,6 +51,14 @@ def _hold(spec: str):
   return on_step
 
 
+def fill_class_dir(config: Any, workdir: str) -> None:
+  """An empty `recipe_options.class_dir` (the Dreambooth variants' default) becomes
+  `<workdir>/class_images`, so a run's generated class images stay inside its --workdir."""
+  options = config.get("recipe_options")
+  if options is not None and "class_dir" in options and not options.class_dir:
+    options.class_dir = str(pathlib.Path(workdir).expanduser() / "class_images")
+
+
 def train(
   config: Any, workdir: str, *, describe: Callable[[Any], list[str]] | None = None
 ) -> dict[str, Any]:
@@ -69,6 +77,7 @@ def train(
   from md_core import progress as md_progress
 
   path = pathlib.Path(workdir).expanduser()
+  fill_class_dir(config, workdir)
   with md_progress.phase("checking"):
     make_recipe, mesh = check(config, workdir)
   print(apps.describe_mesh(mesh))
