@@ -1,5 +1,6 @@
 """The fixtures stay small: a budget on their total size (tests/fixtures/README.md says how to stay in it)."""
 
+import hashlib
 import pathlib
 
 from md_core.testing import repo_root
@@ -9,7 +10,7 @@ MB = 1_000_000
 # safetensors, incompressible, one set per parity fixture): tests/fixtures/README.md lists what would
 # remove the rest. Lower this as fixtures shrink; never raise it to make room for a new fixture without
 # first sharing components and trimming recorded outputs.
-BUDGET_MB = 54
+BUDGET_MB = 51
 
 
 def _fixture_files() -> list[pathlib.Path]:
@@ -23,11 +24,24 @@ def test_fixtures_within_budget():
   files = _fixture_files()
   total = sum(p.stat().st_size for p in files)
   largest = sorted(files, key=lambda p: p.stat().st_size, reverse=True)[:15]
-  listing = "\n".join(
-    f"  {p.stat().st_size / MB:6.2f} MB  {p.relative_to(root)}" for p in largest
-  )
+  listing = "\n".join(f"  {p.stat().st_size / MB:6.2f} MB  {p.relative_to(root)}" for p in largest)
   assert total <= BUDGET_MB * MB, (
     f"the fixtures take {total / MB:.1f} MB in {len(files)} files, over the {BUDGET_MB} MB budget; "
     f"share identical components (tests/fixtures/components) and store only the values a test compares. "
     f"The largest files:\n{listing}"
   )
+
+
+def test_no_large_file_stored_twice():
+  """A component or recorded output stored twice is shared instead (tests/fixtures/README.md): no file of
+  16 kB or more is byte-identical to another (small configs and tokenizers may repeat)."""
+  root = repo_root()
+  seen, copies = {}, []
+  for path in sorted(_fixture_files()):
+    if path.stat().st_size < 16_000:
+      continue
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest in seen:
+      copies.append(f"  {path.relative_to(root)} = {seen[digest].relative_to(root)}")
+    seen.setdefault(digest, path)
+  assert not copies, "byte-identical fixture files (share them):\n" + "\n".join(copies)

@@ -3,7 +3,6 @@
 noise, 3 steps, frames and waveforms within 1e-3."""
 
 import json
-import shutil
 
 import jax
 import numpy as np
@@ -130,7 +129,7 @@ def test_unreadable_image(pipe, tmp_path):
 def test_i2v_folder_class_and_errors(tmp_path):
   """model_index.json's LTX2ImageToVideoPipeline makes an image-to-video pipeline (image required)."""
   folder = tmp_path / "i2v"
-  shutil.copytree(ROOT / "pipe", folder)
+  md_core.pipeline.copy_pipeline(ROOT / "pipe", folder)  # self-contained: shared components in
   index = json.loads((folder / "model_index.json").read_text())
   (folder / "model_index.json").write_text(
     json.dumps(dict(index, _class_name="LTX2ImageToVideoPipeline"))

@@ -54,7 +54,14 @@ from md_core._scan import (
   remat,
   scan_layers,
 )
-from md_core._sources import hub_cache_dir, hub_offline, load_config, read_json, resolve_source
+from md_core._sources import (
+  hub_cache_dir,
+  hub_offline,
+  load_config,
+  read_json,
+  resolve_source,
+  shared_component,
+)
 from md_core.quant import QuantScale, quantize
 
 __all__ = [
@@ -97,6 +104,7 @@ __all__ = [
   "hub_offline",
   "images",
   "load_config",
+  "shared_component",
   "load_weights",
   "logical_axes",
   "media",

@@ -9,6 +9,10 @@ import re
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
+# A `model_index.json` key md reads (diffusers ignores keys that start with "_"): components this pipeline
+# folder shares with another one, `{"vae": "../t2v/vae"}`, each a folder path relative to the pipeline's.
+SHARED_COMPONENTS = "_md_components"
+
 
 def hub_offline() -> bool:
   """Whether the Hugging Face hub may not be contacted (`HF_HUB_OFFLINE`, read at call time)."""
@@ -69,12 +73,47 @@ def resolve_source(
   if subfolder is None:
     return root
   component = root / subfolder
+  if not component.is_dir() and (root / "model_index.json").is_file():
+    shared = shared_component(root, subfolder, read_json(root / "model_index.json"))
+    if shared is not None:
+      return shared
   if not component.is_dir():
     have = sorted(p.name for p in root.iterdir() if p.is_dir())
     raise FileNotFoundError(
       f"{root}: checkpoint has no component {subfolder!r} (components here: {have})"
     )
   return component
+
+
+def shared_component(root: str | os.PathLike, name: str, index: dict) -> pathlib.Path | None:
+  """The folder of component `name` that pipeline folder `root` shares with another pipeline, or None.
+
+  A pipeline's `model_index.json` (`index`) may say, under `"_md_components"`, that a component lives in
+  another folder instead of in its own subfolder: `{"vae": "../t2v/vae"}`, relative to `root`. md's
+  test fixtures store identical components once this way.
+
+  Raises:
+    FileNotFoundError: the entry names a folder that is not there (the message names both).
+    ValueError: `_md_components` is not a mapping of component names to relative paths.
+  """
+  table = index.get(SHARED_COMPONENTS)
+  if table is None:
+    return None
+  where = pathlib.Path(root) / "model_index.json"
+  if not isinstance(table, dict) or not all(
+    isinstance(v, str) and v and not os.path.isabs(v) for v in table.values()
+  ):
+    raise ValueError(
+      f"{where}: {SHARED_COMPONENTS} must map component names to relative folder paths, got {table!r}"
+    )
+  if name not in table:
+    return None
+  folder = pathlib.Path(os.path.normpath(pathlib.Path(root) / table[name]))
+  if not folder.is_dir():
+    raise FileNotFoundError(
+      f"{where}: component {name!r} is shared from {table[name]!r}, but {folder} is not a folder"
+    )
+  return folder
 
 
 def _from_hub(repo_id, subfolder, revision, cache_dir, allow_patterns) -> pathlib.Path:

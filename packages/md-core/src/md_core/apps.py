@@ -615,7 +615,8 @@ def source_config(source: str, component: str) -> dict:
   from md_core import _sources
 
   root = _sources.resolve_source(source, allow_patterns=["*.json"])
-  return _sources.read_json(root / component / "config.json")
+  # The component's folder: its subfolder, or where the pipeline shares it from (`_md_components`).
+  return _sources.read_json(_sources.resolve_source(root, subfolder=component) / "config.json")
 
 
 def settings_of(config: Any, **extra: Any) -> dict:

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
 import pathlib
@@ -26,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from md_core import _executables
-from md_core._sources import read_json
+from md_core._sources import SHARED_COMPONENTS, read_json, shared_component
 
 
 @dataclasses.dataclass
@@ -488,12 +489,15 @@ def listed(index: Mapping[str, Any], name: str) -> bool:
 
 
 def component(root: str | os.PathLike, name: str, index: Mapping[str, Any]) -> pathlib.Path:
-  """The folder of pipeline component `name`.
+  """The folder of pipeline component `name`: its subfolder, or the folder another pipeline shares it from
+  (`"_md_components"` in `model_index.json`: `md_core.shared_component`).
 
   Raises:
     FileNotFoundError: the folder is missing (naming what `model_index.json` lists).
   """
   folder = pathlib.Path(root) / name
+  if not folder.is_dir():
+    folder = shared_component(root, name, index) or folder
   if not folder.is_dir():
     have = sorted(k for k in index if listed(index, k))
     raise FileNotFoundError(
@@ -501,3 +505,27 @@ def component(root: str | os.PathLike, name: str, index: Mapping[str, Any]) -> p
       f"{have}. Download the whole pipeline, or pass a complete diffusers folder"
     )
   return folder
+
+
+def copy_pipeline(src: str | os.PathLike, dst: str | os.PathLike) -> pathlib.Path:
+  """Copies pipeline folder `src` to `dst` (replacing it) as a self-contained folder: the components `src`
+  shares with another pipeline (`"_md_components"` in `model_index.json`) are copied in as subfolders and
+  the entry is dropped, so the copy loads wherever it is moved. Returns `dst`."""
+  import shutil
+
+  src, dst = pathlib.Path(src), pathlib.Path(dst)
+  if dst.exists():
+    shutil.rmtree(dst)
+  shutil.copytree(src, dst)
+  index_file = dst / "model_index.json"
+  if index_file.is_file():
+    index = read_json(index_file)
+    table = index.get(SHARED_COMPONENTS)
+    if table is not None:
+      for name in table:
+        shared = shared_component(src, name, index)
+        if shared is not None and not (dst / name).exists():
+          shutil.copytree(shared, dst / name)
+      del index[SHARED_COMPONENTS]
+      index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+  return dst

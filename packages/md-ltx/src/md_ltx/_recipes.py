@@ -96,6 +96,21 @@ def _upsample(upsampler, latents, vae, adain_factor):
   )  # fmt: skip
 
 
+def _component_config(root, name: str):
+  """`<name>/config.json` of checkpoint folder `root` (its subfolder, or the folder a pipeline shares it
+  from: `md_core.shared_component`), or None when `root` is None or the file is not there."""
+  import md_core
+
+  if root is None:
+    return None
+  folder = root / name
+  if not folder.is_dir() and (root / "model_index.json").is_file():
+    index = md_core.read_json(root / "model_index.json")
+    folder = md_core.shared_component(root, name, index) or folder
+  path = folder / "config.json"
+  return path if path.is_file() else None
+
+
 def ltx2_size_rules(
   source: str | os.PathLike, *, transformer: str | os.PathLike | None = None
 ) -> tuple[int, int]:
@@ -109,12 +124,13 @@ def ltx2_size_rules(
     root = _sources.resolve_source(source, allow_patterns=["*.json"])
   except FileNotFoundError:
     root = None
-  if root is not None and (root / "vae" / "config.json").is_file():
-    vae = _sources.read_json(root / "vae" / "config.json")
+  vae_file, tr_file = _component_config(root, "vae"), _component_config(root, "transformer")
+  if vae_file is not None:
+    vae = _sources.read_json(vae_file)
     spatial = int(vae.get("spatial_compression_ratio", spatial))
     temporal = int(vae.get("temporal_compression_ratio", temporal))
-  if root is not None and transformer is None and (root / "transformer" / "config.json").is_file():
-    tr = _sources.read_json(root / "transformer" / "config.json")
+  if tr_file is not None and transformer is None:
+    tr = _sources.read_json(tr_file)
     patch, patch_t = int(tr.get("patch_size", patch)), int(tr.get("patch_size_t", patch_t))
   return math.lcm(32, spatial * patch), temporal * patch_t
 
@@ -149,11 +165,12 @@ def ltx_size_rules(
     root = _sources.resolve_source(source, allow_patterns=["*.json"])
   except FileNotFoundError:
     root = None
-  if root is not None and (root / "vae" / "config.json").is_file():
-    vae = md_vae.LTXVideoVAEConfig.from_json(root / "vae" / "config.json")
+  vae_file, tr_file = _component_config(root, "vae"), _component_config(root, "transformer")
+  if vae_file is not None:
+    vae = md_vae.LTXVideoVAEConfig.from_json(vae_file)
     spatial, temporal = vae.spatial_ratio, vae.temporal_ratio
-  if root is not None and transformer is None and (root / "transformer" / "config.json").is_file():
-    tr = LTXConfig.from_json(root / "transformer" / "config.json")
+  if tr_file is not None and transformer is None:
+    tr = LTXConfig.from_json(tr_file)
     patch, patch_t = tr.patch_size, tr.patch_size_t
   return spatial * patch, temporal * patch_t
 

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -211,9 +210,7 @@ def _shapes_config(config: ml_collections.ConfigDict, split: str = "train") -> m
 
 
 def _copy_folder(src: str | os.PathLike, dst: pathlib.Path) -> None:
-  if dst.exists():
-    shutil.rmtree(dst)
-  shutil.copytree(src, dst)
+  md_core.pipeline.copy_pipeline(src, dst)  # self-contained: shared components copied in
 
 
 def _optimizer(config: ml_collections.ConfigDict):
