@@ -71,6 +71,12 @@ def test_ltx2_generate_writes_video_with_audio_and_settings(tmp_path):
   # frames recorded in the fixture (diffusers' LTX2Pipeline on the same folder).
   want = testing.load_arrays(testing.fixture_path("ltx2_pipeline") / "io.npz")["t2v_frames"].shape
   assert (info["num_frames"], info["height"], info["width"]) == want[1:4]
+  # ... and the app says so in one line, and its own default prompts fit the tiny tokenizer (no warning).
+  assert (
+    f"note: the video has {want[1]} frames of {want[2]} x {want[3]}; asked 9 of 32 x 64"
+    in out.stderr
+  )
+  assert "UserWarning" not in out.stderr
   assert info["fps"] == 24.0 and info["has_audio"] and info["audio_sample_rate"] == 24000
   assert settings["variant"] == "tiny" and settings["mode"] == "t2v"
   assert settings["prompt"] == "a cat playing a piano" and settings["seed"] == 3

@@ -175,6 +175,10 @@ def main(argv):
     f"load {loaded:.1f}s)"
   )
 
+  asked, got = (config.num_frames, config.height, config.width), frames.shape[1:4]
+  if tuple(int(n) for n in got) != asked:  # the checkpoint's VAE decides the decoded size
+    print(f"note: the video has {got[0]} frames of {got[1]} x {got[2]}; asked {asked[0]} of "
+          f"{asked[1]} x {asked[2]} (the model's VAE decodes to that size)", file=sys.stderr)  # fmt: skip
   line = apps.cache_line(config.cache, apps.cache_report(pipe))
   if line:
     print(line)
