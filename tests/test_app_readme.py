@@ -111,7 +111,5 @@ def test_uv_settings_compile_bytecode_and_keep_tensorflow_out_of_the_main_job():
 
 def test_readmes_hold_no_dated_measurements():
   for readme in [ROOT / "README.md", *sorted((ROOT / "packages").glob("*/README.md"))]:
-    if readme.parent.name == "md-serve":  # its owner's page (issue 55); see bench/README.md
-      continue
     dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", readme.read_text())
     assert not dates, f"{readme.relative_to(ROOT)}: dated entries {dates} belong in bench/README.md"
