@@ -53,3 +53,13 @@ def test_default_model_warns_once_for_a_prompt_outside_its_grammar(tmp_path, app
   else:
     assert len(lines) == 1 and warned in lines[0] and "backgrounds black, white, gray" in lines[0]
   assert "settings.json" in os.listdir(tmp_path)
+
+
+def test_web_page_placeholder_is_a_prompt_the_default_models_draw():
+  import re
+
+  import md_data
+
+  page = (ROOT / "packages" / "md-serve" / "src" / "md_serve" / "_page.py").read_text()
+  placeholder = re.search(r'<textarea id="prompt" placeholder="([^"]+)"', page)[1]
+  assert md_data.prompt_warning(placeholder, kind="image") is None, placeholder

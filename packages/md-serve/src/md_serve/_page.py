@@ -23,7 +23,7 @@ PAGE = """<!doctype html>
 <body>
 <h1>{{title}}</h1>
 <form id="form">
- <textarea id="prompt" placeholder="a red circle on a blue background"></textarea>
+ <textarea id="prompt" placeholder="a red circle in the top left on a white background"></textarea>
  <div class="row">
   <label>model <select id="model"></select></label>
   <label>LoRA <select id="lora"><option value="">none</option></select></label>
