@@ -12,6 +12,7 @@ import pytest
 import md_core
 import md_sd
 from md_core import testing
+from md_lora import settings as lora_settings
 
 ATOL = 1e-3
 PROMPTS = ["a photo of a cat", "an astronaut riding a horse on the moon"]
@@ -165,34 +166,36 @@ def test_app_loras_config(sd, root, tmp_path):
 
   from md_core import apps
 
-  assert apps.parse_loras("") == []
-  assert apps.parse_loras("a.safetensors:0.8, b.safetensors,c.safetensors:1@transformer_2") == [
-    apps.LoRASpec("a.safetensors", 0.8),
-    apps.LoRASpec("b.safetensors", 1.0),
-    apps.LoRASpec("c.safetensors", 1.0, "transformer_2"),
+  assert lora_settings.parse_loras("") == []
+  assert lora_settings.parse_loras(
+    "a.safetensors:0.8, b.safetensors,c.safetensors:1@transformer_2"
+  ) == [
+    lora_settings.LoRASpec("a.safetensors", 0.8),
+    lora_settings.LoRASpec("b.safetensors", 1.0),
+    lora_settings.LoRASpec("c.safetensors", 1.0, "transformer_2"),
   ]
   with pytest.raises(ValueError, match="loras entry 'a.safetensors:x': scale 'x' is not a number"):
-    apps.parse_loras("a.safetensors:x")
+    lora_settings.parse_loras("a.safetensors:x")
   with pytest.raises(ValueError, match="loras entry 2 of 'a.safetensors,' is empty"):
-    apps.parse_loras("a.safetensors,")
+    lora_settings.parse_loras("a.safetensors,")
   with pytest.raises(ValueError, match="scale 'nan' is not finite"):
-    apps.parse_loras("a.safetensors:nan")
-  config = apps.add_lora_config(ml_collections.ConfigDict())
+    lora_settings.parse_loras("a.safetensors:nan")
+  config = lora_settings.add_lora_config(ml_collections.ConfigDict())
   config.loras = f"{root / 'sd_a.safetensors'}:0.5,{tmp_path / 'missing.safetensors'}:1"
   problems = apps.Problems(config)
-  apps.check_loras(problems, config)
+  lora_settings.check_loras(problems, config)
   assert problems.lines == [f"loras entry {str(tmp_path / 'missing.safetensors')!r}: no such file"]
 
   pipe, _ = sd
   config.loras = f"{root / 'sd_b.safetensors'}:0.25@unet"
   before = set(pipe.loras)
-  names = apps.load_loras(pipe, config)
+  names = lora_settings.load_loras(pipe, config)
   assert names == ["0_sd_b"] and pipe.loras["0_sd_b"]["scales"] == {"unet": 0.25}
   pipe.unload_lora(names)
   assert set(pipe.loras) == before
   config.loras = f"{root / 'sd_b.safetensors'}@transformer"
   with pytest.raises(ValueError, match="loras entry .*sd_b.safetensors'.*component 'transformer'"):
-    apps.load_loras(pipe, config)
+    lora_settings.load_loras(pipe, config)
 
 
 def test_slot_targets_that_miss_layers_are_named(root):

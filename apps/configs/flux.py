@@ -20,7 +20,9 @@ the output size from the first reference image when height and width are None. H
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from md_cache import settings as cache_settings
 from md_core import apps as md_apps
+from md_lora import settings as lora_settings
 
 _FIXTURES = "tests/fixtures/flux_pipeline"
 _KLEIN_FIXTURES = "tests/fixtures/flux2_pipeline"
@@ -124,9 +126,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Attention implementation ("" = automatic; "ulysses" / "ring" for context parallelism).
   c.attention = ""
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
-  md_apps.add_cache_config(c)  # cache, cache_options (md-cache)
+  cache_settings.add_cache_config(c)  # cache, cache_options (md-cache)
   md_apps.add_quantization_config(c)  # quantization: int8, int8-dynamic or fp8
-  md_apps.add_lora_config(c)  # loras: "file[:scale][@component],…" (md-lora, at run time)
+  lora_settings.add_lora_config(c)  # loras: "file[:scale][@component],…" (md-lora, at run time)
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -22,7 +22,9 @@ import pathlib
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from md_cache import settings as cache_settings
 from md_core import apps as md_apps
+from md_lora import settings as lora_settings
 
 _FIXTURES = "tests/fixtures/wan_pipeline"
 # md's shapes model, found from this file so the default runs from any directory.
@@ -171,9 +173,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.needs_image = False
   c.needs_last_image = False
   md_apps.add_runtime_config(c)  # mesh, distributed, compilation_cache
-  md_apps.add_cache_config(c)  # cache, cache_options (md-cache)
+  cache_settings.add_cache_config(c)  # cache, cache_options (md-cache)
   md_apps.add_quantization_config(c)  # quantization: int8, int8-dynamic or fp8
-  md_apps.add_lora_config(c)  # loras: "file[:scale][@component],…" (md-lora, at run time)
+  lora_settings.add_lora_config(c)  # loras: "file[:scale][@component],…" (md-lora, at run time)
   c.update(VARIANTS[name])
   c.lock()
   return c

@@ -15,7 +15,9 @@ if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
 
 from ml_collections import config_flags  # noqa: E402
 
+from md_cache import settings as cache_settings  # noqa: E402
 from md_core import apps  # noqa: E402
+from md_lora import settings as lora_settings  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "ml-collections config file (apps/configs/flux.py:<variant>)."
@@ -58,9 +60,9 @@ def _check(config, folder):
     p.add(
       f"--config.text_layers={config.text_layers!r}: give comma-separated layer indices, e.g. 9,18,27"
     )
-  p.call(apps.make_cache, config, "flux")
+  p.call(cache_settings.make_cache, config, md_flux.FluxPipeline)
   apps.check_quantization(p, config)
-  apps.check_loras(p, config)
+  lora_settings.check_loras(p, config)
   return apps.finish_checks(p, config, folder), model[0], images, layers
 
 
@@ -92,7 +94,7 @@ def main(argv):
       attention=attention,
       progress=True,
     )
-    apps.load_loras(pipe, config)  # --config.loras, at run time
+    lora_settings.load_loras(pipe, config)  # --config.loras, at run time
   loaded = time.perf_counter() - start
   klein = isinstance(pipe, md_flux.Flux2KleinPipeline)
   if config.edit and not klein:
@@ -107,7 +109,7 @@ def main(argv):
     num_images_per_prompt=config.num_images_per_prompt,
     max_sequence_length=config.max_sequence_length,
     seed=config.seed,
-    cache=apps.make_cache(config, "flux"),
+    cache=cache_settings.make_cache(config, pipe),
   )
   negative = config.negative_prompt or None
   start = time.perf_counter()
@@ -134,7 +136,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
-        cache_report=apps.cache_report(pipe),
+        cache_report=cache_settings.cache_report(pipe),
         scheduler_config=pipe.scheduler_config,
         image_size=list(images.shape[1:3]),
         kv_cache_used=bool(klein and references and (config.kv_cache or pipe.use_kv_cache)),
@@ -148,7 +150,7 @@ def main(argv):
     f"{loaded:.1f}s)"
   )
 
-  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
   if line:
     print(line)
 

@@ -14,7 +14,9 @@ if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
 
 from ml_collections import config_flags  # noqa: E402
 
+from md_cache import settings as cache_settings  # noqa: E402
 from md_core import apps  # noqa: E402
+from md_lora import settings as lora_settings  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "ml-collections config file (apps/configs/ltx2.py:<variant>)."
@@ -69,9 +71,9 @@ def _check(config, folder):
       md_ltx.check_ltx2_size, model[0], config.height, config.width, config.num_frames,
       transformer=(transformer or [None])[0],
     )  # fmt: skip
-  p.call(apps.make_cache, config, "ltx2")
+  p.call(cache_settings.make_cache, config, md_ltx.LTX2VideoPipeline)
   apps.check_quantization(p, config)
-  apps.check_loras(p, config)
+  lora_settings.check_loras(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return mesh, model[0], (transformer or [None])[0], (image or [None])[0], sigmas, blocks
 
@@ -104,7 +106,7 @@ def main(argv):
       remat=config.remat,
       progress=True,
     )
-    apps.load_loras(pipe, config)  # --config.loras, at run time
+    lora_settings.load_loras(pipe, config)  # --config.loras, at run time
   loaded = time.perf_counter() - start
   start = time.perf_counter()
   with md_progress.phase("generating", announce=True):
@@ -136,7 +138,7 @@ def main(argv):
         decode_noise_scale=config.decode_noise_scale,
         use_cross_timestep=config.use_cross_timestep,
         max_sequence_length=config.max_sequence_length,
-        cache=apps.make_cache(config, "ltx2"),
+        cache=cache_settings.make_cache(config, pipe),
         progress=True,
       )
     except ValueError as e:
@@ -155,7 +157,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
-        cache_report=apps.cache_report(pipe),
+        cache_report=cache_settings.cache_report(pipe),
         num_frames_generated=int(frames.shape[1]),
         frame_size=dict(height=int(frames.shape[2]), width=int(frames.shape[3])),
         mode="i2v" if (image or pipe.image_to_video) else "t2v",
@@ -179,7 +181,7 @@ def main(argv):
   if tuple(int(n) for n in got) != asked:  # the checkpoint's VAE decides the decoded size
     print(f"note: the video has {got[0]} frames of {got[1]} x {got[2]}; asked {asked[0]} of "
           f"{asked[1]} x {asked[2]} (the model's VAE decodes to that size)", file=sys.stderr)  # fmt: skip
-  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
   if line:
     print(line)
 

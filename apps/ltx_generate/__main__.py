@@ -15,7 +15,9 @@ if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
 
 from ml_collections import config_flags  # noqa: E402
 
+from md_cache import settings as cache_settings  # noqa: E402
 from md_core import apps  # noqa: E402
+from md_lora import settings as lora_settings  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "ml-collections config file (apps/configs/ltx.py:<variant>)."
@@ -92,9 +94,9 @@ def _check(config, folder):
     stg_blocks=_numbers(p, "stg_blocks", int, "11,25"),
   )
   conditions = _conditions(p, config)
-  p.call(apps.make_cache, config, "ltx")
+  p.call(cache_settings.make_cache, config, md_ltx.LTXVideoPipeline)
   apps.check_quantization(p, config)
-  apps.check_loras(p, config)
+  lora_settings.check_loras(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return (
     mesh,
@@ -132,7 +134,7 @@ def main(argv):
       remat=config.remat,
       progress=True,
     )
-    apps.load_loras(pipe, config)  # --config.loras, at run time
+    lora_settings.load_loras(pipe, config)  # --config.loras, at run time
     upsampler = None
     if src["upsampler"]:
       upsampler = md_ltx.load_latent_upsampler(src["upsampler"][0], mesh=mesh, progress=True)
@@ -158,7 +160,7 @@ def main(argv):
     num_inference_steps=config.num_inference_steps,
     timesteps=lists["timesteps"],
     image_cond_noise_scale=config.image_cond_noise_scale,
-    cache=apps.make_cache(config, "ltx"),
+    cache=cache_settings.make_cache(config, pipe),
   )
   prompt, negative = config.prompt, config.negative_prompt or None
   start = time.perf_counter()
@@ -189,7 +191,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
-        cache_report=apps.cache_report(pipe),
+        cache_report=cache_settings.cache_report(pipe),
         num_frames_generated=int(frames.shape[1]),
         passes=[dict(height=h, width=w) for h, w in passes],
         mode="condition" if (conditions or pipe.condition_pipeline) else "t2v",
@@ -204,7 +206,7 @@ def main(argv):
     f"{loaded:.1f}s)"
   )
 
-  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
   if line:
     print(line)
 

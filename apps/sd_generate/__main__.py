@@ -18,7 +18,9 @@ if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
 
 from ml_collections import config_flags  # noqa: E402
 
+from md_cache import settings as cache_settings  # noqa: E402
 from md_core import apps  # noqa: E402
+from md_lora import settings as lora_settings  # noqa: E402
 
 # Without --config: the `default` variant, md's own shapes model (models/shapes-sd).
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "sd.py") + ":default"
@@ -68,9 +70,9 @@ def _check(config, folder):
     p.fraction("refiner_start", high_open=True)
   if model:
     apps.scheduler_steps_problem(p, model[0])
-  p.call(apps.make_cache, config, "sd")
+  p.call(cache_settings.make_cache, config, md_sd.StableDiffusionPipeline)
   apps.check_quantization(p, config)
-  apps.check_loras(p, config)
+  lora_settings.check_loras(p, config)
   mesh = apps.finish_checks(p, config, folder)
   return mesh, dict(model=model[0], nets=nets, refiner=refiner, unet=unet), images
 
@@ -105,7 +107,7 @@ def main(argv):
       unet_file=src["unet"][0] if src["unet"] else None,
       **load,
     )
-    apps.load_loras(pipe, config)  # --config.loras, at run time
+    lora_settings.load_loras(pipe, config)  # --config.loras, at run time
     refiner = md_sd.load_pipeline(src["refiner"][0], **load) if src["refiner"] else None
   loaded = time.perf_counter() - start
   size = (config.height, config.width)
@@ -139,7 +141,7 @@ def main(argv):
       control_guidance_start=config.control_guidance_start,
       control_guidance_end=config.control_guidance_end,
     )
-  kwargs["cache"] = apps.make_cache(config, "sd")
+  kwargs["cache"] = cache_settings.make_cache(config, pipe)
   start = time.perf_counter()
   negative = config.negative_prompt or None
   with md_progress.phase("generating", announce=True):
@@ -161,7 +163,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
-        cache_report=apps.cache_report(pipe),
+        cache_report=cache_settings.cache_report(pipe),
         scheduler=sched.name,
         scheduler_config=dict(sched.config),
         images=names,
@@ -174,7 +176,7 @@ def main(argv):
     f"{loaded:.1f}s)"
   )
 
-  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
   if line:
     print(line)
 

@@ -15,7 +15,9 @@ if not any(a.startswith(("--verbosity", "-v")) for a in sys.argv[1:]):
 
 from ml_collections import config_flags  # noqa: E402
 
+from md_cache import settings as cache_settings  # noqa: E402
 from md_core import apps  # noqa: E402
+from md_lora import settings as lora_settings  # noqa: E402
 
 # Without --config: the `default` variant, md's own shapes model (models/shapes-wan).
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "wan.py") + ":default"
@@ -57,6 +59,7 @@ def _size_problems(problems, config, model: str) -> None:
 def _check(config, folder):
   """Every check that needs no weights; returns (mesh, model folder, images)."""
   import md_attention as mda
+  import md_wan
 
   problems = apps.Problems(config)
   model = (apps.check_local(problems, "model") or [""])[0]
@@ -84,9 +87,9 @@ def _check(config, folder):
   if source is None:
     _size_problems(problems, config, model)
     apps.scheduler_steps_problem(problems, model)
-  problems.call(apps.make_cache, config, "wan")
+  problems.call(cache_settings.make_cache, config, md_wan.WanVideoPipeline)
   apps.check_quantization(problems, config)
-  apps.check_loras(problems, config)
+  lora_settings.check_loras(problems, config)
   return apps.finish_checks(problems, config, folder), model, images
 
 
@@ -119,7 +122,7 @@ def main(argv):
       remat=config.remat,
       progress=True,
     )
-    apps.load_loras(pipe, config)  # --config.loras, at run time
+    lora_settings.load_loras(pipe, config)  # --config.loras, at run time
   loaded = time.perf_counter() - start
   size = (config.height, config.width)
   options = {} if config.flow_shift is None else {"flow_shift": config.flow_shift}
@@ -140,7 +143,7 @@ def main(argv):
         seed=config.seed,
         max_sequence_length=config.max_sequence_length,
         scheduler_options=options,
-        cache=apps.make_cache(config, "wan"),
+        cache=cache_settings.make_cache(config, pipe),
         **pixels,
       )
     except ValueError as e:
@@ -163,7 +166,7 @@ def main(argv):
     folder.commit(
       apps.settings_of(
         config,
-        cache_report=apps.cache_report(pipe),
+        cache_report=cache_settings.cache_report(pipe),
         num_frames_generated=int(frames.shape[1]),
         scheduler=sched.name,
         scheduler_config=dict(sched.config),
@@ -179,7 +182,7 @@ def main(argv):
   )
 
   print(f"contact sheet(s) of the frames: {', '.join(sheets)}")
-  line = apps.cache_line(config.cache, apps.cache_report(pipe))
+  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
   if line:
     print(line)
 

@@ -4,6 +4,7 @@ Each policy factory returns an `md_schedulers.StepCache` for a pipeline's `cache
 traced values in the loop state, so changing them never recompiles.
 """
 
+from md_cache import settings
 from md_cache._common import prepare
 from md_cache._deepcache import DeepCacheState, deepcache
 from md_cache._faster_cache import FasterCacheState, faster_cache
@@ -41,6 +42,7 @@ __all__ = [
   "resample_ratios",
   "save_mag_ratios",
   "sencache",
+  "settings",
   "taylorseer",
   "teacache",
 ]

@@ -201,6 +201,17 @@ class Pipeline:
   last_calls: int = 0
   last_cache: Any = None
 
+  # --- the family contract: what every family pipeline answers (servers, apps and trainers ask these,
+  # never probe attributes) ---------------------------------------------------------------------------
+  #: The family's name ("sd", "flux", "flux2", "wan", "ltx", "ltx2").
+  family: str = ""
+  #: Whether the denoiser runs transformer blocks through `md_core.scan_layers` (block-level caches
+  #: apply); a UNet (md-sd) has none.
+  block_stacks: bool = True
+  #: Step-cache options used where a setting gives none, by md-cache policy name (e.g. TeaCache's
+  #: published polynomial for the family: `{"teacache": {"coefficients": "flux"}}`).
+  cache_defaults: Mapping[str, Mapping[str, Any]] = {}
+
   def _init_scaffold(self, mesh: jax.sharding.Mesh | None, source: Any = "") -> None:
     self.mesh, self.source = mesh, str(source)
     self._memo = JitMemo()
@@ -253,7 +264,12 @@ class Pipeline:
     return place_batch(self.mesh, x)
 
   # --- run-time LoRA -------------------------------------------------------------------------------------
-  def _splits_of(self, component: str) -> tuple[nnx.Module, list[Split]]:
+  def splits_of(self, component: str) -> tuple[nnx.Module, list[Split]]:
+    """A model component and every `Split` of it this pipeline holds (to update their state together).
+
+    Raises:
+      ValueError: the pipeline has no model component of that name.
+    """
     module = getattr(self, component, None)
     if not isinstance(module, nnx.Module):
       raise ValueError(f"{type(self).__name__} has no model component {component!r}")
@@ -272,7 +288,7 @@ class Pipeline:
     adapters without recompiling."""
     from md_core._lora import add_lora_slots  # noqa: PLC0415
 
-    module, splits = self._splits_of(component)
+    module, splits = self.splits_of(component)
     paths = add_lora_slots(module, rank, targets=targets, gain=gain)
     for split in splits:
       split.refresh()
@@ -284,7 +300,7 @@ class Pipeline:
     component's LoRA slots; the same compiled programs run them."""
     from md_core._lora import set_lora  # noqa: PLC0415
 
-    module, splits = self._splits_of(component)
+    module, splits = self.splits_of(component)
     if not splits:
       raise ValueError(f"{component!r} is not a split module of this pipeline")
     state = set_lora(splits[0].state, adapters)
@@ -292,91 +308,13 @@ class Pipeline:
       split.state = state
     nnx.update(module, state)  # the module shows the adapters too (e.g. to merge from it)
 
-  # --- the LoRA API (md-lora does the work; every family gets it here) ---------------------------------
+  # --- LoRA targets (the pipeline LoRA API, `load_lora` & co., is md-lora's `LoRAPipeline`) -----------
   # The components LoRA files adapt (the denoisers), e.g. ("unet",) or ("transformer", "transformer_2").
   lora_components: tuple[str, ...] = ()
 
   def lora_key_map(self, component: str) -> Any:
     """The family's key map (`convert_key`) for a LoRA component's reference names."""
     raise NotImplementedError(f"{type(self).__name__} does not name its LoRA key map")
-
-  def load_lora(
-    self,
-    file: str | os.PathLike,
-    *,
-    name: str | None = None,
-    scale: float | Mapping[str, float] = 1.0,
-    component: str | Sequence[str] | None = None,
-    fuse: bool = False,
-    max_rank: int | None = None,
-    targets: Any = None,
-    **read_options: Any,
-  ) -> str:
-    """Reads a LoRA file for this pipeline's denoiser(s) and applies it, active at once.
-
-    At run time (the default) the adapter goes into LoRA slots that the compiled programs take as
-    arguments: later loads, `set_adapters`, `unload_lora` never recompile. The slots are added at the
-    first run-time load (one recompile then), `max_rank` (default 64) wide, on every Dense and Conv of
-    each component unless `targets=` (layer-path suffixes or a predicate) narrows them; adapters active
-    at once share `max_rank`.
-
-    Args:
-      file: a LoRA `.safetensors` file (any format md-lora reads).
-      name: the adapter's name (default: the file's stem).
-      scale: its multiplier, or `{component: scale}` (e.g. Wan 2.2's two experts).
-      component: the component(s) to adapt (default: every one in `lora_components`; Wan 2.2:
-        `"transformer"` for the high-noise expert, `"transformer_2"` for the low-noise one).
-      fuse: merge it into the weights now (`W + s·B·A` on the weights' devices) instead of slots (a
-        DoRA file at run time adds per-output gain slots beside them at its first load: one compile).
-      max_rank: the slot rank (only at the first load).
-      targets: which layers get slots (only at the first load).
-      **read_options: passed to `md_lora.load_lora` (`prefix=`, `format=`, `allow_unmatched=`…).
-
-    Returns:
-      The adapter's name.
-
-    Raises:
-      ValueError / md_lora.LoRAFileError: a name in use, an unknown component, a file that does not
-        fit (every key named), more rank than the slots hold.
-    """
-    return _lora_runtime().load(
-      self,
-      file,
-      name=name,
-      scale=scale,
-      component=component,
-      fuse=fuse,
-      max_rank=max_rank,
-      targets=targets,
-      **read_options,
-    )
-
-  def set_adapters(self, adapters: Mapping[str, Any] | Sequence[str] | str) -> None:
-    """The adapters used from now on, with their scales (`{name: scale or {component: scale}}`, or
-    names at 1.0); the ones not named are disabled (kept loaded). `{}` disables every unfused adapter.
-    Never recompiles."""
-    _lora_runtime().set_adapters(self, adapters)
-
-  def unload_lora(self, name: str | Sequence[str] | None = None) -> None:
-    """Forgets adapters (default: all), subtracting fused ones from the weights first."""
-    _lora_runtime().unload(self, name)
-
-  def fuse_lora(self, names: str | Sequence[str] | None = None) -> None:
-    """Merges the active adapters (or `names`) into the weights at their scales and takes them out of
-    the slots (the programs keep running without recompiling)."""
-    _lora_runtime().fuse(self, names)
-
-  def unfuse_lora(self, names: str | Sequence[str] | None = None) -> None:
-    """Subtracts fused adapters from the weights again; they stay active, in the slots (a DoRA adapter's
-    rescaling, which its factors cannot undo, is subtracted as its fuse added it)."""
-    _lora_runtime().unfuse(self, names)
-
-  @property
-  def loras(self) -> dict[str, dict[str, Any]]:
-    """The loaded adapters: `{name: {"source", "scales", "active", "fused"}}`."""
-    if getattr(self, "_lora_registry", None) is None:
-      return {}
-    return _lora_runtime().status(self)
 
   # --- quantization ----------------------------------------------------------------------------------
   #: The components `quantize` converts when none is named: the denoisers.
@@ -409,7 +347,7 @@ class Pipeline:
       names = [component] if isinstance(component, str) else list(component)
     done = []
     for name in names:
-      module, splits = self._splits_of(name)
+      module, splits = self.splits_of(name)
       done += [f"{name}:{p}" for p in quant.quantize(module, mode, targets=targets)]
       for split in splits:
         split.refresh()
@@ -421,16 +359,6 @@ class Pipeline:
     from md_core import progress as md_progress  # noqa: PLC0415
 
     return md_progress.phase("decoding", announce=bool(progress))
-
-
-def _lora_runtime():
-  try:
-    from md_lora import _runtime  # noqa: PLC0415 - md-lora sits above md-core
-  except ImportError as e:
-    raise ImportError(
-      "the pipeline LoRA API needs md-lora: `uv add md-lora` / pip install md-lora"
-    ) from e
-  return _runtime
 
 
 # --- loading ----------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from md_flux import _pipeline_common as pc
 from md_flux._flux1 import FluxTransformer
 from md_flux._pipeline_common import check_size, image_ids, pack_latents, unpack_latents
 from md_flux._weights1 import load_flux
+from md_lora import LoRAPipeline
 
 __all__ = ["FluxPipeline", "check_size", "image_ids", "pack_latents", "unpack_latents"]
 
@@ -46,7 +47,7 @@ def _decode_fn(vae: mdp.Split, cfg: md_vae.AutoencoderKLConfig, h: int, w: int):
   return jax.jit(decode)
 
 
-class FluxPipeline(mdp.Pipeline):
+class FluxPipeline(LoRAPipeline, mdp.Pipeline):
   """A loaded Flux.1 text-to-image pipeline (see `load_pipeline`); call it to generate images.
 
   Attributes:
@@ -56,6 +57,8 @@ class FluxPipeline(mdp.Pipeline):
     last_calls: the transformer calls the last generation made (a step cache may skip some).
   """
 
+  family = "flux"
+  cache_defaults = {"teacache": {"coefficients": "flux"}}  # TeaCache's published Flux.1 polynomial
   lora_components = ("transformer", "text_encoder")  # what pipe.load_lora adapts
   # The CLIP encoder takes a file's LoRA only where it holds its keys (train_dreambooth_lora_flux.py's
   # `--train_text_encoder` writes `text_encoder.`; kohya's Flux LoRAs `lora_te1_`).

@@ -39,6 +39,7 @@ from md_flux import _pipeline_common as pc
 from md_flux._flux2 import Flux2Transformer
 from md_flux._pipeline_common import check_size, image_ids, unpack_latents
 from md_flux._weights2 import load_flux2
+from md_lora import LoRAPipeline
 
 MAX_REFERENCE_IMAGES = 4
 # The reference image processor's limits (diffusers' Flux2ImageProcessor).
@@ -127,7 +128,7 @@ def prepare_reference_image(
   return 2.0 * pixels - 1.0
 
 
-class Flux2KleinPipeline(mdp.Pipeline):
+class Flux2KleinPipeline(LoRAPipeline, mdp.Pipeline):
   """A loaded Flux.2 Klein pipeline (see `load_pipeline`); call it to generate or edit images.
 
   Attributes:
@@ -142,6 +143,7 @@ class Flux2KleinPipeline(mdp.Pipeline):
     last_calls: the transformer calls the last generation made (a step cache may skip some).
   """
 
+  family = "flux2"
   lora_components = ("transformer",)  # what pipe.load_lora adapts
 
   def lora_key_map(self, component: str):

@@ -5,12 +5,14 @@ A LoRA on a reference module `M` is a delta on its weight `M.weight`; the family
 part of a fused tensor and which layer of a stack, so one reader serves every family.
 """
 
+from md_lora import settings
 from md_lora._adapter import Adapter, GLoRAWeight, IA3Weight, LoRAWeight, OFTWeight, Site
 from md_lora._extract import Extraction, extract_lora, save_peft
 from md_lora._formats import FORMATS, LoRAFileError, detect_format, kohya_module_name
 from md_lora._load import load_lora, lora_factors, lora_report
 from md_lora._merge import merge, unmerge
 from md_lora._runtime import DEFAULT_MAX_RANK, apply_runtime, to_slots
+from md_lora.pipeline import LoRAPipeline
 
 __all__ = [
   "DEFAULT_MAX_RANK",
@@ -18,6 +20,7 @@ __all__ = [
   "Adapter",
   "Extraction",
   "LoRAFileError",
+  "LoRAPipeline",
   "LoRAWeight",
   "GLoRAWeight",
   "IA3Weight",
@@ -32,6 +35,7 @@ __all__ = [
   "lora_report",
   "merge",
   "save_peft",
+  "settings",
   "to_slots",
   "unmerge",
 ]

@@ -324,7 +324,7 @@ def _rebuild(pipe: Any) -> None:
         _check_fits(pipe, component, adapter)
     elif not _has_slots(pipe, component):
       continue
-    module, splits = pipe._splits_of(component)
+    module, splits = pipe.splits_of(component)
     state = splits[0].state if splits else nnx.state(module)
     try:
       pipe.set_lora([to_slots(a, s, state) for a, s in pairs], component=component)
@@ -347,7 +347,7 @@ def load(
   targets: Any = None,
   **read_options: Any,
 ) -> str:
-  """`pipe.load_lora`: see `md_core.pipeline.Pipeline.load_lora`."""
+  """`pipe.load_lora`: see `md_lora.LoRAPipeline.load_lora`."""
   reg = _registry(pipe)
   name = pathlib.Path(file).stem if name is None else str(name)
   if name in reg.entries:
@@ -413,7 +413,7 @@ def _names(reg: _Registry, names: str | Sequence[str] | None, what: str) -> list
 
 
 def set_adapters(pipe: Any, adapters: Mapping[str, Any] | Sequence[str] | str) -> None:
-  """`pipe.set_adapters`: see `md_core.pipeline.Pipeline.set_adapters`."""
+  """`pipe.set_adapters`: see `md_lora.LoRAPipeline.set_adapters`."""
   reg = _registry(pipe)
   if isinstance(adapters, str):
     adapters = {adapters: 1.0}
@@ -441,7 +441,7 @@ def set_adapters(pipe: Any, adapters: Mapping[str, Any] | Sequence[str] | str) -
 
 
 def unload(pipe: Any, name: str | Sequence[str] | None = None) -> None:
-  """`pipe.unload_lora`: see `md_core.pipeline.Pipeline.unload_lora`."""
+  """`pipe.unload_lora`: see `md_lora.LoRAPipeline.unload_lora`."""
   reg = _registry(pipe)
   for n in _names(reg, name, "unload_lora"):
     entry = reg.entries[n]
@@ -453,7 +453,7 @@ def unload(pipe: Any, name: str | Sequence[str] | None = None) -> None:
 
 def _merged(pipe: Any, entry: _Entry, scales: Mapping[str, float], fn) -> None:
   for c, adapter in entry.adapters.items():
-    module, splits = pipe._splits_of(c)
+    module, splits = pipe.splits_of(c)
     state = splits[0].state if splits else nnx.state(module)
     new = fn(c, state, adapter, scales[c])
     nnx.update(module, new)
@@ -491,7 +491,7 @@ def _unfuse(pipe: Any, entry: _Entry) -> None:
 
 
 def fuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
-  """`pipe.fuse_lora`: see `md_core.pipeline.Pipeline.fuse_lora`."""
+  """`pipe.fuse_lora`: see `md_lora.LoRAPipeline.fuse_lora`."""
   reg = _registry(pipe)
   for n in _names(reg, names, "fuse_lora"):
     entry = reg.entries[n]
@@ -501,7 +501,7 @@ def fuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
 
 
 def unfuse(pipe: Any, names: str | Sequence[str] | None = None) -> None:
-  """`pipe.unfuse_lora`: see `md_core.pipeline.Pipeline.unfuse_lora`."""
+  """`pipe.unfuse_lora`: see `md_lora.LoRAPipeline.unfuse_lora`."""
   reg = _registry(pipe)
   for n in reversed(_names(reg, names, "unfuse_lora")):
     entry = reg.entries[n]

@@ -43,6 +43,7 @@ import md_core
 import md_schedulers as mdsch
 import md_text
 from md_core import pipeline as mdp
+from md_lora import LoRAPipeline
 from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
 from md_ltx._ltx2_weights import load_ltx2_transformer
 from md_ltx._video_tokens import check_video_size, decode_inputs, pack_tokens, unpack_tokens
@@ -132,7 +133,7 @@ def _image_array(image: Any, height: int, width: int, crf: int = 0) -> np.ndarra
   return np.asarray(image, np.float32) / 255.0 * 2.0 - 1.0
 
 
-class LTX2VideoPipeline(mdp.Pipeline):
+class LTX2VideoPipeline(LoRAPipeline, mdp.Pipeline):
   """A loaded LTX-2 pipeline (see `load_ltx2_pipeline`); call it to generate videos with sound.
 
   Attributes:
@@ -141,6 +142,7 @@ class LTX2VideoPipeline(mdp.Pipeline):
     image_to_video: the folder is an `LTX2ImageToVideoPipeline` (an `image` is then required).
   """
 
+  family = "ltx2"
   lora_components = ("transformer",)  # what pipe.load_lora adapts
 
   def lora_key_map(self, component: str):

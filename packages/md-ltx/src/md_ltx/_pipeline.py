@@ -37,6 +37,7 @@ import md_schedulers as mdsch
 import md_text
 import md_vae
 from md_core import pipeline as mdp
+from md_lora import LoRAPipeline
 from md_ltx._ltx2_pipeline import LTX2_PIPELINE_CLASSES, load_ltx2_pipeline
 from md_ltx._transformer import (
   SKIP_LAYER_STRATEGIES,
@@ -146,7 +147,7 @@ def _pad_steps(a: np.ndarray, start: int) -> np.ndarray:
   return np.concatenate([np.zeros((start, *a.shape[1:]), a.dtype), a]) if start else a
 
 
-class LTXVideoPipeline(mdp.Pipeline):
+class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
   """A loaded LTX-Video pipeline (see `load_pipeline`); call it to generate videos.
 
   Attributes:
@@ -158,6 +159,8 @@ class LTXVideoPipeline(mdp.Pipeline):
       semantics. A call's `mode=` overrides either.
   """
 
+  family = "ltx"
+  cache_defaults = {"teacache": {"coefficients": "ltx-video"}}  # TeaCache's LTX-Video polynomial
   lora_components = ("transformer",)  # what pipe.load_lora adapts
 
   def lora_key_map(self, component: str):

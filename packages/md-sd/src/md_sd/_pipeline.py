@@ -34,6 +34,7 @@ import md_schedulers as mdsch
 import md_text
 import md_vae
 from md_core import pipeline as mdp
+from md_lora import LoRAPipeline
 from md_sd._config import UNetConfig
 from md_sd._controlnet import ControlNetModel
 from md_sd._unet import UNet2DConditionModel
@@ -86,7 +87,7 @@ def _nchw_to_nhwc(x) -> jax.Array:
   return jnp.transpose(x, (0, 2, 3, 1))
 
 
-class StableDiffusionPipeline(mdp.Pipeline):
+class StableDiffusionPipeline(LoRAPipeline, mdp.Pipeline):
   """A loaded SD 1.x / 2.x / XL pipeline (see `load_pipeline`); call it to generate images.
 
   Attributes:
@@ -103,6 +104,8 @@ class StableDiffusionPipeline(mdp.Pipeline):
 
   last_calls: int = 0
 
+  family = "sd"
+  block_stacks = False  # a UNet: no transformer block stacks for block-level caches
   lora_components = ("unet", "text_encoder", "text_encoder_2")  # what pipe.load_lora adapts
   # The text encoders take a file's LoRA only where it holds their keys (prefixes in this order).
   lora_prefixes = {

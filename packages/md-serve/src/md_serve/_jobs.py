@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 import md_schedulers
+from md_cache import settings as cache_settings
 from md_serve._models import ServedModel
 from md_serve._requests import GenRequest, RequestError
 
@@ -69,8 +70,6 @@ class ShuttingDown(Exception):
 
 
 DONE = ("succeeded", "failed", "cancelled")
-_BLOCK_LEVEL = ("first_block_cache", "magcache", "teacache")  # need transformer block stacks
-_UNET_ONLY = ("deepcache",)
 
 
 @dataclasses.dataclass
@@ -444,21 +443,20 @@ class JobQueue:
     Raises:
       RequestError: the policy does not apply to the model's denoiser (param "cache").
     """
-    import md_cache  # noqa: PLC0415
-
-    family = "sd" if hasattr(model.pipe, "unet") else "wan"
-    if r.cache in _BLOCK_LEVEL and family == "sd":
+    pipe = model.pipe  # asked through the family contract: block_stacks, cache_defaults
+    policy = cache_settings.POLICIES[r.cache]
+    if policy.needs == "blocks" and not pipe.block_stacks:
       raise RequestError(
         "cache", f"cache {r.cache!r} needs transformer blocks; {model.name} has a UNet"
       )
-    if r.cache in _UNET_ONLY and family != "sd":
+    if policy.needs == "unet" and pipe.block_stacks:
       raise RequestError("cache", f"cache {r.cache!r} is for UNets; {model.name} has a transformer")
-    options = dict(r.cache_options)
+    options = {**pipe.cache_defaults.get(r.cache, {}), **dict(r.cache_options)}
     ratios = options.pop("mag_ratios", None)
     if ratios is not None:
       options["mag_ratios"] = np.asarray(ratios, np.float32)
     try:
-      return getattr(md_cache, r.cache)(**options)
+      return policy.factory(**options)
     except ValueError as e:
       raise RequestError("cache_options", f"cache {r.cache!r}: {e}") from None
 

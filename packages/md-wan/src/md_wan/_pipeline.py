@@ -31,6 +31,7 @@ import md_text
 import md_vae
 import md_wan
 from md_core import pipeline as mdp
+from md_lora import LoRAPipeline
 from md_wan._transformer import WanTransformer
 from md_wan._weights import load_transformer
 
@@ -76,7 +77,7 @@ def _image_array(image: Any, what: str) -> np.ndarray:
   return x
 
 
-class WanVideoPipeline(mdp.Pipeline):
+class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
   """A loaded Wan pipeline (see `load_pipeline`); call it to generate videos.
 
   Attributes:
@@ -89,6 +90,7 @@ class WanVideoPipeline(mdp.Pipeline):
     scheduler_config: the checkpoint's `scheduler_config.json` dict.
   """
 
+  family = "wan"
   lora_components = ("transformer", "transformer_2")  # what pipe.load_lora adapts
 
   def lora_key_map(self, component: str):
