@@ -1,10 +1,10 @@
 """md-cache: step and block caches for md's sampling loop, optax style.
 
 Each policy factory returns an `md_schedulers.StepCache` for a pipeline's `cache=`; its thresholds are
-traced values in the loop state, so changing them never recompiles.
+traced values in the loop state, so changing them never recompiles. App / server settings (the option
+table, `make_cache`, the report) are `md_cache.settings`.
 """
 
-from md_cache import settings
 from md_cache._common import prepare
 from md_cache._deepcache import DeepCacheState, deepcache
 from md_cache._faster_cache import FasterCacheState, faster_cache
@@ -42,7 +42,6 @@ __all__ = [
   "resample_ratios",
   "save_mag_ratios",
   "sencache",
-  "settings",
   "taylorseer",
   "teacache",
 ]

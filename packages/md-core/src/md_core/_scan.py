@@ -27,15 +27,15 @@ device and nowhere else.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from md_core.hooks import active_hook
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 
@@ -60,35 +60,6 @@ def remat(fn: Callable, policy: str) -> Callable:
 
 
 _checkpoint = remat  # `scan_layers` takes a `remat=` argument that shadows the name
-
-
-class BlockHook(Protocol):
-  """What `block_hook` takes: called once per hookable block stack while a model is traced."""
-
-  def __call__(
-    self, run: Callable[[Any, int, int], Any], carry: Any, *, num_layers: int, index: int
-  ) -> Any: ...
-
-
-class _Active:
-  def __init__(self, hook: BlockHook):
-    self.hook = hook
-    self.count = 0
-
-
-_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
-  "md_block_hook", default=None
-)
-
-
-@contextlib.contextmanager
-def block_hook(hook: BlockHook | None) -> Iterator[None]:
-  """Routes every hookable `scan_layers` traced inside the block through `hook` (None: no hook)."""
-  token = _ACTIVE.set(None if hook is None else _Active(hook))
-  try:
-    yield
-  finally:
-    _ACTIVE.reset(token)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -256,7 +227,7 @@ def scan_layers(
       part = jax.tree.map(lambda a: a[start:stop], part)
     return jax.lax.scan(step, c, part)
 
-  active = _ACTIVE.get() if hookable else None
+  active = active_hook() if hookable else None
   if active is None:
     return scan(carry, 0, n)
 
@@ -287,6 +258,6 @@ def deep_branch(run: Callable[[Any], Any], carry: Any) -> Any:
   hookable unit: an active `block_hook` whose hook has a `deep_branch(run, carry)` method takes it
   over (DeepCache reuses its output on cheap steps); otherwise, and for hooks without that method (the
   block caches of transformer stacks), `run(carry)`."""
-  active = _ACTIVE.get()
+  active = active_hook()
   take = getattr(None if active is None else active.hook, "deep_branch", None)
   return run(carry) if take is None else take(run, carry)

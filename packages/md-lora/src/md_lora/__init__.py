@@ -5,7 +5,6 @@ A LoRA on a reference module `M` is a delta on its weight `M.weight`; the family
 part of a fused tensor and which layer of a stack, so one reader serves every family.
 """
 
-from md_lora import settings
 from md_lora._adapter import Adapter, GLoRAWeight, IA3Weight, LoRAWeight, OFTWeight, Site
 from md_lora._extract import Extraction, extract_lora, save_peft
 from md_lora._formats import FORMATS, LoRAFileError, detect_format, kohya_module_name
@@ -35,7 +34,6 @@ __all__ = [
   "lora_report",
   "merge",
   "save_peft",
-  "settings",
   "to_slots",
   "unmerge",
 ]

@@ -8,6 +8,7 @@ import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import md_core
 from md_schedulers import (
   _base,
   _ddim,
@@ -152,7 +153,5 @@ def load(
     subfolder: the component folder holding `scheduler_config.json`.
     **overrides: as in `from_config` (including `name=` to switch the scheduler class).
   """
-  from md_core import resolve_source
-
-  folder = resolve_source(source, subfolder=subfolder)
+  folder = md_core.resolve_source(source, subfolder=subfolder)
   return from_config(read_config(folder), **overrides)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import md_core
 from md_core import progress as md_progress
 from md_schedulers._base import Scheduler, SchedulerState, current_timestep, num_calls
 from md_schedulers.guidance import NO_GUIDANCE, Guidance, combine
@@ -229,8 +230,6 @@ def run_steps(
       elif cache is None:
         pred, reused = compute(), jnp.zeros((), bool)
       elif cache.hook is not None:
-        import md_core  # noqa: PLC0415 - only block-level caches need it
-
         hook = cache.hook(cache_state, i, t, x)
         with md_core.block_hook(hook):
           pred = compute()
