@@ -31,31 +31,6 @@ _WORKDIR, _OVERWRITE = apps.define_output_flags("outputs/wan", "videos")
 _FIXED = ("variant", "needs_image", "needs_last_image")
 
 
-def _size_problems(problems, config, model: str) -> None:
-  """Height / width multiples of VAE factor x patch and 4k + 1 frames, from the checkpoint's configs."""
-  try:
-    vae = apps.source_config(model, "vae")
-    transformer = apps.source_config(model, "transformer")
-  except (FileNotFoundError, ValueError) as e:
-    problems.add(f"--config.model: {e}")
-    return
-  spatial = int(vae.get("scale_factor_spatial") or 8)
-  temporal = int(vae.get("scale_factor_temporal") or 4)
-  _, ph, pw = transformer.get("patch_size", (1, 2, 2))
-  for key, multiple in (("height", spatial * ph), ("width", spatial * pw)):
-    value = config[key]
-    if value <= 0 or value % multiple:
-      low = max(multiple, value // multiple * multiple)
-      near = f"{low} or {low + multiple}" if low < value else str(low)
-      problems.add(f"--config.{key}={value} must be a positive multiple of {multiple} → {near}")
-  frames = config.num_frames
-  if frames < 1 or (frames - 1) % temporal:
-    low = max(1, (frames - 1) // temporal * temporal + 1)
-    problems.add(
-      f"--config.num_frames={frames} must be {temporal}k + 1 → {low} or {low + temporal}"
-    )
-
-
 def _check(config, folder):
   """Every check that needs no weights; returns (mesh, model folder, images)."""
   import md_attention as mda
@@ -85,7 +60,10 @@ def _check(config, folder):
   problems.dtype("dtype")
   problems.choice("attention", mda.IMPLEMENTATIONS)
   if source is None:
-    _size_problems(problems, config, model)
+    for line in md_wan.WanVideoPipeline.size_problems(
+      model, config.height, config.width, config.num_frames
+    ):
+      problems.add(f"--config.{line}")
     apps.scheduler_steps_problem(problems, model)
   problems.call(cache_settings.make_cache, config, md_wan.WanVideoPipeline)
   apps.check_quantization(problems, config)

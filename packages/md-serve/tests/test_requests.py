@@ -1,18 +1,19 @@
 """Request checking without a pipeline: every bad field named, sizes with the nearest valid values."""
 
-import types
-
 import pytest
 
 import md_serve
 
 
 class _ImagePipe:
-  """Just what md-serve reads off an md-sd pipeline: the UNet's channels, the VAE factor, the call."""
+  """Just what md-serve asks an md-sd pipeline (the family contract): what it makes, its noise layout
+  (4 latent channels, VAE factor 8), its default size, the call."""
 
-  unet = types.SimpleNamespace(cfg=types.SimpleNamespace(in_channels=4))
-  vae_scale_factor = 8
+  media = "image"
   default_size = 64
+
+  def noise_layout(self):
+    return md_serve.NoiseSpec("image", 8, 4, 8)
 
   def __call__(self, prompt, *, height, width, num_inference_steps, scheduler=None, latents=None):
     raise AssertionError("not called here")

@@ -149,6 +149,79 @@ def seed_key(seed: Any) -> jax.Array:
   return jax.random.key(int(seed))
 
 
+NOISE_LAYOUTS = ("channels_first", "channels_last", "packed")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseLayout:
+  """How a pipeline draws a row's initial noise for a seed, in its `latents=` layout (the family
+  contract's `Pipeline.noise_layout()`).
+
+  `draw` gives what the pipeline itself draws for that seed when no `latents` are given (same key, same
+  order of elements), so a server that batches requests with different seeds, or searches over seeds,
+  gives each row the image a plain `pipe(prompt, seed=seed)` call gives.
+
+  Attributes:
+    kind: "image" or "video".
+    multiple: height and width must be multiples of this (pixels per latent token).
+    channels: latent channels of the `latents=` layout (Flux: the transformer's patchified channels).
+    factor: pixels per latent pixel (of the grid the noise is drawn on).
+    temporal: frames per latent frame (video), else 0.
+    layout: how the pipeline draws its noise and takes `latents=` (one of `NOISE_LAYOUTS`):
+      "channels_first": drawn and taken as `[n, C, (F,) h, w]` (md-sd, md-wan);
+      "channels_last": drawn `[n, (F,) h, w, C]`, taken channels-first `[n, C, (F,) h, w]` (Flux.2 with
+        h = H/16 and C the patchified channels, LTX-Video);
+      "packed": drawn `[n, h, w, C/4]`, taken as 2x2 patches packed into tokens `[n, (h/2)(w/2), C]`
+        (features channel, then row and column in the patch; Flux.1).
+    split: `(count, index)` when the pipeline draws its noise from `jax.random.split(key(seed),
+      count)[index]`; None: from `key(seed)` itself.
+  """
+
+  kind: str
+  multiple: int
+  channels: int
+  factor: int
+  temporal: int = 0
+  layout: str = "channels_first"
+  split: tuple[int, int] | None = None
+
+  def __post_init__(self):
+    if self.layout not in NOISE_LAYOUTS:
+      raise ValueError(f"NoiseLayout: layout={self.layout!r}; expected one of {NOISE_LAYOUTS}")
+    if self.layout == "packed" and (self.kind != "image" or self.channels % 4):
+      raise ValueError(
+        f"NoiseLayout: the packed layout is for images with channels a multiple of 4; got "
+        f"kind={self.kind!r}, channels={self.channels}"
+      )
+
+  def shape(self, n: int, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+    """The `latents=` shape of `n` rows (SD, Flux.2: `[n, C, H/f, W/f]`; Wan, LTX-Video:
+    `[n, C, (F-1)/t + 1, H/f, W/f]`; Flux.1: `[n, (H/2f)(W/2f), C]`)."""
+    h, w = height // self.factor, width // self.factor
+    if self.layout == "packed":
+      return (n, (h // 2) * (w // 2), self.channels)
+    if self.kind == "video":
+      return (n, self.channels, (num_frames - 1) // self.temporal + 1, h, w)
+    return (n, self.channels, h, w)
+
+  def draw(self, seed: int, n: int, height: int, width: int, num_frames: int = 1) -> np.ndarray:
+    """`n` rows of standard normal noise from `seed` (the same seed gives the same rows)."""
+    key = jax.random.key(int(seed))
+    if self.split is not None:
+      count, index = self.split
+      key = jax.random.split(key, count)[index]
+    shape = self.shape(n, height, width, num_frames)
+    if self.layout == "channels_first":
+      return np.asarray(jax.random.normal(key, shape, np.float32))
+    if self.layout == "channels_last":
+      drawn = np.asarray(jax.random.normal(key, (n, *shape[2:], shape[1]), np.float32))
+      return np.ascontiguousarray(np.moveaxis(drawn, -1, 1))
+    h, w, c = height // self.factor, width // self.factor, self.channels // 4
+    drawn = np.asarray(jax.random.normal(key, (n, h, w, c), np.float32))
+    patches = drawn.reshape(n, h // 2, 2, w // 2, 2, c).transpose(0, 1, 3, 5, 2, 4)
+    return np.ascontiguousarray(patches.reshape(shape))
+
+
 _UNSET = object()
 
 
@@ -211,6 +284,24 @@ class Pipeline:
   #: Step-cache options used where a setting gives none, by md-cache policy name (e.g. TeaCache's
   #: published polynomial for the family: `{"teacache": {"coefficients": "flux"}}`).
   cache_defaults: Mapping[str, Mapping[str, Any]] = {}
+  #: What the pipeline makes: "image" or "video".
+  media: str = "image"
+
+  def noise_layout(self) -> NoiseLayout | None:
+    """How this pipeline draws a row's initial noise for a seed (what a server batches requests with
+    different seeds and searches over seeds with); None: the pipeline cannot take it per row, so each
+    call runs one seed."""
+    return None
+
+  @classmethod
+  def size_problems(
+    cls, source: str | os.PathLike, height: int, width: int, num_frames: int = 1
+  ) -> list[str]:
+    """What is wrong with a size for the checkpoint at `source`, from its configs only (before any
+    weight loads; the app's check): one line per problem, naming the nearest valid values; empty when
+    it fits (also for a family without config-only rules)."""
+    del source, height, width, num_frames
+    return []
 
   def _init_scaffold(self, mesh: jax.sharding.Mesh | None, source: Any = "") -> None:
     self.mesh, self.source = mesh, str(source)

@@ -71,6 +71,21 @@ class FluxPipeline(LoRAPipeline, mdp.Pipeline):
 
     return convert_key
 
+  def noise_layout(self) -> mdp.NoiseLayout:
+    """Noise drawn at the VAE's resolution `[n, H/8, W/8, C/4]`, taken packed (2x2 patches)."""
+    f, c = int(self.vae_scale_factor), int(self.transformer.cfg.in_channels)
+    return mdp.NoiseLayout("image", 2 * f, c, f, layout="packed")
+
+  @classmethod
+  def size_problems(cls, source, height, width, num_frames=1) -> list[str]:
+    """Height and width multiples of 16 (VAE factor 8 x the 2x2 packing)."""
+    del source, num_frames
+    try:
+      check_size(height, width)
+    except ValueError as e:
+      return [str(e)]
+    return []
+
   def __init__(
     self,
     *,

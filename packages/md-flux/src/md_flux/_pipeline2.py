@@ -151,6 +151,11 @@ class Flux2KleinPipeline(LoRAPipeline, mdp.Pipeline):
 
     return convert_key_flux2
 
+  def noise_layout(self) -> mdp.NoiseLayout:
+    """Noise drawn on the 2x2-patchified grid `[n, H/16, W/16, 4C]`, taken channels-first."""
+    f, c = int(self.vae_scale_factor), int(self.transformer.cfg.in_channels)
+    return mdp.NoiseLayout("image", 2 * f, c, 2 * f, layout="channels_last")
+
   def __init__(
     self,
     *,

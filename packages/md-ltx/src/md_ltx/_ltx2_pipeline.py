@@ -46,6 +46,7 @@ from md_core import pipeline as mdp
 from md_lora import LoRAPipeline
 from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
 from md_ltx._ltx2_weights import load_ltx2_transformer
+from md_ltx._recipes import check_ltx2_size
 from md_ltx._video_tokens import check_video_size, decode_inputs, pack_tokens, unpack_tokens
 from md_vae._ltx2_audio import LTX2AudioVAE, pack_audio_latents, unpack_audio_latents
 from md_vae._ltx2_audio_weights import load_vae_ltx2_audio
@@ -143,12 +144,22 @@ class LTX2VideoPipeline(LoRAPipeline, mdp.Pipeline):
   """
 
   family = "ltx2"
+  media = "video"
   lora_components = ("transformer",)  # what pipe.load_lora adapts
 
   def lora_key_map(self, component: str):
     from md_ltx._ltx2_weights import ltx2_convert_key  # noqa: PLC0415
 
     return ltx2_convert_key
+
+  @classmethod
+  def size_problems(cls, source, height, width, num_frames=1) -> list[str]:
+    """`check_ltx2_size`: the checkpoint's VAE and patch multiples and frame steps, from configs."""
+    try:
+      check_ltx2_size(source, height, width, num_frames)
+    except (ValueError, FileNotFoundError) as e:
+      return [str(e)]
+    return []
 
   def __init__(
     self,

@@ -39,6 +39,7 @@ import md_vae
 from md_core import pipeline as mdp
 from md_lora import LoRAPipeline
 from md_ltx._ltx2_pipeline import LTX2_PIPELINE_CLASSES, load_ltx2_pipeline
+from md_ltx._recipes import check_ltx_size
 from md_ltx._transformer import (
   SKIP_LAYER_STRATEGIES,
   LTXTransformer,
@@ -161,12 +162,35 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
 
   family = "ltx"
   cache_defaults = {"teacache": {"coefficients": "ltx-video"}}  # TeaCache's LTX-Video polynomial
+  media = "video"
   lora_components = ("transformer",)  # what pipe.load_lora adapts
 
   def lora_key_map(self, component: str):
     from md_ltx._weights import convert_key  # noqa: PLC0415
 
     return convert_key
+
+  def noise_layout(self) -> mdp.NoiseLayout:
+    """`[n, F', h, w, C]` from the first of the five keys `__call__` splits the seed into, taken as
+    `[n, C, F', h, w]`."""
+    return mdp.NoiseLayout(
+      "video",
+      int(self.size_multiple),
+      int(self.vae.config.latent_channels),
+      int(self.vae_spatial_compression_ratio),
+      int(self.vae_temporal_compression_ratio),
+      layout="channels_last",
+      split=(5, 0),
+    )
+
+  @classmethod
+  def size_problems(cls, source, height, width, num_frames=1) -> list[str]:
+    """`check_ltx_size`: the checkpoint's VAE and patch multiples and frame steps, from configs."""
+    try:
+      check_ltx_size(source, height, width, num_frames)
+    except (ValueError, FileNotFoundError) as e:
+      return [str(e)]
+    return []
 
   def __init__(
     self,

@@ -118,6 +118,11 @@ class StableDiffusionPipeline(LoRAPipeline, mdp.Pipeline):
       return unet_key_map(self.unet.cfg)
     return md_text.clip_text_convert_key
 
+  def noise_layout(self) -> mdp.NoiseLayout:
+    """Noise drawn and taken as `[n, C, H/f, W/f]`."""
+    f = int(self.vae_scale_factor)
+    return mdp.NoiseLayout("image", f, int(self.unet.cfg.in_channels), f)
+
   def __init__(
     self,
     *,

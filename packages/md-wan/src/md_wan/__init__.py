@@ -9,6 +9,7 @@ from md_wan._pipeline import (
   clean_prompt,
   load_pipeline,
 )
+from md_wan._sizes import check_wan_size
 from md_wan._transformer import WanAttention, WanBlock, WanTransformer, rope_tables
 from md_wan._weights import ALLOW_UNUSED, KEEP_F32, convert_key, load_transformer
 
@@ -25,6 +26,7 @@ __all__ = [
   "WanTransformer",
   "WanVideoPipeline",
   "blend_first_frame",
+  "check_wan_size",
   "clean_prompt",
   "convert_key",
   "first_frame_mask",

@@ -32,6 +32,7 @@ import md_vae
 import md_wan
 from md_core import pipeline as mdp
 from md_lora import LoRAPipeline
+from md_wan._sizes import check_wan_size
 from md_wan._transformer import WanTransformer
 from md_wan._weights import load_transformer
 
@@ -91,12 +92,28 @@ class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
   """
 
   family = "wan"
+  media = "video"
   lora_components = ("transformer", "transformer_2")  # what pipe.load_lora adapts
 
   def lora_key_map(self, component: str):
     from md_wan._weights import convert_key  # noqa: PLC0415
 
     return convert_key
+
+  def noise_layout(self) -> mdp.NoiseLayout:
+    """Noise drawn and taken as `[n, C, (F-1)/t + 1, H/f, W/f]`."""
+    return mdp.NoiseLayout(
+      "video",
+      int(max(self.size_multiple)),
+      int(self.vae.config.z_dim),
+      int(self.vae_scale_factor_spatial),
+      int(self.vae_scale_factor_temporal),
+    )
+
+  @classmethod
+  def size_problems(cls, source, height, width, num_frames=1) -> list[str]:
+    """`check_wan_size`: the checkpoint's VAE and patch multiples and `4k + 1` frames, from configs."""
+    return check_wan_size(source, height, width, num_frames)
 
   def __init__(
     self,
