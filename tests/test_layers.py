@@ -29,8 +29,14 @@ HEAVY = {"flax", "orbax-checkpoint", "huggingface-hub", "imageio", "imageio-ffmp
          "ml-collections", "pillow"}  # fmt: skip
 
 
+# Distributions that provide a module under another distribution's name (when not installed, a module
+# maps to its own name: `tensorflow`).
+SAME_MODULE = {"tensorflow-cpu": "tensorflow"}
+
+
 def _norm(name: str) -> str:
-  return re.sub(r"[-_.]+", "-", name).lower()
+  name = re.sub(r"[-_.]+", "-", name).lower()
+  return SAME_MODULE.get(name, name)
 
 
 def _requirement(spec: str) -> tuple[str, set[str]]:
