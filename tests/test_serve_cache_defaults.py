@@ -74,5 +74,6 @@ def test_served_family_gets_its_own_teacache_polynomial(served, model, route, ex
   body = {"model": model, "prompt": "a red circle", "size": "32x32", "steps": 2, "seed": 1}
   r = client.post(route, json={**body, **extra, "cache": "teacache"})
   assert r.status_code == 200, r.text
-  assert made[before:] == [family]  # before the contract, md-serve gave both Wan's (none)
+  # Checked at submit and built for the run; before the contract md-serve gave both Wan's (none).
+  assert made[before:] and set(made[before:]) == {family}, made[before:]
   assert len(md_cache.TEACACHE_COEFFICIENTS[family]) == 5

@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from md_core.pipeline import NOISE_LAYOUTS, NoiseLayout
 
 # The noise layout is the family contract's (`md_core.pipeline.Pipeline.noise_layout`); md-serve's names.
