@@ -4,6 +4,7 @@ cancellation, metrics, a web page) and inference-time search over noises with ve
 from md_serve._jobs import Job, JobQueue, QueueFull, ShuttingDown, compile_count
 from md_serve._models import NoiseSpec, ServedModel, noise_spec
 from md_serve._requests import CACHES, GenRequest, RequestError, parse_request, parse_size
+from md_serve._schema import GenerationRequest, openapi
 from md_serve._search import METHODS, ClipVerifier, SearchResult, ShapesVerifier, Verifier, search
 from md_serve._server import (
   LOOPBACK,
@@ -21,6 +22,7 @@ __all__ = [
   "METHODS",
   "ClipVerifier",
   "GenRequest",
+  "GenerationRequest",
   "Job",
   "JobQueue",
   "NoiseSpec",
@@ -37,6 +39,7 @@ __all__ = [
   "header_timeout_protocol",
   "make_app",
   "noise_spec",
+  "openapi",
   "parse_request",
   "parse_size",
   "read_token",

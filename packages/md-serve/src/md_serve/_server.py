@@ -51,6 +51,7 @@ from md_core import media
 from md_serve._jobs import DONE, JobQueue, QueueFull, ShuttingDown
 from md_serve._page import PAGE
 from md_serve._requests import RequestError, parse_request
+from md_serve._schema import openapi
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TOKEN_ENV = "MD_SERVE_TOKEN"
@@ -350,6 +351,11 @@ def make_app(
   async def metrics(request: Request):
     return Response(queue.metrics(), media_type="text/plain; version=0.0.4")
 
+  schema = openapi(title)
+
+  async def openapi_json(request: Request):
+    return JSONResponse(schema)
+
   async def page(request: Request):
     return HTMLResponse(PAGE.replace("{{title}}", title))
 
@@ -362,6 +368,7 @@ def make_app(
     Route("/", guard(page, auth=False)),
     Route("/healthz", healthz),
     Route("/metrics", guard(metrics, auth=False)),
+    Route("/openapi.json", guard(openapi_json, auth=False)),
     Route("/v1/models", guard(models)),
     Route("/v1/images/generations", guard(images), methods=["POST"]),
     Route("/v1/videos/generations", guard(videos), methods=["POST"]),
