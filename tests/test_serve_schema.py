@@ -18,18 +18,17 @@ from schemathesis.specs.openapi import checks as openapi_checks
 import md_serve
 
 
-class _Unet:
-  class cfg:  # noqa: N801 - what md-serve reads off an md-sd UNet
-    in_channels = 4
-
-
 class _ImagePipe:
-  """Just what md-serve reads off an md-sd pipeline; the call returns grey images at once."""
+  """What md-serve asks an md-sd pipeline (the family contract); the call returns grey images at once."""
 
-  unet = _Unet()
-  vae_scale_factor = 8
+  media = "image"
   default_size = 32
   last_calls = 0
+  block_stacks = False
+  cache_defaults = {}
+
+  def noise_layout(self):
+    return md_serve.NoiseSpec("image", 8, 4, 8)
 
   def __call__(self, prompt, *, height, width, num_inference_steps, guidance_scale=5.0, seed=0,
                latents=None, callback=None, cancel=None, progress=False, chunk=1, scheduler=None,
@@ -44,8 +43,14 @@ class _ImagePipe:
 class _VideoPipe:
   """A video pipeline without per-row noise (one request per call)."""
 
+  media = "video"
   default_size = 16
   last_calls = 0
+  block_stacks = True
+  cache_defaults = {}
+
+  def noise_layout(self):
+    return None
 
   def __call__(self, prompt, *, height, width, num_frames, num_inference_steps, guidance_scale=5.0,
                seed=0, callback=None, cancel=None, progress=False, chunk=1,
