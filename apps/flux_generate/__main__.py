@@ -96,7 +96,7 @@ def main(argv):
     )
     lora_settings.load_loras(pipe, config)  # --config.loras, at run time
   loaded = time.perf_counter() - start
-  klein = isinstance(pipe, md_flux.Flux2KleinPipeline)
+  klein = pipe.family == "flux2"
   if config.edit and not klein:
     raise apps.UsageError(
       f"{config.model}: reference images need a Flux.2 Klein checkpoint; this is a Flux.1 pipeline"

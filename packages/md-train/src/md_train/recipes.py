@@ -747,7 +747,7 @@ def _text_encoder_loras(
   of `text_encoder` and, SDXL, `text_encoder_2`; Flux's T5 stays frozen), added to the pipeline's
   encoders; and the prompt embedding function (`sd_prompt_embeds`, `sdxl_prompt_embeds`,
   `flux_prompt_embeds`)."""
-  kind = getattr(pipe, "kind", "flux")
+  kind = pipe.kind if pipe.family == "sd" else pipe.family  # SD: "sd" / "sdxl"
   names = ("text_encoder", "text_encoder_2") if kind == "sdxl" else ("text_encoder",)
   out = {}
   for i, name in enumerate(names):
