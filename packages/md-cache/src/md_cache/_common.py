@@ -126,12 +126,14 @@ def rows_for(rows: jax.Array, any_row: jax.Array, carry: Any) -> jax.Array:
   return rows if n == rows.shape[0] else jnp.broadcast_to(any_row, (n,))
 
 
-def groups_of(rows: int, sample: Any) -> int:
-  """Guidance branches stacked on the batch axis: the model's rows over the sample's batch."""
+def groups_of(rows: int, sample: Any, joint: bool = False) -> int:
+  """The groups of rows that decide together: each guidance branch stacked on the batch axis (the
+  model's rows over the sample's batch), or one group for all rows when `joint` (the reference runs the
+  branches in one batched call and measures them together)."""
   b = jax.tree.leaves(sample)[0].shape[0]
   if rows % b:
     raise ValueError(f"md-cache: the block stack carries {rows} rows, not a multiple of batch {b}")
-  return rows // b
+  return 1 if joint else rows // b
 
 
 @functools.cache
@@ -141,9 +143,9 @@ def block_policy(make_hook: Callable[..., Any]) -> Any:
   is the same object (the pipelines' jit memo reuses its programs)."""
   import md_schedulers as mdsch  # noqa: PLC0415
 
-  def hook(state, step, t, sample):
+  def hook(state, step, t, sample, joint=False):
     del t
-    return make_hook(state, step, sample)
+    return make_hook(state, step, sample, joint=joint)
 
   return mdsch.StepCache(init=None, decide=never, update=keep, hook=hook, prepare=prepare)
 

@@ -82,8 +82,8 @@ def _no_unet_error() -> ValueError:
 
 
 class _Hook:
-  def __init__(self, state: DeepCacheState, step, sample):
-    del sample
+  def __init__(self, state: DeepCacheState, step, sample, *, joint: bool = False):
+    del sample, joint  # one decision for every row (a fixed schedule)
     self._st, self._step = state, jnp.asarray(step, jnp.int32)
     self._shape = None
     self._full = None

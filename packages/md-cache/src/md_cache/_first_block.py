@@ -37,7 +37,9 @@ def first_block_cache(threshold: float = 0.05) -> mdsch.StepCache:
   (output minus input) with the one of the last computed step; when the mean absolute change relative to
   the previous residual's mean magnitude is at most `threshold`, the remaining blocks (of every stack)
   are skipped and their residual from the last computed step is added instead. Guidance branches decide
-  separately (a step that some branch recomputes runs the blocks for all and keeps the others' reuse).
+  as the reference calls them: separately where it runs one model call per branch (Wan, Flux, Klein; a
+  step that some branch recomputes runs the blocks for all and keeps the others' reuse), once for the
+  batch from the joint measure where it runs them in one call (LTX-Video, `Guidance.one_call`).
 
   Published default: `threshold=0.05` (0.08–0.2 trade more quality for speed on video models).
 
@@ -68,8 +70,8 @@ def _policy() -> mdsch.StepCache:
 
 
 class _Hook:
-  def __init__(self, state: FirstBlockCacheState, step, sample):
-    self._st, self._step, self._sample = state, step, sample
+  def __init__(self, state: FirstBlockCacheState, step, sample, *, joint: bool = False):
+    self._st, self._step, self._sample, self._joint = state, step, sample, joint
     self._shapes: dict[int, Any] = {}
     self._slots: dict[int, Any] = {}
     self._rows = self._any = self._head = None
@@ -88,7 +90,7 @@ class _Hook:
       x = run(carry, 0, 1)
       residual = c.first(x) - c.first(carry)  # [R, S, D]
       rows = residual.shape[0]
-      g = c.groups_of(rows, self._sample)
+      g = c.groups_of(rows, self._sample, self._joint)
       cur = residual.reshape(g, -1).astype(jnp.float32)
       prev = st.head.reshape(g, -1).astype(jnp.float32)
       change = jnp.abs(cur - prev).mean(-1) / jnp.abs(prev).mean(-1)  # [G]

@@ -140,8 +140,8 @@ def _policy(calibrate: bool) -> mdsch.StepCache:
 
 @functools.cache
 def _hook_maker(calibrate: bool):
-  def make(state, step, sample):
-    del sample
+  def make(state, step, sample, *, joint=False):
+    del sample, joint  # one decision for every row already (the schedule comes from the ratios)
     return _Hook(state, step, calibrate)
 
   return make

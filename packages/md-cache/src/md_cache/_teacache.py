@@ -133,8 +133,8 @@ def _policy() -> mdsch.StepCache:
 
 
 class _Hook:
-  def __init__(self, state: TeaCacheState, step, sample):
-    self._st, self._step, self._sample = state, step, sample
+  def __init__(self, state: TeaCacheState, step, sample, *, joint: bool = False):
+    self._st, self._step, self._sample, self._joint = state, step, sample, joint
     self._shapes: dict[int, Any] = {}
     self._slots: dict[int, Any] = {}
     self._rows = self._any = self._distance = self._prev = None
@@ -144,7 +144,7 @@ class _Hook:
     st = self._st
     x = head.astype(jnp.float32)  # [R, S, D]
     rows = x.shape[0]
-    g = c.groups_of(rows, self._sample)
+    g = c.groups_of(rows, self._sample, self._joint)
     cur, prev = x.reshape(g, -1), st.prev.reshape(g, -1)
     change = jnp.abs(cur - prev).mean(-1) / jnp.abs(prev).mean(-1)  # [G]
     total = st.distance.reshape(g, -1)[:, 0] + rescaled(st.coefficients, change)

@@ -855,6 +855,7 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
     guide = mdsch.guidance.Guidance(
       cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, cfg_star=cfg_on and bool(cfg_star),
       gate=cfg_on, stg=stg_on, stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)),
+      one_call=True,  # diffusers' LTXPipeline runs [negative, positive] as one transformer call
     )  # fmt: skip
     windows = None
     if guidance_timesteps is not None:

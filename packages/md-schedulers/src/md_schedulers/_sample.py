@@ -45,7 +45,9 @@ class StepCache(NamedTuple):
       the loop takes `prediction` (shaped like the guided prediction) instead of calling the denoiser.
     update: `update(state, step, t, sample, prediction, reused) -> state`, after every step.
     hook: optional `hook(state, step, t, sample) -> md_core block hook` with a `.state` attribute read
-      back after the denoiser call (block-level caches); the denoiser then always runs.
+      back after the denoiser call (block-level caches); the denoiser then always runs. Called with
+      `joint=True` as well when the guidance's branches are one call in the reference
+      (`Guidance.one_call`): the hook then decides once for all rows.
     prepare: optional `prepare(run_one, carry) -> carry`, called once before the first step with
       `run_one(carry)` running that step (to be traced abstractly, e.g. by `jax.eval_shape`): lets a
       block-level cache size its state from the model's hidden states.
@@ -230,7 +232,9 @@ def run_steps(
       elif cache is None:
         pred, reused = compute(), jnp.zeros((), bool)
       elif cache.hook is not None:
-        hook = cache.hook(cache_state, i, t, x)
+        # A cache deciding for the whole batch where the reference runs the branches in one call.
+        joint = {"joint": True} if guidance.one_call else {}
+        hook = cache.hook(cache_state, i, t, x, **joint)
         with md_core.block_hook(hook):
           pred = compute()
         cache_state, reused = hook.state, jnp.zeros((), bool)

@@ -80,6 +80,9 @@ class Guidance:
     modality: LTX-2 modality guidance (an `isolated` branch; scale `modality`).
     space: "prediction" combines the model outputs as they come; "x0" combines the implied clean
       samples `x - sigma * prediction` and turns the result back into a velocity (LTX-2).
+    one_call: the reference runs the branches in one batched model call (diffusers' LTX-Video), so a
+      cache that measures the model (first-block, TeaCache) decides once for the whole batch from the
+      joint measure; otherwise (separate calls per branch: Wan, Flux, Klein) each branch decides alone.
   """
 
   cfg: bool = False
@@ -91,6 +94,7 @@ class Guidance:
   stg_rescale: bool = False
   modality: bool = False
   space: str = "prediction"
+  one_call: bool = False
 
   def __post_init__(self):
     if self.space not in ("prediction", "x0"):
