@@ -200,3 +200,24 @@ def test_md_schedulers_installs_without_the_model_dependencies():
 
 if __name__ == "__main__":
   pytest.main([__file__, "-n", "0"])
+
+
+def test_md_core_lazy_names_match_its_static_imports():
+  """md_core loads its names on first use (`_NAMES`); the `TYPE_CHECKING` imports (what type checkers
+  and the API docs read) name the same objects, and `__all__` lists exactly those."""
+  import md_core
+
+  tree = ast.parse((ROOT / "packages/md-core/src/md_core/__init__.py").read_text())
+  block = next(
+    n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+  )
+  static = {}
+  for node in block.body:
+    for alias in node.names:
+      static[alias.asname or alias.name] = (node.module, alias.name)
+  modules = {k for k, (m, _) in static.items() if m == "md_core"}
+  assert modules == set(md_core._MODULES)
+  assert {k: v for k, v in static.items() if k not in modules} == md_core._NAMES
+  assert sorted(md_core.__all__) == sorted(static)
+  for name in md_core.__all__:
+    assert getattr(md_core, name) is not None, name

@@ -8,7 +8,66 @@ inputs (`md_core.images`) and progress bars (`md_core.progress`).
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the same names for static readers (type checkers, the API docs)
+  from md_core import apps, images, media, nn, pipeline, progress, quant
+  from md_core._abstract import param_key, shapes_only
+  from md_core._executables import ExecutableStore
+  from md_core._executables import default_store as executable_store
+  from md_core._executables import set_default_store as set_executable_store
+  from md_core._keymap import (
+    LAYOUTS,
+    KeyMap,
+    Target,
+    convert,
+    path_str,
+    rule_keymap,
+    target_shape,
+    torch_module_keymap,
+  )
+  from md_core._layers import stack_layers
+  from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
+  from md_core._lora import (
+    LoRASlot,
+    LoRAWeight,
+    add_lora_slots,
+    clear_lora,
+    dense_layers,
+    lora_gains,
+    lora_layers,
+    lora_paths,
+    lora_rank,
+    set_lora,
+  )
+  from md_core._numerics import torch_linspace_f32
+  from md_core._orbax import restore_converted, save_converted
+  from md_core._safetensors import (
+    Checkpoint,
+    SafetensorsError,
+    SafetensorsFile,
+    open_checkpoint,
+    save_safetensors,
+  )
+  from md_core._scan import (
+    REMAT_POLICIES,
+    LayerViews,
+    deep_branch,
+    layer_views,
+    num_layers_of,
+    remat,
+    scan_layers,
+  )
+  from md_core._sources import (
+    hub_cache_dir,
+    hub_offline,
+    load_config,
+    read_json,
+    resolve_source,
+    shared_component,
+  )
+  from md_core.hooks import BlockHook, block_hook
+  from md_core.quant import QuantScale, quantize
 
 # Names load on first use (PEP 562): `import md_core` costs nothing, and a package that uses only the
 # light modules (`md_core.progress`, `md_core.hooks`, `md_core.resolve_source`: md-schedulers) needs none
