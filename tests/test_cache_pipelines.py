@@ -15,6 +15,7 @@ import pytest
 import md_cache
 import md_flux
 import md_schedulers as mdsch
+from md_cache import settings as cache_settings
 from md_core import testing
 
 FIXTURES = testing.fixture_path("cache_hooks")
@@ -58,6 +59,37 @@ def test_parity_with_diffusers_hooks(pipe, case):
   if case == "mag_calibrate":
     got = md_cache.calibrated_ratios(state)
     np.testing.assert_allclose(got, REF["mag_calibrate/mag_ratios"], rtol=1e-4, atol=1e-4)
+
+
+def test_magcache_calibration_per_guidance_branch(pipe):
+  """Flux.1 true CFG runs its branches as separate calls in diffusers, whose MagCache calibration records
+  one ratio list per branch (cache contexts "uncond" / "cond"; tests/fixtures/cache_mag_branches,
+  tools/fixtures/cache_mag_branches.py): md records the same two lists, and says which one it reports."""
+  ref = testing.load_arrays(testing.fixture_path("cache_mag_branches") / "outputs.npz")
+  out = pipe(
+    prompt=PROMPTS, negative_prompt=["blurry, low quality"] * 2, true_cfg_scale=2.0,
+    latents=REF["inputs/latents"], height=32, width=48, num_inference_steps=8, guidance_scale=3.5,
+    max_sequence_length=8, output_type="latent", cache=md_cache.magcache(calibrate=True),
+    progress=False,
+  )  # fmt: skip
+  np.testing.assert_allclose(np.asarray(out), ref["latents"], atol=1e-3)
+  state = pipe.last_cache
+  assert md_cache.calibrated_branches(state) == ("negative", "positive")
+  for branch in ("negative", "positive"):
+    got = md_cache.calibrated_ratios(state, branch)
+    np.testing.assert_allclose(got, ref[branch], rtol=1e-4, atol=1e-4, err_msg=branch)
+  default = md_cache.calibrated_ratios(state)
+  np.testing.assert_array_equal(default, md_cache.calibrated_ratios(state, "positive"))
+  report = cache_settings.cache_report(pipe)
+  assert report["mag_ratios_branch"] == "positive"
+  np.testing.assert_allclose(report["mag_ratios"], ref["positive"], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(
+    report["mag_ratios_per_branch"]["negative"], ref["negative"], atol=1e-4
+  )
+  with pytest.raises(
+    ValueError, match=r"branch='perturbed'; this run recorded \('negative', 'positive'\)"
+  ):
+    md_cache.calibrated_ratios(state, "perturbed")
 
 
 def test_new_threshold_reuses_the_compiled_loop(pipe):

@@ -11,6 +11,7 @@ from md_cache._faster_cache import FasterCacheState, faster_cache
 from md_cache._first_block import FirstBlockCacheState, first_block_cache
 from md_cache._magcache import (
   MagCacheState,
+  calibrated_branches,
   calibrated_ratios,
   load_mag_ratios,
   magcache,
@@ -31,6 +32,7 @@ __all__ = [
   "SenCacheState",
   "TaylorSeerState",
   "TeaCacheState",
+  "calibrated_branches",
   "calibrated_ratios",
   "computed_steps",
   "deepcache",

@@ -31,8 +31,10 @@ class MagCacheState(NamedTuple):
     accumulated_steps: (), int32. Steps counted since the last computed step.
     valid: (), bool. A computed step has filled `slots`.
     computed: (num_steps,), bool. Steps where the blocks ran.
-    calibration: (num_steps,), float32. Calibration mode: the measured ratio of each step (1 at the
-      first); ones otherwise.
+    calibration: (G, num_steps), float32. Calibration mode: the measured ratio of each step (1 at the
+      first) per guidance branch where the reference calls the branches separately (G branches, in the
+      loop's row order `[negative, positive, …]`), one list for the batch where it calls them together
+      (G = 1: `Guidance.one_call`, or no guidance); ones otherwise. `(num_steps,)` until sized.
     prev: [R, S, D], float32. Calibration mode: the whole stack's hidden-state residual at the last
       step (None otherwise, and until sized).
     slots: per hooked block stack, its carry's residual at the last computed step (None until sized).
@@ -67,8 +69,10 @@ def magcache(
 
   Published defaults: `threshold=0.06`, `max_skip_steps=3` (K), `retention_ratio=0.2`. The ratios are
   model- and schedule-specific: measure them once with `calibrate=True` (every step runs and the state
-  records each step's mean ratio of residual norms; read them with `calibrated_ratios`, save them with
-  `save_mag_ratios`). Ratios of another length are resampled to the step count (nearest).
+  records each step's mean ratio of residual norms, one list per guidance branch where the reference
+  runs the branches as separate calls, as diffusers' cache contexts do; read them with
+  `calibrated_ratios`, save them with `save_mag_ratios`). Ratios of another length are resampled to the
+  step count (nearest).
 
   Args:
     mag_ratios: per-step ratios, or a JSON file written by `save_mag_ratios`.
@@ -141,15 +145,17 @@ def _policy(calibrate: bool) -> mdsch.StepCache:
 @functools.cache
 def _hook_maker(calibrate: bool):
   def make(state, step, sample, *, joint=False):
-    del sample, joint  # one decision for every row already (the schedule comes from the ratios)
-    return _Hook(state, step, calibrate)
+    # One skip decision for every row already (the schedule comes from the ratios); calibration
+    # records one list per branch group.
+    return _Hook(state, step, calibrate, sample, joint)
 
   return make
 
 
 class _Hook:
-  def __init__(self, state: MagCacheState, step, calibrate: bool):
+  def __init__(self, state: MagCacheState, step, calibrate: bool, sample=None, joint=False):
     self._st, self._step, self._calibrate = state, step, calibrate
+    self._sample, self._joint = sample, joint
     self._shapes: dict[int, Any] = {}
     self._slots: dict[int, Any] = {}
     self._outs: dict[int, Any] = {}
@@ -201,11 +207,16 @@ class _Hook:
       shapes = [self._shapes[i] for i in sorted(self._shapes)]
       head = c.first(shapes[0])
       prev = jax.ShapeDtypeStruct(head.shape, jnp.float32) if self._calibrate else None
+      groups = 1
+      if self._calibrate and self._sample is not None:
+        groups = c.groups_of(head.shape[0], self._sample, self._joint)
 
       def fill(s):
+        calibration = jnp.ones((groups, s.computed.shape[0]), jnp.float32)
         return s._replace(
-          prev=None if prev is None else c.zeros(prev), slots=tuple(map(c.zeros, shapes))
-        )
+          prev=None if prev is None else c.zeros(prev), slots=tuple(map(c.zeros, shapes)),
+          calibration=calibration if prev is not None else s.calibration,
+        )  # fmt: skip
 
       raise c._Sized(fill)
     if self._skip is None:  # the model ran outside the hook this step (the Klein KV edit's step 0)
@@ -223,14 +234,43 @@ class _Hook:
       tail = c.first(self._outs[max(self._outs)])[:, -head.shape[1] :]
       residual = (tail - head).astype(jnp.float32)
       norms = jnp.linalg.norm(residual, axis=-1) / (jnp.linalg.norm(st.prev, axis=-1) + 1e-8)
-      ratio = jnp.where(st.valid, norms.mean(), 1.0)
-      new = new._replace(calibration=st.calibration.at[self._step].set(ratio), prev=residual)
+      groups = st.calibration.shape[0]
+      ratio = jnp.where(st.valid, norms.reshape(groups, -1).mean(-1), 1.0)  # [G]
+      new = new._replace(calibration=st.calibration.at[:, self._step].set(ratio), prev=residual)
     return new
 
 
-def calibrated_ratios(state: MagCacheState) -> np.ndarray:
-  """The per-step ratios a `magcache(calibrate=True)` run recorded, `[num_steps]` float32."""
-  return np.asarray(state.calibration, np.float32)
+BRANCH_NAMES = ("negative", "positive")  # the first guidance branches in the loop's row order
+
+
+def calibrated_ratios(state: MagCacheState, branch: str | int | None = None) -> np.ndarray:
+  """The per-step ratios a `magcache(calibrate=True)` run recorded, `[num_steps]` float32.
+
+  Where the reference calls the guidance branches separately (Flux.1 true CFG, Wan, Klein) the run
+  recorded one list per branch, as diffusers' cache contexts do; `branch` picks one ("negative",
+  "positive" or its index in the row order), by default the positive (conditional) branch's.
+  `calibrated_branches` names what a state holds.
+  """
+  table = np.asarray(state.calibration, np.float32)
+  if table.ndim == 1:
+    table = table[None]
+  names = calibrated_branches(state)
+  if branch is None:
+    branch = "positive" if "positive" in names else names[0]
+  index = names.index(branch) if isinstance(branch, str) and branch in names else branch
+  if not isinstance(index, int) or not 0 <= index < len(table):
+    raise ValueError(f"calibrated_ratios: branch={branch!r}; this run recorded {names}")
+  return table[index]
+
+
+def calibrated_branches(state: MagCacheState) -> tuple[str, ...]:
+  """The branches a calibration recorded ratios for, in row order: ("batch",) for one list (no
+  guidance, or branches the reference runs in one call), else ("negative", "positive", ...)."""
+  table = np.asarray(state.calibration)
+  groups = 1 if table.ndim == 1 else table.shape[0]
+  if groups == 1:
+    return ("batch",)
+  return tuple(BRANCH_NAMES[i] if i < len(BRANCH_NAMES) else f"branch {i}" for i in range(groups))
 
 
 def save_mag_ratios(path: str | os.PathLike, ratios: Sequence[float], **info: Any) -> None:

@@ -20,7 +20,7 @@ from ml_collections import config_dict
 from md_cache._deepcache import deepcache
 from md_cache._faster_cache import FasterCacheState, faster_cache
 from md_cache._first_block import first_block_cache
-from md_cache._magcache import magcache
+from md_cache._magcache import calibrated_branches, calibrated_ratios, magcache
 from md_cache._sencache import sencache
 from md_cache._taylorseer import taylorseer
 from md_cache._teacache import teacache
@@ -154,7 +154,15 @@ def cache_report(pipe: Any) -> dict:
     if isinstance(state, FasterCacheState):  # a CFG cache: steps that ran the negative rows
       out["computed"] = "unconditional branch"
   if getattr(state, "calibration", None) is not None and getattr(state, "prev", None) is not None:
-    out["mag_ratios"] = [float(r) for r in np.asarray(state.calibration)]  # MagCache calibration
+    # MagCache calibration: the list to pass back (the positive branch's where the reference calls the
+    # branches separately and so records one list per branch), which one it is, and every list.
+    branches = calibrated_branches(state)
+    out["mag_ratios"] = [float(r) for r in calibrated_ratios(state)]
+    out["mag_ratios_branch"] = "positive" if "positive" in branches else branches[0]
+    if len(branches) > 1:
+      out["mag_ratios_per_branch"] = {
+        b: [float(r) for r in calibrated_ratios(state, b)] for b in branches
+      }
   return out
 
 
