@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -335,19 +334,9 @@ def _rebuild(pipe: Any) -> None:
       ) from None
 
 
-def load(
-  pipe: Any,
-  file: str | os.PathLike,
-  *,
-  name: str | None = None,
-  scale: float | Mapping[str, float] = 1.0,
-  component: str | Sequence[str] | None = None,
-  fuse: bool = False,
-  max_rank: int | None = None,
-  targets: Any = None,
-  **read_options: Any,
-) -> str:
-  """`pipe.load_lora`: see `md_lora.LoRAPipeline.load_lora`."""
+def load(pipe, file, name, scale, component, fuse, max_rank, targets, read_options) -> str:
+  """`pipe.load_lora(file, name=, scale=, component=, fuse=, max_rank=, targets=, **read_options)`: see
+  `md_lora.LoRAPipeline.load_lora`."""
   reg = _registry(pipe)
   name = pathlib.Path(file).stem if name is None else str(name)
   if name in reg.entries:

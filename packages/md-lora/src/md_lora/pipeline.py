@@ -60,17 +60,7 @@ class LoRAPipeline:
       ValueError / md_lora.LoRAFileError: a name in use, an unknown component, a file that does not
         fit (every key named), more rank than the slots hold.
     """
-    return _runtime.load(
-      self,
-      file,
-      name=name,
-      scale=scale,
-      component=component,
-      fuse=fuse,
-      max_rank=max_rank,
-      targets=targets,
-      **read_options,
-    )
+    return _runtime.load(self, file, name, scale, component, fuse, max_rank, targets, read_options)
 
   def set_adapters(self, adapters: Mapping[str, Any] | Sequence[str] | str) -> None:
     """The adapters used from now on, with their scales (`{name: scale or {component: scale}}`, or
