@@ -286,6 +286,8 @@ class Pipeline:
   cache_defaults: Mapping[str, Mapping[str, Any]] = {}
   #: What the pipeline makes: "image" or "video".
   media: str = "image"
+  #: The square pixel size the model was made for, where its configs say (SD, Flux); else None.
+  default_size: int | None = None
 
   def noise_layout(self) -> NoiseLayout | None:
     """How this pipeline draws a row's initial noise for a seed (what a server batches requests with

@@ -69,7 +69,7 @@ class ServedModel:
     self.spec = noise_spec(pipe)
     self.kind = pipe.media  # "image" or "video" (the family contract)
     self.multiple = self.spec.multiple if self.spec else 16
-    size = default_size or (getattr(pipe, "default_size", None) or 512,) * 2
+    size = default_size or (pipe.default_size or 512,) * 2
     self.default_size = (int(size[0]), int(size[1]))
     h, w = self.default_size
     self.max_pixels = int(max_pixels) if max_pixels else 4 * h * w

@@ -182,7 +182,7 @@ def search(
   if spec is None:
     raise ValueError(f"search: {type(pipe).__name__} has no per-row noise md-serve knows")
   if height is None or width is None:
-    size = getattr(pipe, "default_size", 512)
+    size = pipe.default_size or 512
     height, width = height or size, width or size
   frames = num_frames or 1
   kwargs = dict(call_kwargs, height=height, width=width, progress=False)
