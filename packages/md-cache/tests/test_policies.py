@@ -150,3 +150,44 @@ def test_teacache_default_threshold_depends_on_the_polynomial():
   assert threshold(md_cache.teacache(coefficients=[2.0, 0.0])) == pytest.approx(0.25)
   assert threshold(md_cache.teacache(0.4)) == pytest.approx(0.4)
   assert md_cache.teacache() == md_cache.teacache(0.25)  # one compiled policy
+
+
+def test_published_mag_ratios_need_no_calibration():
+  """The MagCache authors' ratios for real checkpoints (Zehong-Ma/MagCache; Flux.1 dev as diffusers ships
+  them): the Wan lists split from the interleaved per-step publication, resampled to other step counts as
+  the authors' `nearest_interp`, and usable by name from magcache() and from an app's config."""
+  assert set(md_cache.PUBLISHED_MAG_RATIOS) == {
+    "wan2.1-t2v-14b", "wan2.1-t2v-1.3b", "wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p", "flux.1-dev"
+  }  # fmt: skip
+  t2v = md_cache.published_mag_ratios("wan2.1-t2v-1.3b")
+  assert t2v.shape == (50,) and t2v[0] == 1.0
+  # The publication's first entries after its padding: positive 1.0124, negative 1.02213; the last pair.
+  np.testing.assert_allclose(t2v[[1, -1]], [1.0124, 0.81838], rtol=1e-6)
+  neg = md_cache.published_mag_ratios("wan2.1-t2v-1.3b", "negative")
+  np.testing.assert_allclose(neg[[1, -1]], [1.02213, 0.81939], rtol=1e-6)
+  assert md_cache.published_mag_ratios("wan2.1-i2v-14b-720p").shape == (40,)
+  flux = md_cache.published_mag_ratios("flux.1-dev")
+  assert flux.shape == (28,) and flux[1] == np.float32(1.21094)
+  with pytest.raises(ValueError, match="one branch"):
+    md_cache.published_mag_ratios("flux.1-dev", "negative")
+  with pytest.raises(ValueError, match="no published MagCache ratios named 'wan2.2'"):
+    md_cache.published_mag_ratios("wan2.2")
+
+  st = md_cache.magcache("wan2.1-t2v-14b").init(jnp.zeros((1,)), 20)
+  want = md_cache.published_mag_ratios("wan2.1-t2v-14b")
+  index = np.round(np.arange(20) * ((len(want) - 1) / 19)).astype(
+    int
+  )  # the authors' nearest_interp
+  np.testing.assert_array_equal(np.asarray(st.mag_ratios), want[index])
+
+  import types
+
+  import ml_collections
+
+  from md_cache import settings
+
+  config = settings.add_cache_config(ml_collections.ConfigDict())
+  config.cache, config.cache_options.mag_ratios = "magcache", "wan2.1-t2v-1.3b"
+  wan = types.SimpleNamespace(family="wan", block_stacks=("blocks",), cache_defaults={})
+  made = settings.make_cache(config, wan)
+  assert made == md_cache.magcache(md_cache.published_mag_ratios("wan2.1-t2v-1.3b"))

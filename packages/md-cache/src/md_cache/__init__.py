@@ -18,6 +18,7 @@ from md_cache._magcache import (
   resample_ratios,
   save_mag_ratios,
 )
+from md_cache._published import PUBLISHED_MAG_RATIOS, published_mag_ratios
 from md_cache._report import computed_steps
 from md_cache._sencache import SenCacheState, sencache
 from md_cache._taylorseer import TaylorSeerState, taylorseer
@@ -28,6 +29,7 @@ __all__ = [
   "FasterCacheState",
   "FirstBlockCacheState",
   "MagCacheState",
+  "PUBLISHED_MAG_RATIOS",
   "TEACACHE_COEFFICIENTS",
   "SenCacheState",
   "TaylorSeerState",
@@ -41,6 +43,7 @@ __all__ = [
   "load_mag_ratios",
   "magcache",
   "prepare",
+  "published_mag_ratios",
   "resample_ratios",
   "save_mag_ratios",
   "sencache",

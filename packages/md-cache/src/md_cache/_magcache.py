@@ -16,6 +16,7 @@ import numpy as np
 
 import md_schedulers as mdsch
 from md_cache import _common as c
+from md_cache._published import PUBLISHED_MAG_RATIOS, published_mag_ratios
 
 
 class MagCacheState(NamedTuple):
@@ -75,7 +76,10 @@ def magcache(
   step count (nearest).
 
   Args:
-    mag_ratios: per-step ratios, or a JSON file written by `save_mag_ratios`.
+    mag_ratios: per-step ratios, a JSON file written by `save_mag_ratios`, or the name of ratios the
+      MagCache authors published for a real checkpoint (`PUBLISHED_MAG_RATIOS`: "wan2.1-t2v-1.3b",
+      "wan2.1-t2v-14b", "wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p", "flux.1-dev"), which need no
+      calibration.
     threshold: the accumulated-error threshold (traced).
     max_skip_steps: K (traced).
     retention_ratio: the fraction of leading steps that always run (traced).
@@ -93,7 +97,9 @@ def magcache(
       "once with md_cache.magcache(calibrate=True), read md_cache.calibrated_ratios(state) and save "
       "them with md_cache.save_mag_ratios(path, ratios); then pass magcache(mag_ratios=path)"
     )
-  if isinstance(mag_ratios, str | os.PathLike):
+  if isinstance(mag_ratios, str) and mag_ratios in PUBLISHED_MAG_RATIOS:
+    mag_ratios = published_mag_ratios(mag_ratios)  # the authors' list for a real checkpoint
+  elif isinstance(mag_ratios, str | os.PathLike):
     mag_ratios = load_mag_ratios(mag_ratios)
   ratios = None if mag_ratios is None else np.asarray(mag_ratios, np.float32).reshape(-1)
   if ratios is not None and not ratios.size:

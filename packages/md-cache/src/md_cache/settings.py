@@ -21,6 +21,7 @@ from md_cache._deepcache import deepcache
 from md_cache._faster_cache import FasterCacheState, faster_cache
 from md_cache._first_block import first_block_cache
 from md_cache._magcache import calibrated_branches, calibrated_ratios, magcache
+from md_cache._published import PUBLISHED_MAG_RATIOS
 from md_cache._sencache import sencache
 from md_cache._taylorseer import taylorseer
 from md_cache._teacache import teacache
@@ -136,7 +137,11 @@ def make_cache(config: Any, pipeline: Any) -> Any:
     raise ValueError(f"--config.cache_options: {name} takes {takes}, not {extra}")
   for key, value in dict(pipeline.cache_defaults.get(name, {})).items():
     options.setdefault(key, value)
-  if name == "magcache" and "mag_ratios" in options:
+  if (
+    name == "magcache"
+    and "mag_ratios" in options
+    and options["mag_ratios"] not in PUBLISHED_MAG_RATIOS  # a published list's name, not a file
+  ):
     options["mag_ratios"] = apps.repo_path(options["mag_ratios"], apps.config_file())
   return policy.factory(**options)
 
