@@ -110,6 +110,7 @@ def test_uv_settings_compile_bytecode_and_keep_tensorflow_out_of_the_main_job():
 
 
 def test_readmes_hold_no_dated_measurements():
-  for readme in [ROOT / "README.md", *sorted((ROOT / "packages").glob("*/README.md"))]:
+  pages = [*sorted((ROOT / "packages").glob("*/README.md")), *sorted((ROOT / "docs").rglob("*.md"))]
+  for readme in [ROOT / "README.md", *pages]:
     dates = re.findall(r"\b20\d\d-\d\d-\d\d\b", readme.read_text())
     assert not dates, f"{readme.relative_to(ROOT)}: dated entries {dates} belong in bench/README.md"
