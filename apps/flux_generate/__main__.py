@@ -133,26 +133,20 @@ def main(argv):
 
   with md_progress.phase("writing"):
     names = [p.name for p in media.save_images(folder.staging(), images)]
-    folder.commit(
-      apps.settings_of(
-        config,
-        cache_report=cache_settings.cache_report(pipe),
-        scheduler_config=pipe.scheduler_config,
-        image_size=list(images.shape[1:3]),
-        kv_cache_used=bool(klein and references and (config.kv_cache or pipe.use_kv_cache)),
-        images_written=names,
-        load_seconds=round(loaded, 2),
-        generate_seconds=round(seconds, 2),
-      )
+    report = cache_settings.cache_report(pipe)
+    apps.finish_run(
+      folder,
+      config,
+      wrote=f"{len(names)} image(s)",
+      seconds=seconds,
+      loaded=loaded,
+      lines=[cache_settings.cache_line(config.cache, report)],
+      cache_report=report,
+      scheduler_config=pipe.scheduler_config,
+      image_size=list(images.shape[1:3]),
+      kv_cache_used=bool(klein and references and (config.kv_cache or pipe.use_kv_cache)),
+      images_written=names,
     )
-  print(
-    f"wrote {len(names)} image(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
-    f"{loaded:.1f}s)"
-  )
-
-  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
-  if line:
-    print(line)
 
 
 if __name__ == "__main__":

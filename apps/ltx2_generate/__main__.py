@@ -154,36 +154,31 @@ def main(argv):
       ).name
       for i in range(frames.shape[0])
     ]
-    folder.commit(
-      apps.settings_of(
-        config,
-        cache_report=cache_settings.cache_report(pipe),
-        num_frames_generated=int(frames.shape[1]),
-        frame_size=dict(height=int(frames.shape[2]), width=int(frames.shape[3])),
-        mode="i2v" if (image or pipe.image_to_video) else "t2v",
-        sigmas_used=sigmas,
-        sample_rate=int(result.sample_rate),
-        audio_channels=int(audio.shape[1]),
-        audio_seconds=round(audio.shape[-1] / result.sample_rate, 4),
-        video_seconds=round(frames.shape[1] / config.frame_rate, 4),
-        scheduler_config=dict(pipe.scheduler_config),
-        videos=names,
-        load_seconds=round(loaded, 2),
-        generate_seconds=round(seconds, 2),
-      )
+    report = cache_settings.cache_report(pipe)
+    apps.finish_run(
+      folder,
+      config,
+      wrote=f"{len(names)} video(s) with audio",
+      seconds=seconds,
+      loaded=loaded,
+      lines=[cache_settings.cache_line(config.cache, report)],
+      cache_report=report,
+      num_frames_generated=int(frames.shape[1]),
+      frame_size=dict(height=int(frames.shape[2]), width=int(frames.shape[3])),
+      mode="i2v" if (image or pipe.image_to_video) else "t2v",
+      sigmas_used=sigmas,
+      sample_rate=int(result.sample_rate),
+      audio_channels=int(audio.shape[1]),
+      audio_seconds=round(audio.shape[-1] / result.sample_rate, 4),
+      video_seconds=round(frames.shape[1] / config.frame_rate, 4),
+      scheduler_config=dict(pipe.scheduler_config),
+      videos=names,
     )
-  print(
-    f"wrote {len(names)} video(s) with audio and settings.json to {folder.path} ({seconds:.1f}s, "
-    f"load {loaded:.1f}s)"
-  )
 
   asked, got = (config.num_frames, config.height, config.width), frames.shape[1:4]
   if tuple(int(n) for n in got) != asked:  # the checkpoint's VAE decides the decoded size
     print(f"note: the video has {got[0]} frames of {got[1]} x {got[2]}; asked {asked[0]} of "
           f"{asked[1]} x {asked[2]} (the model's VAE decodes to that size)", file=sys.stderr)  # fmt: skip
-  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
-  if line:
-    print(line)
 
 
 if __name__ == "__main__":

@@ -188,27 +188,21 @@ def main(argv):
       media.save_video(staging / f"video_{i:04d}.mp4", video, config.frame_rate).name
       for i, video in enumerate(frames)
     ]
-    folder.commit(
-      apps.settings_of(
-        config,
-        cache_report=cache_settings.cache_report(pipe),
-        num_frames_generated=int(frames.shape[1]),
-        passes=[dict(height=h, width=w) for h, w in passes],
-        mode="condition" if (conditions or pipe.condition_pipeline) else "t2v",
-        scheduler_config=dict(pipe.scheduler_config),
-        videos=names,
-        load_seconds=round(loaded, 2),
-        generate_seconds=round(seconds, 2),
-      )
+    report = cache_settings.cache_report(pipe)
+    apps.finish_run(
+      folder,
+      config,
+      wrote=f"{len(names)} video(s)",
+      seconds=seconds,
+      loaded=loaded,
+      lines=[cache_settings.cache_line(config.cache, report)],
+      cache_report=report,
+      num_frames_generated=int(frames.shape[1]),
+      passes=[dict(height=h, width=w) for h, w in passes],
+      mode="condition" if (conditions or pipe.condition_pipeline) else "t2v",
+      scheduler_config=dict(pipe.scheduler_config),
+      videos=names,
     )
-  print(
-    f"wrote {len(names)} video(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
-    f"{loaded:.1f}s)"
-  )
-
-  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
-  if line:
-    print(line)
 
 
 if __name__ == "__main__":

@@ -141,28 +141,24 @@ def main(argv):
       for i, video in enumerate(frames)
     ]
     sched = pipe.make_scheduler(**options)
-    folder.commit(
-      apps.settings_of(
-        config,
-        cache_report=cache_settings.cache_report(pipe),
-        num_frames_generated=int(frames.shape[1]),
-        scheduler=sched.name,
-        scheduler_config=dict(sched.config),
-        videos=names,
-        contact_sheets=sheets,
-        load_seconds=round(loaded, 2),
-        generate_seconds=round(seconds, 2),
-      )
+    report = cache_settings.cache_report(pipe)
+    apps.finish_run(
+      folder,
+      config,
+      wrote=f"{len(names)} video(s)",
+      seconds=seconds,
+      loaded=loaded,
+      lines=[
+        f"contact sheet(s) of the frames: {', '.join(sheets)}",
+        cache_settings.cache_line(config.cache, report),
+      ],
+      cache_report=report,
+      num_frames_generated=int(frames.shape[1]),
+      scheduler=sched.name,
+      scheduler_config=dict(sched.config),
+      videos=names,
+      contact_sheets=sheets,
     )
-  print(
-    f"wrote {len(names)} video(s) and settings.json to {folder.path} ({seconds:.1f}s, load "
-    f"{loaded:.1f}s)"
-  )
-
-  print(f"contact sheet(s) of the frames: {', '.join(sheets)}")
-  line = cache_settings.cache_line(config.cache, cache_settings.cache_report(pipe))
-  if line:
-    print(line)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -622,6 +622,30 @@ def source_config(source: str, component: str) -> dict:
 def settings_of(config: Any, **extra: Any) -> dict:
   """The dict an app writes to settings.json: the config's values plus what the run adds."""
   return dict(config.to_dict(), **extra)
+
+
+def finish_run(
+  folder: Any,
+  config: Any,
+  *,
+  wrote: str,
+  seconds: float,
+  loaded: float,
+  lines: Sequence[str] = (),
+  **settings: Any,
+) -> None:
+  """The end of every generate app: settings.json (the config, `settings`, then the load and generate
+  seconds) committed with the outputs staged in `folder`, one line saying what was written where and
+  how long it took (`wrote`: e.g. "2 image(s)"), then `lines` (empty ones skipped)."""
+  folder.commit(
+    settings_of(
+      config, **settings, load_seconds=round(loaded, 2), generate_seconds=round(seconds, 2)
+    )
+  )
+  print(f"wrote {wrote} and settings.json to {folder.path} ({seconds:.1f}s, load {loaded:.1f}s)")
+  for line in lines:
+    if line:
+      print(line)
 
 
 def config_file() -> str | None:
