@@ -334,7 +334,16 @@ class Checkpointer:
         `target` (paths or shapes listed).
     """
     if step is not None:
-      return self._restore_step(target, self._step_or_latest(step), fingerprint)
+      step = self._step_or_latest(step)
+      try:
+        return self._restore_step(target, step, fingerprint)
+      except (_Refused, CheckpointCorrupt):
+        raise
+      except Exception as e:  # noqa: BLE001 - a damaged file: one clear line, not the reader's
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise CheckpointCorrupt(
+          f"{self.directory / str(step)}: does not read back ({type(e).__name__}: {first})"
+        ) from e
     steps = self.steps()
     if not steps:
       raise FileNotFoundError(f"{self.directory}: no checkpoint here")
