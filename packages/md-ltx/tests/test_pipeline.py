@@ -186,7 +186,7 @@ def test_latent_output_and_refine_errors(t2v, cond, ref):
     t2v(PROMPTS[0], denoise_strength=0.5, latents=ref["cond/latents"], **KW)
   with pytest.raises(ValueError, match="refines given latents: pass latents="):
     cond(PROMPTS[0], denoise_strength=0.5, **KW)
-  with pytest.raises(ValueError, match="output_type='pil' must be"):
+  with pytest.raises(ValueError, match="output_type='pil': expected"):
     cond(PROMPTS[0], output_type="pil", **KW)
 
 

@@ -42,6 +42,7 @@ from flax import nnx
 import md_core
 import md_schedulers as mdsch
 import md_text
+from md_core import call as mdc
 from md_core import pipeline as mdp
 from md_lora import LoRAPipeline
 from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
@@ -422,6 +423,198 @@ class LTX2VideoPipeline(LoRAPipeline, mdp.Pipeline):
     return jax.jit(run)
 
   # --- call ----------------------------------------------------------------------------------------------------
+  # --- the call's steps ------------------------------------------------------------------------------------
+  def _read_images(self, image, latents, height, width, num_frames, image_crf):
+    """`(i2v, pixels)`: whether the call is image to video, and the images read and checked before any
+    work (None when the latents carry the condition or there is no image)."""
+    i2v = self.image_to_video or image is not None
+    if not i2v or latents is not None:
+      return i2v, image
+    if image is None:
+      raise ValueError(
+        "image-to-video needs an image (or latents whose first frame is the condition)"
+      )
+    self.check_size(height, width, num_frames)
+    images = image if isinstance(image, list | tuple) else [image]
+    crf = LTX2_IMAGE_CRF if image_crf is None else int(image_crf)
+    return i2v, [_image_array(im, height, width, crf) for im in images]
+
+  def _stg_blocks(
+    self, blocks, stg_scale: float, audio_stg_scale: float
+  ) -> tuple[bool, tuple[int, ...]]:
+    """`(want_stg, blocks)`: whether spatio-temporal guidance runs, and its blocks (checked)."""
+    layers = self.transformer.cfg.num_layers
+    blocks = tuple(int(i) for i in (blocks or ()))
+    want_stg = stg_scale > 0.0 or audio_stg_scale > 0.0
+    if want_stg and not blocks:
+      raise ValueError("stg_scale > 0 needs spatio_temporal_guidance_blocks")
+    for i in blocks if want_stg else ():
+      if not 0 <= i < layers:
+        raise ValueError(
+          f"spatio_temporal_guidance_blocks has block {i}; the transformer has {layers} blocks"
+        )
+    return want_stg, blocks
+
+  def _latent_grid(self, latents, height: int, width: int, num_frames: int):
+    """`(latents, (f, h, w), tokens)`: the given latents as float32 (or None) and the latent grid, from
+    `[B, C, F, H, W]` latents or the size."""
+    tc = self.transformer.cfg
+    s, r = self.vae_spatial_compression_ratio, self.vae_temporal_compression_ratio
+    if latents is not None:
+      latents = jnp.asarray(latents, _F32)
+      if latents.ndim not in (3, 5):
+        raise ValueError(
+          f"latents must be [B, C, F, H, W] or packed [B, S, C], got shape {latents.shape}"
+        )
+    if latents is not None and latents.ndim == 5:
+      _, _, f, h, w = latents.shape
+    else:
+      self.check_size(height, width, num_frames)
+      f, h, w = (num_frames - 1) // r + 1, height // s, width // s
+    tokens = (f // tc.patch_size_t) * (h // tc.patch_size) * (w // tc.patch_size)
+    return latents, (f, h, w), tokens
+
+  def _text_rows(
+    self, prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
+    negative_prompt_attention_mask, *, per_prompt: int, max_sequence_length: int, cfg_on: bool,
+  ) -> tuple[md_text.LTX2TextEmbeds, int]:  # fmt: skip
+    """The connectors' text states of the guidance rows (`[negative;] positive`) and the number of
+    videos."""
+
+    def given(embeds, mask, message):
+      if mask is None:
+        raise ValueError(message)
+      embeds, mask = jnp.asarray(embeds, _F32), jnp.asarray(mask, jnp.int32)
+      if mask.shape != embeds.shape[:2]:
+        raise ValueError(
+          f"attention mask {mask.shape} does not match the embeddings {embeds.shape}"
+        )
+      return embeds, mask
+
+    pos = mdc.resolve_prompt(
+      prompt, prompt_embeds, encode=lambda p: self.prompt_embeds(p, max_sequence_length),
+      given=lambda e: given(e, prompt_attention_mask, "prompt_embeds needs prompt_attention_mask"),
+    )  # fmt: skip
+    neg = None
+    if cfg_on:
+      neg = mdc.resolve_negative(
+        negative_prompt, negative_prompt_embeds, pos,
+        encode=lambda p: self.prompt_embeds(p, pos[0].shape[1]),
+        given=lambda e: given(e, negative_prompt_attention_mask, "negative_prompt_embeds needs "
+                              "negative_prompt_attention_mask"),
+      )  # fmt: skip
+    embeds, mask = mdc.guidance_rows(pos, neg, per_prompt)
+    return self.connect(embeds, mask), pos[0].shape[0] * per_prompt
+
+  def _video_latents(self, latents, image, i2v, b, grid, tokens, noise_scale, key, size):
+    """`(x, cond)`: the packed, normalised video latents `[B, S, C]` and the image-to-video
+    conditioning mask `[B, S]` (1 on the first frame's tokens; None for text to video)."""
+    tc, c = self.transformer.cfg, self.vae.config.latent_channels
+    f, h, w = grid
+    if latents is None:
+      if i2v:
+        return self._image_latents(image, jax.random.normal(key, (b, c, f, h, w), _F32))
+      noise = jax.random.normal(key, (b, c, f, h, w), _F32)
+      return self._pack(noise.transpose(0, 2, 3, 4, 1)), None
+    if latents.shape[0] != b:
+      raise ValueError(f"latents have batch {latents.shape[0]}; the call makes {b} videos")
+    cond = None
+    if i2v:
+      cond = self._pack(jnp.zeros((b, f, h, w, 1), _F32).at[:, 0].set(1.0))[..., 0]
+    if latents.ndim == 5:
+      if latents.shape[1] != c:
+        raise ValueError(f"latents [B, C, F, H, W] must have C={c}, got shape {latents.shape}")
+      z = self.vae.normalize_latents(jnp.transpose(latents, (0, 2, 3, 4, 1)))
+      if noise_scale:
+        eps = jax.random.normal(key, z.shape, _F32)
+        ns = (
+          noise_scale
+          if cond is None
+          else noise_scale * (1 - self._unpack(cond[..., None], f, h, w))
+        )
+        z = ns * eps + (1 - ns) * z
+      return self._pack(z), cond
+    x = latents
+    if x.shape[1:] != (tokens, tc.in_channels):
+      height, width, num_frames = size
+      raise ValueError(
+        f"packed latents must be [B, S={tokens}, {tc.in_channels}] for {height}x{width}, "
+        f"{num_frames} frames; got {latents.shape}"
+      )
+    if noise_scale and cond is None:
+      eps = jax.random.normal(key, x.shape, _F32)
+      x = noise_scale * eps + (1 - noise_scale) * x
+    return x, cond
+
+  def _audio_latents(self, audio_latents, b, num_frames, frame_rate, noise_scale, key):
+    """`(a, frames)`: the packed, normalised audio latents `[B, L, C * M]` and their length L."""
+    ac = self.audio_vae.config
+    mel = ac.latent_mel_bins
+    if audio_latents is None:
+      fa = round(num_frames / frame_rate * ac.latents_per_second)
+      eps = jax.random.normal(key, (b, ac.latent_channels, fa, mel), _F32)
+      return pack_audio_latents(jnp.transpose(eps, (0, 2, 3, 1))), fa
+    audio_latents = jnp.asarray(audio_latents, _F32)
+    if audio_latents.ndim == 4:
+      if audio_latents.shape[1] != ac.latent_channels or audio_latents.shape[3] != mel:
+        raise ValueError(
+          f"audio_latents [B, C, L, M] must have C={ac.latent_channels}, M={mel}; got "
+          f"{audio_latents.shape}"
+        )
+      audio_latents = pack_audio_latents(jnp.transpose(audio_latents, (0, 2, 3, 1)))
+    if audio_latents.ndim != 3 or audio_latents.shape[0] != b:
+      raise ValueError(
+        f"audio_latents must be [B={b}, C, L, M] or packed [B, L, C * M], got {audio_latents.shape}"
+      )
+    a = self.audio_vae.normalize_latents(audio_latents)
+    if noise_scale:
+      eps = jax.random.normal(key, a.shape, _F32)
+      a = noise_scale * eps + (1 - noise_scale) * a
+    return a, audio_latents.shape[1]
+
+  def _schedule(self, tokens, grid_shape, cond, shapes, num_inference_steps, sigmas):
+    """`(base, sched, state)`: flow-match Euler over the video token grid and the audio (one schedule),
+    the image's tokens kept."""
+    base = mdsch.from_config(self.scheduler_config)
+    if base.name != "FlowMatchEulerDiscreteScheduler":
+      raise ValueError(
+        f"LTX-2 samples with flow-match Euler; the folder's scheduler is {base.name}"
+      )
+    sched = mdsch.ltx_token_euler(**base.config)
+    mu = mdsch.ltx_mu(tokens, self.scheduler_config)
+    given = mdsch.ltx_uniform_sigmas(num_inference_steps) if sigmas is None else list(sigmas)
+    st = sched.init(
+      sigmas=given, mu=mu, conditioning=None if cond is None else np.asarray(cond).reshape(grid_shape),
+      shape=shapes,
+    )  # fmt: skip
+    return base, sched, st
+
+  def _guidance(self, total, b, *, do_cfg, want_stg, guidance_scale, audio_guidance_scale, stg_scale,
+                audio_stg_scale, modality_scale, audio_modality_scale, guidance_rescale,
+                audio_guidance_rescale):  # fmt: skip
+    """`(spec, scales, extra)`: the guidance rows `[negative, positive, perturbed, isolated]` of the
+    enabled branches, combined on x0 = x - sigma * v with one scale per modality, the rescale after
+    every term (as the reference); `extra` the positive rows the perturbed and isolated rows repeat."""
+    rescale = (guidance_rescale > 0, audio_guidance_rescale > 0)
+    spec = mdsch.guidance.Guidance(
+      cfg=do_cfg, stg=want_stg and self.transformer.cfg.perturbed_attn,
+      modality=modality_scale > 1.0 or audio_modality_scale > 1.0, rescale=any(rescale),
+      rescale_last=any(rescale), space="x0",
+    )  # fmt: skip
+    values = dict(
+      guidance=(guidance_scale, audio_guidance_scale),
+      stg=(stg_scale, audio_stg_scale),
+      modality=(modality_scale, audio_modality_scale),
+      # phi = 0 leaves a modality's prediction exactly as it is.
+      rescale=tuple(float(phi) if on else 0.0
+                    for phi, on in zip((guidance_rescale, audio_guidance_rescale), rescale)),
+    )  # fmt: skip
+    scales = jax.tree.map(
+      jnp.asarray, mdsch.guidance.per_step(total, {k: values[k] for k in spec.scale_names})
+    )
+    pos = slice(b, 2 * b) if spec.cfg else slice(0, b)
+    return spec, scales, (pos,) * (spec.stg + spec.modality)
+
   def __call__(
     self,
     prompt: str | Sequence[str] | None = None,
@@ -519,199 +712,42 @@ class LTX2VideoPipeline(LoRAPipeline, mdp.Pipeline):
         image or latents, an unknown `output_type`.
       md_schedulers.Cancelled: `cancel()` returned True (or `callback` returned False).
     """
-    if output_type not in ("np", "latent"):
-      raise ValueError(f"output_type={output_type!r}: expected 'np' or 'latent'")
+    mdc.check_output_type(output_type)
     if motion_speed <= 0:
       raise ValueError(f"motion_speed must be positive, got {motion_speed}")
     audio_guidance_scale = audio_guidance_scale or guidance_scale
     audio_stg_scale = audio_stg_scale or stg_scale
     audio_modality_scale = audio_modality_scale or modality_scale
     audio_guidance_rescale = audio_guidance_rescale or guidance_rescale
-    tc, vc = self.transformer.cfg, self.vae.config
-    i2v = self.image_to_video or image is not None
-    if i2v and latents is None:
-      if image is None:
-        raise ValueError(
-          "image-to-video needs an image (or latents whose first frame is the condition)"
-        )
-      self.check_size(height, width, num_frames)
-      images = image if isinstance(image, list | tuple) else [image]
-      crf = LTX2_IMAGE_CRF if image_crf is None else int(image_crf)
-      image = [_image_array(im, height, width, crf) for im in images]  # read, check before any work
+    tc = self.transformer.cfg
+    i2v, image = self._read_images(image, latents, height, width, num_frames, image_crf)
     do_cfg = guidance_scale > 1.0 or audio_guidance_scale > 1.0
-    blocks = tuple(int(i) for i in (spatio_temporal_guidance_blocks or ()))
-    want_stg = stg_scale > 0.0 or audio_stg_scale > 0.0
-    if want_stg and not blocks:
-      raise ValueError("stg_scale > 0 needs spatio_temporal_guidance_blocks")
-    for i in blocks if want_stg else ():
-      if not 0 <= i < tc.num_layers:
-        raise ValueError(
-          f"spatio_temporal_guidance_blocks has block {i}; the transformer has {tc.num_layers} blocks"
-        )
+    want_stg, blocks = self._stg_blocks(spatio_temporal_guidance_blocks, stg_scale, audio_stg_scale)
+    latents, (f, h, w), tokens = self._latent_grid(latents, height, width, num_frames)
 
-    # Latent grid.
-    s, r = self.vae_spatial_compression_ratio, self.vae_temporal_compression_ratio
-    if latents is not None:
-      latents = jnp.asarray(latents, _F32)
-      if latents.ndim == 5:
-        _, _, f, h, w = latents.shape
-      elif latents.ndim == 3:
-        self.check_size(height, width, num_frames)
-        f, h, w = (num_frames - 1) // r + 1, height // s, width // s
-      else:
-        raise ValueError(
-          f"latents must be [B, C, F, H, W] or packed [B, S, C], got shape {latents.shape}"
-        )
-    else:
-      self.check_size(height, width, num_frames)
-      f, h, w = (num_frames - 1) // r + 1, height // s, width // s
-    tokens = (f // tc.patch_size_t) * (h // tc.patch_size) * (w // tc.patch_size)
-
-    # Text.
-    prompts = mdp.as_prompts(prompt)
-    if (prompts is None) == (prompt_embeds is None):
-      raise ValueError("pass exactly one of prompt and prompt_embeds")
-    if prompts is not None:
-      embeds, emask = self.prompt_embeds(prompts, max_sequence_length)
-    else:
-      if prompt_attention_mask is None:
-        raise ValueError("prompt_embeds needs prompt_attention_mask")
-      embeds, emask = (
-        jnp.asarray(prompt_embeds, _F32),
-        jnp.asarray(prompt_attention_mask, jnp.int32),
-      )
-    batch = embeds.shape[0]
-    if do_cfg:
-      if negative_prompt_embeds is not None:
-        if negative_prompt_attention_mask is None:
-          raise ValueError("negative_prompt_embeds needs negative_prompt_attention_mask")
-        nembeds = jnp.asarray(negative_prompt_embeds, _F32)
-        nmask = jnp.asarray(negative_prompt_attention_mask, jnp.int32)
-      else:
-        neg = mdp.as_prompts(negative_prompt or "", "negative_prompt")
-        neg = neg * batch if len(neg) == 1 else neg
-        if len(neg) != batch:
-          raise ValueError(f"{len(neg)} negative prompts for {batch} prompts")
-        nembeds, nmask = self.prompt_embeds(neg, embeds.shape[1])
-      if nembeds.shape != embeds.shape or nmask.shape != emask.shape:
-        raise ValueError(
-          f"negative prompt embeddings {nembeds.shape} / mask {nmask.shape} differ from the prompt's "
-          f"{embeds.shape} / {emask.shape}"
-        )
-    rep = num_videos_per_prompt
-    embeds, emask = jnp.repeat(embeds, rep, axis=0), jnp.repeat(emask, rep, axis=0)
-    if do_cfg:
-      nembeds, nmask = jnp.repeat(nembeds, rep, axis=0), jnp.repeat(nmask, rep, axis=0)
-      embeds, emask = jnp.concatenate([nembeds, embeds]), jnp.concatenate([nmask, emask])
-    text = self.connect(embeds, emask)
-    b = batch * rep
-
+    text, b = self._text_rows(
+      prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
+      negative_prompt_attention_mask, per_prompt=num_videos_per_prompt,
+      max_sequence_length=max_sequence_length, cfg_on=do_cfg,
+    )  # fmt: skip
     keys = jax.random.split(jax.random.key(int(seed)), 5)
-    c = vc.latent_channels
-    # Video latents (normalised, packed) and the conditioning mask.
-    cond = None
-    if latents is not None:
-      if latents.shape[0] != b:
-        raise ValueError(f"latents have batch {latents.shape[0]}; the call makes {b} videos")
-      if latents.ndim == 5:
-        if latents.shape[1] != c:
-          raise ValueError(f"latents [B, C, F, H, W] must have C={c}, got shape {latents.shape}")
-        z = self.vae.normalize_latents(jnp.transpose(latents, (0, 2, 3, 4, 1)))
-      if i2v:
-        cond = self._pack(jnp.zeros((b, f, h, w, 1), _F32).at[:, 0].set(1.0))[..., 0]
-      if latents.ndim == 5:
-        if noise_scale:
-          eps = jax.random.normal(keys[0], z.shape, _F32)
-          ns = (
-            noise_scale
-            if cond is None
-            else noise_scale * (1 - self._unpack(cond[..., None], f, h, w))
-          )
-          z = ns * eps + (1 - ns) * z
-        x = self._pack(z)
-      else:
-        x = latents
-        if x.shape[1:] != (tokens, tc.in_channels):
-          raise ValueError(
-            f"packed latents must be [B, S={tokens}, {tc.in_channels}] for {height}x{width}, "
-            f"{num_frames} frames; got {latents.shape}"
-          )
-        if noise_scale and cond is None:
-          eps = jax.random.normal(keys[0], x.shape, _F32)
-          x = noise_scale * eps + (1 - noise_scale) * x
-    elif i2v:
-      noise = jax.random.normal(keys[0], (b, c, f, h, w), _F32)
-      x, cond = self._image_latents(image, noise)
-    else:
-      x = self._pack(jax.random.normal(keys[0], (b, c, f, h, w), _F32).transpose(0, 2, 3, 4, 1))
-
-    # Audio latents (normalised, packed).
-    ac = self.audio_vae.config
-    mel = ac.latent_mel_bins
-    if audio_latents is not None:
-      audio_latents = jnp.asarray(audio_latents, _F32)
-      if audio_latents.ndim == 4:
-        if audio_latents.shape[1] != ac.latent_channels or audio_latents.shape[3] != mel:
-          raise ValueError(
-            f"audio_latents [B, C, L, M] must have C={ac.latent_channels}, M={mel}; got "
-            f"{audio_latents.shape}"
-          )
-        audio_latents = pack_audio_latents(jnp.transpose(audio_latents, (0, 2, 3, 1)))
-      if audio_latents.ndim != 3 or audio_latents.shape[0] != b:
-        raise ValueError(
-          f"audio_latents must be [B={b}, C, L, M] or packed [B, L, C * M], got {audio_latents.shape}"
-        )
-      fa = audio_latents.shape[1]
-      a = self.audio_vae.normalize_latents(audio_latents)
-      if noise_scale:
-        eps = jax.random.normal(keys[1], a.shape, _F32)
-        a = noise_scale * eps + (1 - noise_scale) * a
-    else:
-      fa = round(num_frames / frame_rate * ac.latents_per_second)
-      eps = jax.random.normal(keys[1], (b, ac.latent_channels, fa, mel), _F32)
-      a = pack_audio_latents(jnp.transpose(eps, (0, 2, 3, 1)))
-
-    # Schedule (the audio stream uses the same one): flow-match Euler, the image's tokens kept.
-    base = mdsch.from_config(self.scheduler_config)
-    if base.name != "FlowMatchEulerDiscreteScheduler":
-      raise ValueError(
-        f"LTX-2 samples with flow-match Euler; the folder's scheduler is {base.name}"
-      )
-    sched = mdsch.ltx_token_euler(**base.config)
-    mu = mdsch.ltx_mu(tokens, self.scheduler_config)
-    given = mdsch.ltx_uniform_sigmas(num_inference_steps) if sigmas is None else list(sigmas)
+    x, cond = self._video_latents(
+      latents, image, i2v, b, (f, h, w), tokens, noise_scale, keys[0], (height, width, num_frames)
+    )
+    a, fa = self._audio_latents(audio_latents, b, num_frames, frame_rate, noise_scale, keys[1])
     grid = (b, f // tc.patch_size_t, h // tc.patch_size, w // tc.patch_size)
     xg = x.reshape(grid + (x.shape[-1],))  # the token grid: only the video fits the mask
-    st = sched.init(
-      sigmas=given, mu=mu, conditioning=None if cond is None else np.asarray(cond).reshape(grid),
-      shape=(xg.shape, a.shape),
-    )  # fmt: skip
+    base, sched, st = self._schedule(
+      tokens, grid, cond, (xg.shape, a.shape), num_inference_steps, sigmas
+    )
     total = mdsch.num_calls(st)
-
-    # Guidance: the rows [negative, positive, perturbed, isolated] of the enabled branches, combined on
-    # x0 = x - sigma * v with one scale per modality, the rescale after every term (as the reference).
-    rescale = (guidance_rescale > 0, audio_guidance_rescale > 0)
-    spec = mdsch.guidance.Guidance(
-      cfg=do_cfg,
-      stg=want_stg and tc.perturbed_attn,
-      modality=modality_scale > 1.0 or audio_modality_scale > 1.0,
-      rescale=any(rescale),
-      rescale_last=any(rescale),
-      space="x0",
-    )
-    values = dict(
-      guidance=(guidance_scale, audio_guidance_scale),
-      stg=(stg_scale, audio_stg_scale),
-      modality=(modality_scale, audio_modality_scale),
-      # phi = 0 leaves a modality's prediction exactly as it is.
-      rescale=tuple(float(phi) if on else 0.0
-                    for phi, on in zip((guidance_rescale, audio_guidance_rescale), rescale)),
+    spec, scales, extra = self._guidance(
+      total, b, do_cfg=do_cfg, want_stg=want_stg, guidance_scale=guidance_scale,
+      audio_guidance_scale=audio_guidance_scale, stg_scale=stg_scale,
+      audio_stg_scale=audio_stg_scale, modality_scale=modality_scale,
+      audio_modality_scale=audio_modality_scale, guidance_rescale=guidance_rescale,
+      audio_guidance_rescale=audio_guidance_rescale,
     )  # fmt: skip
-    scales = jax.tree.map(
-      jnp.asarray, mdsch.guidance.per_step(total, {k: values[k] for k in spec.scale_names})
-    )
-    pos = slice(b, 2 * b) if spec.cfg else slice(0, b)
-    extra = (pos,) * (spec.stg + spec.modality)  # the perturbed and isolated rows take the prompt
     fps = float(frame_rate) / float(motion_speed)
     cond_in = dict(
       text=jnp.concatenate([text.video] + [text.video[r] for r in extra]),
@@ -722,15 +758,7 @@ class LTX2VideoPipeline(LoRAPipeline, mdp.Pipeline):
       conditioning=cond,
     )
     blocks = blocks if spec.stg else ()
-    key = ("loop", repr(sorted(base.config.items())), total, spec, blocks,
-           bool(use_cross_timestep), cond is not None, cache)  # fmt: skip
-    run = self.jit(
-      key,
-      lambda: self._run_fn(
-        sched, spec=spec, stg_blocks=blocks, cross=bool(use_cross_timestep),
-        cache=cache,
-      ),
-    )  # fmt: skip
+    cross = bool(use_cross_timestep)
     report = None
     if callback is not None:
 
@@ -738,25 +766,30 @@ class LTX2VideoPipeline(LoRAPipeline, mdp.Pipeline):
         v, au = latents
         return callback(i, t, (v.reshape(b, tokens, -1), au))
 
-    with self.context():
-      carry = mdsch.init_state(self.place((xg, a)), st, cache=cache)
-      cond_in = self.place(cond_in)
-      carry = mdsch.drive(
-        run, carry, 0, total, args=(self._tr.jit_state(), cond_in, scales),
-        chunk=chunk, callback=report, cancel=cancel, progress=bool(progress), cache=cache,
-      )  # fmt: skip
-    self.last_calls, self.last_cache = int(carry.calls), carry.cache
+    carry = mdsch.sample_pipeline(
+      self, ("loop", repr(sorted(base.config.items())), total, spec, blocks, cross, cond is not None),
+      lambda cache: self._run_fn(sched, spec=spec, stg_blocks=blocks, cross=cross, cache=cache),
+      (xg, a), st, args=(self._tr.jit_state(), self.place(cond_in), scales),
+      cache=cache, chunk=chunk, callback=report, cancel=cancel, progress=progress,
+    )  # fmt: skip
     xg, a = carry.latents
-    x = xg.reshape(b, tokens, -1)
-    z = self._unpack(x, f, h, w)
+    return self._outputs(xg.reshape(b, tokens, -1), a, (f, h, w), output_type, frame_rate, keys[2],
+                         decode_timestep, decode_noise_scale, decode_noise, progress)  # fmt: skip
+
+  def _outputs(self, x, a, grid, output_type, frame_rate, key, decode_timestep, decode_noise_scale,
+               decode_noise, progress) -> LTX2Output:  # fmt: skip
+    """The denormalised latents (`output_type="latent"`) or the decoded frames and audio."""
+    z = self._unpack(x, *grid)
     if output_type == "latent":
       video = jnp.transpose(self.vae.denormalize_latents(z), (0, 4, 1, 2, 3))
-      za = unpack_audio_latents(self.audio_vae.denormalize_latents(a), mel)
+      za = unpack_audio_latents(
+        self.audio_vae.denormalize_latents(a), self.audio_vae.config.latent_mel_bins
+      )
       return LTX2Output(video, jnp.transpose(za, (0, 3, 1, 2)), self.sample_rate, float(frame_rate))
     with self.decoding(progress):
       frames = self.decode_video(
         z, decode_timestep=decode_timestep, decode_noise_scale=decode_noise_scale,
-        decode_noise=decode_noise, seed=int(jax.random.randint(keys[2], (), 0, 2**31 - 1)),
+        decode_noise=decode_noise, seed=int(jax.random.randint(key, (), 0, 2**31 - 1)),
       )  # fmt: skip
       audio = self.decode_audio(a)
     return LTX2Output(frames, audio, self.sample_rate, float(frame_rate))

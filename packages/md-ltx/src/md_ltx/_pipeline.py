@@ -23,10 +23,9 @@ Decoding of 0.9.1+ VAEs takes `decode_timestep` and blends in noise by `decode_n
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +35,16 @@ import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
+from md_core import call as mdc
 from md_core import pipeline as mdp
 from md_lora import LoRAPipeline
+from md_ltx._conditioning import (
+  LTXCondition,
+  check_conditions,
+  condition_noise,
+  condition_pixels,
+  lerp,
+)
 from md_ltx._ltx2_pipeline import LTX2_PIPELINE_CLASSES, load_ltx2_pipeline
 from md_ltx._recipes import check_ltx_size
 from md_ltx._transformer import (
@@ -60,44 +67,13 @@ MAX_SEQUENCE_LENGTH = 128
 _F32 = jnp.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class LTXCondition:
-  """One conditioning item: an image or a clip placed at `frame_index` with `strength` (1: kept as given).
+class _Grid(NamedTuple):
+  """A video's latent grid: frames, rows, columns, and its packed token count."""
 
-  `image` is `[H, W, 3]` (uint8, or floats in [0, 1]), a PIL image or an image file; `video` (instead of
-  `image`) is `[N, H, W, 3]` or a list of images, cut to `1 + 8k` frames that fit in the video after
-  `frame_index`. Frames are resized to the video size when their size differs.
-  """
-
-  image: Any = None
-  frame_index: int = 0
-  strength: float = 1.0
-  video: Any = None
-
-
-def _image_array(image: Any, what: str) -> np.ndarray:
-  """An image as float32 `[H, W, 3]` in [0, 1] (uint8 input is divided by 255)."""
-  if isinstance(image, str | os.PathLike):
-    try:
-      import PIL.Image  # noqa: PLC0415 - only for images given as files
-
-      with PIL.Image.open(image) as im:
-        image = np.asarray(im.convert("RGB"))
-    except (OSError, ValueError) as e:
-      raise ValueError(f"{what}: cannot read the image file {os.fspath(image)!r}: {e}") from e
-  elif hasattr(image, "convert"):  # PIL
-    image = np.asarray(image.convert("RGB"))
-  x = np.asarray(image)
-  if x.ndim != 3 or x.shape[-1] != 3:
-    raise ValueError(
-      f"{what} must be one RGB image [H, W, 3] (uint8, or float in [0, 1]); got shape {x.shape}"
-    )
-  return x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
-
-
-def _lerp(a, b, w: float):
-  """torch.lerp's two formulas (from the start below 0.5, from the end above), for identical rounding."""
-  return a + w * (b - a) if w < 0.5 else b - (b - a) * (1.0 - w)
+  f: int
+  h: int
+  w: int
+  tokens: int
 
 
 def guidance_windows(guidance_timesteps: Sequence[float], timesteps: Sequence[float]) -> list[int]:
@@ -419,6 +395,300 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
 
     return jax.jit(run)
 
+  # --- the call's steps ------------------------------------------------------------------------------------
+  def _check_call(
+    self, *, mode, image, conditions, height, width, num_frames, output_type, denoise_strength,
+    timesteps, step_noise, noise, image_cond_noise_scale, image_noise, latents, stg_mode,
+  ) -> tuple[str, list[LTXCondition], list[float] | None]:  # fmt: skip
+    """Validates a call's settings before any encoding or compiling; returns the loop's mode key, the
+    conditioning items and the custom timesteps (floats) or None."""
+    self.check_size(height, width, num_frames)
+    mdc.check_output_type(output_type, OUTPUT_TYPES)
+    if not 0.0 < denoise_strength <= 1.0:
+      raise ValueError(f"denoise_strength={denoise_strength} must be in (0, 1]")
+    if image is not None and conditions:
+      raise ValueError("pass either image= or conditions=, not both")
+    mode = self._mode(mode, image, conditions)
+    if mode == "i2v":
+      for name, value in (
+        ("timesteps", timesteps), ("step_noise", step_noise), ("noise", noise),
+        ("image_cond_noise_scale", image_cond_noise_scale or None),
+      ):  # fmt: skip
+        if value is not None:
+          raise ValueError(
+            f"{name} is not used by mode='image_to_video' (LTXImageToVideoPipeline semantics); pass "
+            "mode='condition' for the conditioning pipeline's"
+          )
+    if image_noise is not None and mode == "t2v":
+      raise ValueError("image_noise is the conditioning image's posterior noise: pass image= too")
+    conditions = [LTXCondition(image)] if image is not None else list(conditions or [])
+    refine = denoise_strength < 1.0
+    if timesteps is not None:
+      if mode == "t2v":
+        raise ValueError(
+          "custom timesteps need the conditioning mode (the reference's LTXPipeline passes its own "
+          "sigmas): pass mode='condition', load with load_pipeline(..., condition=True) or pass "
+          "conditions"
+        )
+      timesteps = [float(t) for t in timesteps]
+      if not timesteps or any(b >= a for a, b in zip(timesteps, timesteps[1:], strict=False)):
+        raise ValueError(f"timesteps={timesteps} must be a non-empty descending list")
+    if refine and mode != "condition":
+      raise ValueError(
+        "denoise_strength < 1 needs the conditioning mode (LTXConditionPipeline semantics): pass "
+        "mode='condition', load with load_pipeline(..., condition=True) or pass conditions"
+      )
+    if refine and latents is None:
+      raise ValueError("denoise_strength < 1 refines given latents: pass latents= [B, C, F, H, W]")
+    cfg = self.transformer.cfg
+    with self.context():
+      # Heads vs the mesh's tensor degree: fail before any encoding or compiling.
+      self.transformer._check(
+        jnp.zeros((1, 1, cfg.in_channels)), jnp.zeros((1, 1, cfg.caption_channels)),
+        jnp.zeros((1,)), None, 1, 1, 1,
+      )  # fmt: skip
+    check_conditions(conditions, num_frames)
+    if stg_mode not in SKIP_LAYER_STRATEGIES:
+      raise ValueError(f"stg_mode={stg_mode!r} must be one of {SKIP_LAYER_STRATEGIES}")
+    return mode, conditions, timesteps
+
+  def _text_rows(
+    self, prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
+    negative_prompt_attention_mask, *, per_prompt: int, max_sequence_length: int, cfg_on: bool,
+    stg_on: bool,
+  ) -> tuple[jax.Array, jax.Array, int]:  # fmt: skip
+    """The loop's text rows: T5 states `[rows, L, D]` and masks `[rows, L]` in the guidance row order
+    (`[negative;] positive [; positive for STG's perturbed pass]`), and the number of videos."""
+
+    def given(embeds, mask, message):
+      if mask is None:
+        raise ValueError(message)
+      return jnp.asarray(embeds, _F32), jnp.asarray(mask, jnp.int32)
+
+    pos = mdc.resolve_prompt(
+      prompt, prompt_embeds, encode=lambda p: self.encode_prompt(p, max_sequence_length),
+      given=lambda e: given(e, prompt_attention_mask, "prompt_embeds needs prompt_attention_mask "
+                            "(as the reference)"),
+    )  # fmt: skip
+    neg = None
+    if cfg_on:
+      neg = mdc.resolve_negative(
+        negative_prompt, negative_prompt_embeds, pos,
+        encode=lambda p: self.encode_prompt(p, pos[0].shape[1]),
+        given=lambda e: given(e, negative_prompt_attention_mask, "negative_prompt_embeds needs "
+                              "negative_prompt_attention_mask"),
+      )  # fmt: skip
+    context, cmask = mdc.guidance_rows(pos, neg, per_prompt)
+    batch = pos[0].shape[0] * per_prompt
+    if stg_on:  # the perturbed pass reads the positive prompt
+      context = jnp.concatenate([context, context[context.shape[0] - batch :]])
+      cmask = jnp.concatenate([cmask, cmask[cmask.shape[0] - batch :]])
+    return context, cmask, batch
+
+  def _grid(self, num_frames: int, height: int, width: int) -> _Grid:
+    st, ss = self.vae_temporal_compression_ratio, self.vae_spatial_compression_ratio
+    f, h, w = (num_frames - 1) // st + 1, height // ss, width // ss
+    p, pt = self.transformer.cfg.patch_size, self.transformer.cfg.patch_size_t
+    return _Grid(f, h, w, (f // pt) * (h // p) * (w // p))
+
+  def _initial_latents(self, latents, mode: str, batch: int, grid: _Grid, key, size) -> jax.Array:
+    """The initial latents `[B, f, h, w, C]`: drawn from `key`, or given packed `[B, S, C]` (text- and
+    image-to-video) or `[B, C, F, H, W]`."""
+    f, h, w = grid.f, grid.h, grid.w
+    z = self.vae.config.latent_channels
+    if latents is None:
+      return jax.random.normal(key, (batch, f, h, w, z), _F32)
+    x = jnp.asarray(latents, _F32)
+    full, packed = (batch, z, f, h, w), (batch, grid.tokens, self.transformer.cfg.in_channels)
+    if mode != "condition" and x.shape == packed:
+      return self._unpack(x, f, h, w)
+    if x.shape == full:
+      return jnp.transpose(x, (0, 2, 3, 4, 1))
+    want = f"{full} ([B, C, F, H, W])" + (f" or packed {packed}" if mode != "condition" else "")
+    num_frames, height, width = size
+    raise ValueError(
+      f"latents have shape {x.shape}; expected {want} for {batch} videos of {num_frames} frames at "
+      f"{height}x{width}"
+    )
+
+  def _schedule(self, mode: str, num_inference_steps: int, timesteps, tokens: int):
+    """Flow-match Euler with the mode's token rule, its `init` arguments, and the timesteps and sigmas
+    of the whole schedule (host arrays)."""
+    sched = mdsch.ltx_token_euler(
+      rule=_RULES[mode], **mdsch.from_config(self.scheduler_config).config
+    )
+    sc = sched.config
+
+    def shift(base, top, lo, hi):
+      return mdsch.calculate_shift(tokens, base, top, lo, hi)
+
+    if mode != "condition":
+      mu = shift(
+        sc.get("base_image_seq_len", 256), sc.get("max_image_seq_len", 4096),
+        sc.get("base_shift", 0.5), sc.get("max_shift", 1.15),
+      )  # fmt: skip
+      sched_kw = dict(sigmas=mdsch.ltx_uniform_sigmas(num_inference_steps), mu=mu)
+    else:
+      if timesteps is None:
+        timesteps = mdsch.linear_quadratic_sigmas(num_inference_steps) * np.float32(1000)
+      mu = None
+      if sc.get("use_dynamic_shifting"):
+        # The reference would stop here (no mu); md shifts by the token count as in text-to-video.
+        mu = shift(
+          sc["base_image_seq_len"], sc["max_image_seq_len"], sc["base_shift"], sc["max_shift"]
+        )
+      sched_kw = dict(timesteps=timesteps, mu=mu)
+    plain = sched.init(**sched_kw)
+    ts = np.asarray(plain.timesteps, np.float32)
+    return sched, sched_kw, ts, np.asarray(plain.sigmas, np.float32)
+
+  def _refine_start(self, x, num_inference_steps, denoise_strength, sigmas, noise, key):
+    """`(begin, x)`: with `denoise_strength < 1` the reference's get_timesteps keeps the last
+    `int(n * strength)` steps and the latents start noised to the first kept level (the scheduler's
+    full sigma list still gives each step's next level); else `(0, x)`."""
+    if denoise_strength >= 1.0:
+      return 0, x
+    n = num_inference_steps
+    begin = n - min(int(n * denoise_strength), n)
+    if begin >= n:
+      raise ValueError(f"denoise_strength={denoise_strength} with {n} steps leaves no step")
+    if noise is None:
+      eps = jax.random.normal(key, x.shape, _F32)
+    else:
+      eps = jnp.asarray(noise, _F32)
+      full = (x.shape[0], x.shape[4], *x.shape[1:4])
+      if eps.shape != full:
+        raise ValueError(f"noise must be [B, C, F, H, W] = {full}, got {eps.shape}")
+      eps = jnp.transpose(eps, (0, 2, 3, 4, 1))
+    sigma0 = sigmas[begin]
+    return begin, sigma0 * eps + (1 - sigma0) * x
+
+  def _condition(self, mode, conditions, pics, posterior_noise, x, grid, *, frame_rate, size, key):
+    """The conditioned packed tokens `[B, S', C]`, their rotary tables, the per-token conditioning
+    strengths `[B, S']` (or None) and the tokens the conditioning noise starts from (or None).
+
+    Image to video: the image's latents replace the first latent frame (one posterior sample shared by
+    every video), whose tokens the loop keeps. Conditioning mode: images at frame 0 blended into the
+    first latent frames with their strength, clips' latent frames after a two-frame prefix at their
+    place, other images and prefixes appended as extra tokens at their frame's coordinates."""
+    cfg = self.transformer.cfg
+    p, pt = cfg.patch_size, cfg.patch_size_t
+    st, ss = self.vae_temporal_compression_ratio, self.vae_spatial_compression_ratio
+    f, h, w = grid.f, grid.h, grid.w
+    height, width = size
+    batch = x.shape[0]
+
+    def token_mask(per_frame, extra=()):
+      cm = np.concatenate([*extra, per_frame[np.repeat(np.arange(0, f, pt), (h // p) * (w // p))]])
+      return jnp.broadcast_to(jnp.asarray(cm), (batch, cm.shape[0]))
+
+    if mode != "condition":
+      rope = rope_tables(cfg, f // pt, h // p, w // p, (st / frame_rate, ss, ss))
+      cond_mask = None
+      if mode == "i2v":
+        zc = self._encode_image(
+          self._fit(pics[0], height, width), key, posterior_noise[0], "image_noise"
+        )  # [1, 1, h, w, C]
+        x = x.at[:, :1].set(jnp.broadcast_to(zc, (batch, *zc.shape[1:])))
+        first = np.zeros((f,), np.float32)
+        first[0] = 1.0
+        cond_mask = token_mask(first)
+      return self._pack(x), rope, cond_mask, None
+    frames_mask = np.zeros((f,), np.float32)
+    extra_x, extra_coords, extra_mask = [], [], []
+    kcond = jax.random.split(key, 2 * max(len(conditions), 1))
+    prefix = 2  # the reference's num_prefix_latent_frames
+    for i, c in enumerate(conditions):
+      pic = self._fit(pics[i], height, width)
+      what = "image_noise" if len(conditions) == 1 else f"image_noise[{i}]"
+      zc = self._encode_image(pic, kcond[2 * i], posterior_noise[i], what)  # [1, n, h, w, C]
+      n, s, index = zc.shape[1], float(c.strength), int(c.frame_index)
+      if index == 0:
+        x = x.at[:, :n].set(lerp(x[:, :n], zc, s))
+        frames_mask[:n] = s
+        continue
+      if pic.shape[0] > 1 and n < prefix:
+        raise ValueError(
+          f"conditions[{i}].video at frame {index} needs at least {prefix} latent frames "
+          f"({(prefix - 1) * st + 1} frames), got {pic.shape[0]} frames"
+        )
+      if pic.shape[0] > 1 and n > prefix:
+        # Latent frames after the prefix replace the video's own at their place; the prefix is
+        # appended as extra tokens below.
+        start = index // st + prefix
+        end = start + n - prefix
+        if end > f:
+          raise ValueError(
+            f"conditions[{i}].video at frame {index} reaches latent frame {end}, past the video's {f}"
+          )
+        x = x.at[:, start:end].set(lerp(x[:, start:end], zc[:, prefix:], s))
+        frames_mask[start:end] = s
+        zc = zc[:, :prefix]
+      zc = lerp(jax.random.normal(kcond[2 * i + 1], zc.shape, _F32), zc, s)
+      packed = self._pack(zc)
+      extra_x.append(jnp.broadcast_to(packed, (batch, *packed.shape[1:])))
+      extra_coords.append(self._coords(zc.shape[1], h, w, index))
+      extra_mask.append(np.full((packed.shape[1],), s, np.float32))
+    coords = np.concatenate([*extra_coords, self._coords(f, h, w, 0)], axis=2).astype(np.float32)
+    coords[:, 0] = coords[:, 0] * np.float32(1.0 / frame_rate)
+    x = jnp.concatenate([*extra_x, self._pack(x)], axis=1)
+    if not conditions:
+      return x, rope_tables_from_coords(cfg, coords), None, None
+    return x, rope_tables_from_coords(cfg, coords), token_mask(frames_mask, extra_mask), x
+
+  def _guidance(self, total, begin, timesteps, *, cfg_on, stg_on, guidance_scale, guidance_rescale,
+                cfg_star, stg_scale, stg_rescale, stg_blocks, guidance_timesteps):  # fmt: skip
+    """Which guidance terms run (static), their per-step scales and STG's per-step block mask (traced;
+    rows for skipped steps first, as the loop indexes them by the schedule's step)."""
+    guide = mdsch.guidance.Guidance(
+      cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, cfg_star=cfg_on and bool(cfg_star),
+      gate=cfg_on, stg=stg_on, stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)),
+      one_call=True,  # diffusers' LTXPipeline runs [negative, positive] as one transformer call
+    )  # fmt: skip
+    windows = None
+    if guidance_timesteps is not None:
+      windows = guidance_windows(list(guidance_timesteps), (timesteps / np.float32(1000)).tolist())
+    named = dict(
+      guidance=("guidance_scale", guidance_scale), rescale=("guidance_rescale", guidance_rescale),
+      stg=("stg_scale", stg_scale), stg_rescale=("stg_rescale", stg_rescale),
+    )  # fmt: skip
+    arrays = mdsch.guidance.per_step(total, dict(named.values()), windows=windows)
+    scales = {k: _pad_steps(arrays[arg], begin) for k, (arg, _) in named.items()}
+    scales = {k: jnp.asarray(v) for k, v in scales.items() if k in guide.scale_names}
+    keep = _pad_steps(
+      _skip_keep(total, self.transformer.cfg.num_layers, stg_blocks, windows), begin
+    )
+    return guide, scales, jnp.asarray(keep) if guide.stg else None
+
+  def _loop_state(self, sched, sched_kw, mode, x, cond_mask, init, *, noise_on, step_noise,
+                  noise_scale, total, begin, key):  # fmt: skip
+    """The scheduler's state at `begin` (the conditioning mask: the condition mode moves every token
+    from its own level, zeros without conditions; the conditioning noise of each step) and the
+    latents with the first step's conditioning noise."""
+    if step_noise is not None:
+      step_noise = jnp.asarray(step_noise, _F32)
+      if step_noise.shape != (total, *x.shape):
+        raise ValueError(
+          f"step_noise must be [steps, B, S, C] = {(total, *x.shape)}, got {step_noise.shape}"
+        )
+    token_mask = None if cond_mask is None else np.asarray(cond_mask)
+    if mode == "condition" and token_mask is None:
+      token_mask = np.zeros(x.shape[:2], np.float32)
+    noise_kw = {}
+    if noise_on:
+      if step_noise is None:  # one draw per step run, from the seed's loop key
+        draw = self.jit(("step_noise", total, x.shape), lambda: _draw_steps(total, x.shape))
+        step_noise = draw(key)
+      noise_kw = dict(
+        cond_latents=init, cond_noise=_pad_steps(np.asarray(step_noise), begin),
+        cond_noise_scale=noise_scale,
+      )  # fmt: skip
+    state = sched.init(**sched_kw, conditioning=token_mask, shape=x.shape, **noise_kw)
+    state = mdsch.start_at(sched, state, begin)
+    if noise_on:  # the first step's conditioning noise (jitted: rounded as in the loop)
+      x = self.jit("noised", lambda: jax.jit(mdsch.ltx_token_noised))(state, x)
+    return state, x
+
   # --- the call --------------------------------------------------------------------------------------------
   def _mode(self, mode: str | None, image: Any, conditions: Any) -> str:
     """The loop's mode key ("t2v", "i2v", "condition") for a call's `mode=`, `image=`, `conditions=`."""
@@ -569,346 +839,64 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
       md_core.pipeline.SizeError: a size the VAE and the packing cannot take (naming the nearest ones).
       md_schedulers.Cancelled: `cancel()` returned True or `callback` returned False.
     """
-    self.check_size(height, width, num_frames)
-    if output_type not in OUTPUT_TYPES:
-      raise ValueError(f"output_type={output_type!r} must be 'np' (or 'frames') or 'latent'")
-    if not 0.0 < denoise_strength <= 1.0:
-      raise ValueError(f"denoise_strength={denoise_strength} must be in (0, 1]")
-    if image is not None and conditions:
-      raise ValueError("pass either image= or conditions=, not both")
-    mode = self._mode(mode, image, conditions)
-    if mode == "i2v":
-      for name, value in (
-        ("timesteps", timesteps), ("step_noise", step_noise), ("noise", noise),
-        ("image_cond_noise_scale", image_cond_noise_scale or None),
-      ):  # fmt: skip
-        if value is not None:
-          raise ValueError(
-            f"{name} is not used by mode='image_to_video' (LTXImageToVideoPipeline semantics); pass "
-            "mode='condition' for the conditioning pipeline's"
-          )
-    if image_noise is not None and mode == "t2v":
-      raise ValueError("image_noise is the conditioning image's posterior noise: pass image= too")
+    mode, conditions, timesteps = self._check_call(
+      mode=mode, image=image, conditions=conditions, height=height, width=width,
+      num_frames=num_frames, output_type=output_type, denoise_strength=denoise_strength,
+      timesteps=timesteps, step_noise=step_noise, noise=noise,
+      image_cond_noise_scale=image_cond_noise_scale, image_noise=image_noise, latents=latents,
+      stg_mode=stg_mode,
+    )  # fmt: skip
+    if timesteps is not None:
+      num_inference_steps = len(timesteps)
     if image_cond_noise_scale is None:
       image_cond_noise_scale = 0.15 if mode == "condition" else 0.0
-    if image is not None:
-      conditions = [LTXCondition(image)]
-    conditions = list(conditions or [])
-    refine = denoise_strength < 1.0
-    if timesteps is not None:
-      if mode == "t2v":
-        raise ValueError(
-          "custom timesteps need the conditioning mode (the reference's LTXPipeline passes its own "
-          "sigmas): pass mode='condition', load with load_pipeline(..., condition=True) or pass "
-          "conditions"
-        )
-      timesteps = [float(t) for t in timesteps]
-      if not timesteps or any(b >= a for a, b in zip(timesteps, timesteps[1:], strict=False)):
-        raise ValueError(f"timesteps={timesteps} must be a non-empty descending list")
-      num_inference_steps = len(timesteps)
-    if refine and mode != "condition":
-      raise ValueError(
-        "denoise_strength < 1 needs the conditioning mode (LTXConditionPipeline semantics): pass "
-        "mode='condition', load with load_pipeline(..., condition=True) or pass conditions"
-      )
-    if refine and latents is None:
-      raise ValueError("denoise_strength < 1 refines given latents: pass latents= [B, C, F, H, W]")
-    cfg = self.transformer.cfg
-    with self.context():
-      # Heads vs the mesh's tensor degree: fail before any encoding or compiling.
-      self.transformer._check(
-        jnp.zeros((1, 1, cfg.in_channels)), jnp.zeros((1, 1, cfg.caption_channels)),
-        jnp.zeros((1,)), None, 1, 1, 1,
-      )  # fmt: skip
-    for i, c in enumerate(conditions):
-      if not isinstance(c, LTXCondition):
-        raise ValueError(f"conditions[{i}] must be an LTXCondition, got {type(c).__name__}")
-      if not 0 <= int(c.frame_index) < num_frames:
-        raise ValueError(
-          f"conditions[{i}].frame_index={c.frame_index} is outside the video (frames 0 … "
-          f"{num_frames - 1})"
-        )
-      if not 0.0 <= float(c.strength) <= 1.0:
-        raise ValueError(f"conditions[{i}].strength={c.strength} must be in [0, 1]")
-    posterior_noise = [None] * len(conditions)
-    if image_noise is not None:
-      posterior_noise = (
-        list(image_noise) if isinstance(image_noise, list | tuple) else [image_noise]
-      )
-      if len(posterior_noise) != len(conditions):
-        raise ValueError(
-          f"image_noise has {len(posterior_noise)} arrays for {len(conditions)} conditioning items; give one per "
-          "item (one array for image=)"
-        )
-    pics = []
-    st = self.vae_temporal_compression_ratio
-    for i, c in enumerate(conditions):
-      if (c.image is None) == (c.video is None):
-        raise ValueError(f"conditions[{i}] needs exactly one of image= and video=")
-      if c.image is not None:
-        pics.append(_image_array(c.image, f"conditions[{i}].image")[None])
-        continue
-      frames = [_image_array(im, f"conditions[{i}].video[{j}]") for j, im in enumerate(c.video)]
-      if len({fr.shape for fr in frames}) != 1:
-        raise ValueError(f"conditions[{i}].video: frames of different sizes")
-      n = min(len(frames), num_frames - int(c.frame_index))
-      n = (n - 1) // st * st + 1  # the reference's trim_conditioning_sequence
-      pics.append(np.stack(frames[:n]))
+    posterior_noise = condition_noise(image_noise, len(conditions))
+    pics = condition_pixels(conditions, num_frames, self.vae_temporal_compression_ratio)
     cfg_on = float(np.max(guidance_scale)) > 1.0
     stg_on = float(np.max(stg_scale)) > 0.0
-    if stg_mode not in SKIP_LAYER_STRATEGIES:
-      raise ValueError(f"stg_mode={stg_mode!r} must be one of {SKIP_LAYER_STRATEGIES}")
     keys = jax.random.split(jax.random.key(int(seed)), 5)
 
-    # Text.
-    prompts = mdp.as_prompts(prompt)
-    if prompt_embeds is None:
-      if not prompts:
-        raise ValueError("pass prompt (a string or a list) or prompt_embeds")
-      embeds, emask = self.encode_prompt(prompts, max_sequence_length)
-    else:
-      if prompts:
-        raise ValueError("pass either prompt or prompt_embeds, not both")
-      if prompt_attention_mask is None:
-        raise ValueError("prompt_embeds needs prompt_attention_mask (as the reference)")
-      embeds = jnp.asarray(prompt_embeds, _F32)
-      emask = jnp.asarray(prompt_attention_mask, jnp.int32)
-    b = embeds.shape[0]
-    context = jnp.repeat(embeds, num_videos_per_prompt, axis=0)
-    cmask = jnp.repeat(emask, num_videos_per_prompt, axis=0)
-    if cfg_on:
-      if negative_prompt_embeds is not None:
-        if negative_prompt_attention_mask is None:
-          raise ValueError("negative_prompt_embeds needs negative_prompt_attention_mask")
-        neg = jnp.asarray(negative_prompt_embeds, _F32)
-        nmask = jnp.asarray(negative_prompt_attention_mask, jnp.int32)
-      else:
-        negs = mdp.as_prompts(negative_prompt) or [""]
-        if len(negs) == 1 and b > 1:
-          negs = negs * b
-        if len(negs) != b:
-          raise ValueError(
-            f"negative_prompt has {len(negs)} entries for {b} prompts; give 1 or {b}"
-          )
-        neg, nmask = self.encode_prompt(negs, embeds.shape[1])
-      if neg.shape != embeds.shape:
-        raise ValueError(
-          f"negative_prompt_embeds {neg.shape} and prompt_embeds {embeds.shape} must have one shape"
-        )
-      context = jnp.concatenate([jnp.repeat(neg, num_videos_per_prompt, axis=0), context], axis=0)
-      cmask = jnp.concatenate([jnp.repeat(nmask, num_videos_per_prompt, axis=0), cmask], axis=0)
-    if stg_on:  # the perturbed pass reads the positive prompt
-      context = jnp.concatenate([context, context[context.shape[0] - b * num_videos_per_prompt :]])
-      cmask = jnp.concatenate([cmask, cmask[cmask.shape[0] - b * num_videos_per_prompt :]])
-    batch = b * num_videos_per_prompt
-
-    # Latent grid.
-    st, ss = self.vae_temporal_compression_ratio, self.vae_spatial_compression_ratio
-    f, h, w = (num_frames - 1) // st + 1, height // ss, width // ss
-    z = self.vae.config.latent_channels
-    p, pt = cfg.patch_size, cfg.patch_size_t
-    tokens = (f // pt) * (h // p) * (w // p)
-    full = (batch, z, f, h, w)
-    if latents is None:
-      x = jax.random.normal(keys[0], (batch, f, h, w, z), _F32)
-    else:
-      x = jnp.asarray(latents, _F32)
-      packed = (batch, tokens, cfg.in_channels)
-      if mode != "condition" and x.shape == packed:
-        x = self._unpack(x, f, h, w)
-      elif x.shape == full:
-        x = jnp.transpose(x, (0, 2, 3, 4, 1))
-      else:
-        want = f"{full} ([B, C, F, H, W])" + (f" or packed {packed}" if mode != "condition" else "")
-        raise ValueError(
-          f"latents have shape {x.shape}; expected {want} for {batch} videos of {num_frames} frames at "
-          f"{height}x{width}"
-        )
-
-    # Schedule (static: known on the host): flow-match Euler with the mode's token rule.
-    sched = mdsch.ltx_token_euler(
-      rule=_RULES[mode], **mdsch.from_config(self.scheduler_config).config
+    context, cmask, batch = self._text_rows(
+      prompt, negative_prompt, prompt_embeds, prompt_attention_mask, negative_prompt_embeds,
+      negative_prompt_attention_mask, per_prompt=num_videos_per_prompt,
+      max_sequence_length=max_sequence_length, cfg_on=cfg_on, stg_on=stg_on,
+    )  # fmt: skip
+    grid = self._grid(num_frames, height, width)
+    x = self._initial_latents(latents, mode, batch, grid, keys[0], (num_frames, height, width))
+    sched, sched_kw, ts_host, sigmas_host = self._schedule(
+      mode, num_inference_steps, timesteps, grid.tokens
     )
-    sc = sched.config
-    if mode != "condition":
-      mu = mdsch.calculate_shift(
-        tokens,
-        sc.get("base_image_seq_len", 256),
-        sc.get("max_image_seq_len", 4096),
-        sc.get("base_shift", 0.5),
-        sc.get("max_shift", 1.15),
-      )
-      sched_kw = dict(sigmas=mdsch.ltx_uniform_sigmas(num_inference_steps), mu=mu)
-    else:
-      if timesteps is None:
-        timesteps = mdsch.linear_quadratic_sigmas(num_inference_steps) * np.float32(1000)
-      mu = None
-      if sc.get("use_dynamic_shifting"):
-        # The reference would stop here (no mu); md shifts by the token count as in text-to-video.
-        mu = mdsch.calculate_shift(
-          tokens,
-          sc["base_image_seq_len"],
-          sc["max_image_seq_len"],
-          sc["base_shift"],
-          sc["max_shift"],
-        )
-      sched_kw = dict(timesteps=timesteps, mu=mu)
-    plain = sched.init(**sched_kw)
-    ts_host = np.asarray(plain.timesteps, np.float32)
-    sigmas_host = np.asarray(plain.sigmas, np.float32)
-    begin = 0  # the first step run
-    if refine:
-      # The reference's get_timesteps: keep the last int(n * strength) steps; the latents start at the
-      # first kept noise level (the scheduler's full sigma list still gives each step's next level).
-      begin = num_inference_steps - min(
-        int(num_inference_steps * denoise_strength), num_inference_steps
-      )
-      ts_host = ts_host[begin:]
-      if ts_host.size == 0:
-        raise ValueError(
-          f"denoise_strength={denoise_strength} with {num_inference_steps} steps leaves no step"
-        )
-      sigma0 = sigmas_host[begin]
-      if noise is None:
-        eps = jax.random.normal(keys[4], x.shape, _F32)
-      else:
-        eps = jnp.asarray(noise, _F32)
-        if eps.shape != full:
-          raise ValueError(f"noise must be [B, C, F, H, W] = {full}, got {eps.shape}")
-        eps = jnp.transpose(eps, (0, 2, 3, 4, 1))
-      x = sigma0 * eps + (1 - sigma0) * x
-    total = int(ts_host.shape[0])  # the steps run
-
-    # Conditioning (conditioning mode): blend / append latents, per-token strengths, coordinates.
-    cond_mask = init = None
-    if mode != "condition":
-      rope = rope_tables(cfg, f // pt, h // p, w // p, (st / frame_rate, ss, ss))
-      if mode == "i2v":
-        # LTXImageToVideoPipeline: the image's latents replace the first latent frame (one posterior
-        # sample shared by every video), whose tokens the loop keeps.
-        zc = self._encode_image(
-          self._fit(pics[0], height, width), keys[1], posterior_noise[0], "image_noise"
-        )  # [1, 1, h, w, C]
-        x = x.at[:, :1].set(jnp.broadcast_to(zc, (batch, *zc.shape[1:])))
-        first = np.zeros((f,), np.float32)
-        first[0] = 1.0
-        cm = first[np.repeat(np.arange(0, f, pt), (h // p) * (w // p))]
-        cond_mask = jnp.broadcast_to(jnp.asarray(cm), (batch, cm.shape[0]))
-      x = self._pack(x)
-    else:
-      frames_mask = np.zeros((f,), np.float32)
-      extra_x, extra_coords, extra_mask = [], [], []
-      kcond = jax.random.split(keys[1], 2 * max(len(conditions), 1))
-      prefix = 2  # the reference's num_prefix_latent_frames
-      for i, c in enumerate(conditions):
-        pic = self._fit(pics[i], height, width)
-        what = "image_noise" if len(conditions) == 1 else f"image_noise[{i}]"
-        zc = self._encode_image(pic, kcond[2 * i], posterior_noise[i], what)  # [1, n, h, w, C]
-        n, s, index = zc.shape[1], float(c.strength), int(c.frame_index)
-        if index == 0:
-          x = x.at[:, :n].set(_lerp(x[:, :n], zc, s))
-          frames_mask[:n] = s
-        else:
-          if pic.shape[0] > 1 and n < prefix:
-            raise ValueError(
-              f"conditions[{i}].video at frame {index} needs at least {prefix} latent frames "
-              f"({(prefix - 1) * st + 1} frames), got {pic.shape[0]} frames"
-            )
-          if pic.shape[0] > 1 and n > prefix:
-            # Latent frames after the prefix replace the video's own at their place; the prefix is
-            # appended as extra tokens below.
-            start = index // st + prefix
-            end = start + n - prefix
-            if end > f:
-              raise ValueError(
-                f"conditions[{i}].video at frame {index} reaches latent frame {end}, past the video's "
-                f"{f}"
-              )
-            x = x.at[:, start:end].set(_lerp(x[:, start:end], zc[:, prefix:], s))
-            frames_mask[start:end] = s
-            zc = zc[:, :prefix]
-          noise = jax.random.normal(kcond[2 * i + 1], zc.shape, _F32)
-          zc = _lerp(noise, zc, s)
-          packed = self._pack(zc)
-          extra_x.append(jnp.broadcast_to(packed, (batch, *packed.shape[1:])))
-          extra_coords.append(self._coords(zc.shape[1], h, w, index))
-          extra_mask.append(np.full((packed.shape[1],), s, np.float32))
-      main_coords = self._coords(f, h, w, 0)
-      coords = np.concatenate([*extra_coords, main_coords], axis=2).astype(np.float32)
-      coords[:, 0] = coords[:, 0] * np.float32(1.0 / frame_rate)
-      rope = rope_tables_from_coords(cfg, coords)
-      x = jnp.concatenate([*extra_x, self._pack(x)], axis=1)
-      if conditions:
-        main_mask = frames_mask[np.repeat(np.arange(0, f, pt), (h // p) * (w // p))]
-        cm = np.concatenate([*extra_mask, main_mask])
-        cond_mask = jnp.broadcast_to(jnp.asarray(cm), (batch, cm.shape[0]))
-        init = x
-    noise_on = mode == "condition" and bool(conditions) and image_cond_noise_scale > 0
-    if step_noise is not None:
-      step_noise = jnp.asarray(step_noise, _F32)
-      if step_noise.shape != (total, *x.shape):
-        raise ValueError(
-          f"step_noise must be [steps, B, S, C] = {(total, *x.shape)}, got {step_noise.shape}"
-        )
-
-    # Guidance: which terms (static), per-step scales and block masks (traced).
-    guide = mdsch.guidance.Guidance(
-      cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, cfg_star=cfg_on and bool(cfg_star),
-      gate=cfg_on, stg=stg_on, stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)),
-      one_call=True,  # diffusers' LTXPipeline runs [negative, positive] as one transformer call
+    begin, x = self._refine_start(
+      x, num_inference_steps, denoise_strength, sigmas_host, noise, keys[4]
+    )
+    total = int(ts_host.shape[0]) - begin  # the steps run
+    x, rope, cond_mask, init = self._condition(
+      mode, conditions, pics, posterior_noise, x, grid, frame_rate=frame_rate,
+      size=(height, width), key=keys[1],
     )  # fmt: skip
-    windows = None
-    if guidance_timesteps is not None:
-      windows = guidance_windows(list(guidance_timesteps), (ts_host / np.float32(1000)).tolist())
-    named = dict(
-      guidance=("guidance_scale", guidance_scale), rescale=("guidance_rescale", guidance_rescale),
-      stg=("stg_scale", stg_scale), stg_rescale=("stg_rescale", stg_rescale),
+    guide, scales, keep = self._guidance(
+      total, begin, ts_host[begin:], cfg_on=cfg_on, stg_on=stg_on, guidance_scale=guidance_scale,
+      guidance_rescale=guidance_rescale, cfg_star=cfg_star, stg_scale=stg_scale,
+      stg_rescale=stg_rescale, stg_blocks=stg_blocks, guidance_timesteps=guidance_timesteps,
     )  # fmt: skip
-    arrays = mdsch.guidance.per_step(total, dict(named.values()), windows=windows)
-    scales = {k: _pad_steps(arrays[arg], begin) for k, (arg, _) in named.items()}
-    scales = {k: jnp.asarray(v) for k, v in scales.items() if k in guide.scale_names}
-    keep = _pad_steps(_skip_keep(total, cfg.num_layers, stg_blocks, windows), begin)
-
-    # The scheduler's state: the conditioning mask (the condition mode moves every token from its own
-    # level, zeros without conditions) and the conditioning noise of each step.
-    token_mask = None if cond_mask is None else np.asarray(cond_mask)
-    if mode == "condition" and token_mask is None:
-      token_mask = np.zeros(x.shape[:2], np.float32)
-    noise_kw = {}
-    if noise_on:
-      if step_noise is None:  # one draw per step run, from the seed's loop key
-        step_noise = self.jit(("step_noise", total, x.shape), lambda: _draw_steps(total, x.shape))(
-          keys[2]
-        )
-      noise_kw = dict(
-        cond_latents=init, cond_noise=_pad_steps(np.asarray(step_noise), begin),
-        cond_noise_scale=image_cond_noise_scale,
-      )  # fmt: skip
-    state = sched.init(**sched_kw, conditioning=token_mask, shape=x.shape, **noise_kw)
-    state = mdsch.start_at(sched, state, begin)
-    if noise_on:  # the first step's conditioning noise (jitted: rounded as in the loop)
-      x = self.jit("noised", lambda: jax.jit(mdsch.ltx_token_noised))(state, x)
-    n = mdsch.num_calls(state)
+    state, x = self._loop_state(
+      sched, sched_kw, mode, x, cond_mask, init, total=total, begin=begin, key=keys[2],
+      noise_on=mode == "condition" and bool(conditions) and image_cond_noise_scale > 0,
+      step_noise=step_noise, noise_scale=image_cond_noise_scale,
+    )  # fmt: skip
 
     cond = dict(
       context=self.place(context), mask=self.place(cmask), rope=rope,
-      cond_mask=self.place(cond_mask), keep=jnp.asarray(keep) if guide.stg else None,
+      cond_mask=self.place(cond_mask), keep=keep,
     )  # fmt: skip
-    key = ("loop", mode, repr(sorted(sched.config.items())), guide, stg_mode, cache)
-    run = self.jit(
-      key, lambda: self._run_fn(sched, mode=mode, guide=guide, stg_mode=stg_mode, cache=cache)
-    )
-    params = self._tr.jit_state()
-    with self.context():
-      carry = mdsch.init_state(self.place(x), state, cache=cache)
-      carry = mdsch.drive(
-        run, carry, begin, n, args=(params, cond, scales),
-        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
-      )  # fmt: skip
-    self.last_calls, self.last_cache = int(carry.calls), carry.cache
+    carry = mdsch.sample_pipeline(
+      self, ("loop", mode, repr(sorted(sched.config.items())), guide, stg_mode),
+      lambda cache: self._run_fn(sched, mode=mode, guide=guide, stg_mode=stg_mode, cache=cache),
+      x, state, args=(self._tr.jit_state(), cond, scales), begin=begin,
+      cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
+    )  # fmt: skip
     x = carry.latents
-    x = x[:, x.shape[1] - tokens :]
-    x = self._unpack(x, f, h, w)
+    x = self._unpack(x[:, x.shape[1] - grid.tokens :], grid.f, grid.h, grid.w)
     if output_type == "latent":
       return jnp.transpose(x, (0, 4, 1, 2, 3))
     with self.decoding(progress):

@@ -45,6 +45,7 @@ from md_schedulers._sample import (
   sample,
   step_flops,
 )
+from md_schedulers._shell import LoopHost, sample_pipeline
 from md_schedulers._start import (
   add_noise_at,
   denoising_end_stop,
@@ -69,6 +70,7 @@ from md_schedulers._unipc import unipc_multistep
 __all__ = [
   "Cancelled",
   "Expert",
+  "LoopHost",
   "SampleState",
   "StepCache",
   "drive",
@@ -77,6 +79,7 @@ __all__ = [
   "matmul_flops_per_second",
   "run_steps",
   "sample",
+  "sample_pipeline",
   "step_flops",
   "LTX2_DISTILLED_SIGMAS",
   "LTX2_STAGE2_DISTILLED_SIGMAS",

@@ -33,6 +33,7 @@ import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
+from md_core import call as mdc
 from md_core import pipeline as mdp
 from md_lora import LoRAPipeline
 from md_sd._config import UNetConfig
@@ -349,51 +350,141 @@ class StableDiffusionPipeline(LoRAPipeline, mdp.Pipeline):
     clip_skip: int | None = None,
   ):
     """(positive, negative) embeddings and pooled embeddings for the batch of prompts."""
-    prompts = mdp.as_prompts(prompt)
-    if prompt_embeds is None:
-      if not prompts:
-        raise ValueError("pass prompt (a string or a list) or prompt_embeds")
-      embeds, pooled = self.encode_prompt(prompts, clip_skip)
-    else:
-      if prompts:
-        raise ValueError("pass either prompt or prompt_embeds, not both")
-      embeds = jnp.asarray(prompt_embeds, jnp.float32)
-      pooled = (
-        None if pooled_prompt_embeds is None else jnp.asarray(pooled_prompt_embeds, jnp.float32)
-      )
-      if self.kind == "sdxl" and pooled is None:
-        raise ValueError("SDXL with prompt_embeds also needs pooled_prompt_embeds [B, pooled_dim]")
-    b = embeds.shape[0]
+    sdxl = self.kind == "sdxl"
+
+    def given(embeds, pooled, message):
+      pooled = None if pooled is None else jnp.asarray(pooled, jnp.float32)
+      if sdxl and pooled is None:
+        raise ValueError(message)
+      return jnp.asarray(embeds, jnp.float32), pooled
+
+    embeds, pooled = mdc.resolve_prompt(
+      prompt, prompt_embeds, encode=lambda p: self.encode_prompt(p, clip_skip),
+      given=lambda e: given(e, pooled_prompt_embeds, "SDXL with prompt_embeds also needs "
+                            "pooled_prompt_embeds [B, pooled_dim]"),
+    )  # fmt: skip
     if not cfg_on:
       return embeds, pooled, None, None
     negs = mdp.as_prompts(negative_prompt, "negative_prompt")
-    if negative_prompt_embeds is not None:
-      neg = jnp.asarray(negative_prompt_embeds, jnp.float32)
-      neg_pooled = (
-        None
-        if negative_pooled_prompt_embeds is None
-        else jnp.asarray(negative_pooled_prompt_embeds, jnp.float32)
-      )
-      if self.kind == "sdxl" and neg_pooled is None:
-        raise ValueError(
-          "SDXL with negative_prompt_embeds also needs negative_pooled_prompt_embeds"
-        )
-    elif self.kind == "sdxl" and negs is None and self.force_zeros_for_empty_prompt:
-      neg, neg_pooled = jnp.zeros_like(embeds), jnp.zeros_like(pooled)
-    else:
-      negs = negs or [""]
-      if len(negs) == 1 and b > 1:
-        negs = negs * b
-      if len(negs) != b:
-        raise ValueError(
-          f"negative_prompt has {len(negs)} entries for {b} prompts; give one or {b}"
-        )
-      neg, neg_pooled = self.encode_prompt(negs)
-    if neg.shape != embeds.shape:
-      raise ValueError(
-        f"negative_prompt_embeds have shape {neg.shape}, prompt_embeds {embeds.shape}; they must match"
-      )
+    if (
+      negative_prompt_embeds is None and sdxl and negs is None and self.force_zeros_for_empty_prompt
+    ):
+      return embeds, pooled, jnp.zeros_like(embeds), jnp.zeros_like(pooled)
+    neg, neg_pooled = mdc.resolve_negative(
+      negs, negative_prompt_embeds, (embeds, pooled), encode=self.encode_prompt,
+      given=lambda e: given(e, negative_pooled_prompt_embeds, "SDXL with negative_prompt_embeds "
+                            "also needs negative_pooled_prompt_embeds"),
+    )  # fmt: skip
     return embeds, pooled, neg, neg_pooled
+
+  # --- the call's steps ------------------------------------------------------------------------------------
+  def _check_call(self, *, output_type, image, image_latents, latents, height, width,
+                  num_inference_steps, num_images_per_prompt, control_image, denoising_start,
+                  denoising_end):  # fmt: skip
+    """Validates a call before any work; returns the image (pixels `[B, H, W, 3]` or None), the image
+    latents (channels-last or None), whether it is image to image, and the height and width."""
+    mdc.check_output_type(output_type)
+    if image is not None and image_latents is not None:
+      raise ValueError("pass image (pixels) or image_latents, not both")
+    img2img = image is not None or image_latents is not None
+    f = self.vae_scale_factor
+    if image_latents is not None:
+      image_latents = _nchw_to_nhwc(image_latents)
+      size = (image_latents.shape[1] * f, image_latents.shape[2] * f)
+    elif image is not None:
+      if isinstance(image, np.ndarray | jax.Array) and image.ndim == 4 and image.shape[-1] != 3:
+        if image.shape[1] == self.vae.config.latent_channels:
+          raise ValueError(
+            f"image must be [B, H, W, 3] (pixels); got shape {image.shape}: latents [B, C, H/8, W/8] "
+            "go in image_latents"
+          )
+      image = jnp.asarray(md_core.images.image_batch(image, what="image"))
+      size = tuple(image.shape[1:3])
+    else:
+      size = (self.default_size, self.default_size)
+    height = size[0] if height is None else int(height)
+    width = size[1] if width is None else int(width)
+    check_size(height, width, f)
+    if int(num_inference_steps) < 1:
+      raise ValueError(f"num_inference_steps must be >= 1, got {int(num_inference_steps)}")
+    if num_images_per_prompt < 1:
+      raise ValueError(f"num_images_per_prompt must be >= 1, got {num_images_per_prompt}")
+    nets = self.controlnets
+    if nets and control_image is None:
+      raise ValueError(
+        f"this pipeline has {len(nets)} ControlNet(s) ({self.source}): pass control_image [B, H, W, 3]"
+        + (" (a list, one per ControlNet)" if len(nets) > 1 else "")
+      )
+    if not nets and control_image is not None:
+      raise ValueError(
+        "control_image given but the pipeline has no ControlNet: load_pipeline(..., controlnet=...)"
+      )
+    if (denoising_start is not None or denoising_end is not None) and self.kind != "sdxl":
+      raise ValueError(
+        "denoising_start / denoising_end are SDXL options (the base + refiner ensemble)"
+      )
+    if denoising_start is not None and not img2img:
+      raise ValueError(
+        "denoising_start continues a run: pass image_latents (the base's output_type='latent' result)"
+      )
+    return image, image_latents, img2img, height, width
+
+  def _check_inputs(self, img2img: bool, latents) -> None:
+    if self.requires_aesthetics_score and not img2img:
+      raise ValueError(
+        f"{self.source or 'this pipeline'} is an image-to-image model (requires_aesthetics_score, the "
+        "SDXL refiner): pass image or image_latents"
+      )
+    if img2img and latents is not None:
+      raise ValueError(
+        "image-to-image builds its start latents from the image: pass noise (and encode_noise), not latents"
+      )
+
+  def _start(self, sched, state, n, *, img2img, latents, image, image_latents, shape, strength, noise,
+             encode_noise, denoising_start, denoising_end, keys):  # fmt: skip
+    """`(x, state, start, stop)`: the start latents, the scheduler state at the first call run, and the
+    calls run `[start, stop)`: all from noise for text to image; image to image from the image's
+    latents noised to the level `strength` (or SDXL's `denoising_start`) leaves; SDXL's base of an
+    ensemble stops at `denoising_end`."""
+    k_latents, k_encode = keys
+    total = mdsch.num_calls(state)
+    if not img2img:
+      start = 0
+      if latents is None:
+        x = jax.random.normal(k_latents, shape, jnp.float32)
+      else:
+        x = self._check_latents(_nchw_to_nhwc(latents), shape, "latents")
+      x = x * state.init_noise_sigma
+    else:
+      if denoising_start is not None:
+        start = mdsch.denoising_start_index(sched, state, denoising_start)
+      else:
+        start = mdsch.strength_start(n, strength, mdsch.scheduler_order(sched))
+      if start >= total:
+        what = (
+          f"denoising_start={denoising_start}"
+          if denoising_start is not None
+          else f"strength={strength}"
+        )
+        raise ValueError(
+          f"{what} with {n} steps leaves no step to run; lower it or raise the steps"
+        )
+      z = self._start_latents(image, image_latents, shape, encode_noise, k_encode)
+      if denoising_start is None:
+        eps = (
+          jax.random.normal(k_latents, shape, jnp.float32)
+          if noise is None
+          else self._check_latents(_nchw_to_nhwc(noise), shape, "noise")
+        )
+        x = mdsch.add_noise_at(sched, state, start, z, eps)
+      else:
+        x = z  # the base's latents are already at this noise level
+    stop = total
+    if denoising_end is not None:
+      stop = mdsch.denoising_end_stop(sched, state, start, denoising_end)
+      if stop <= start:
+        raise ValueError(f"denoising_end={denoising_end} leaves no step to run")
+    return x, mdsch.start_at(sched, state, start), start, stop
 
   def __call__(
     self,
@@ -518,189 +609,73 @@ class StableDiffusionPipeline(LoRAPipeline, mdp.Pipeline):
       ValueError: missing, conflicting or mis-shaped inputs.
       md_schedulers.Cancelled: `cancel()` returned True (or `callback` returned False).
     """
-    if output_type not in ("np", "latent"):
-      raise ValueError(f"output_type={output_type!r}: expected 'np' or 'latent'")
-    if image is not None and image_latents is not None:
-      raise ValueError("pass image (pixels) or image_latents, not both")
-    img2img = image is not None or image_latents is not None
-    f = self.vae_scale_factor
-    if image_latents is not None:
-      image_latents = _nchw_to_nhwc(image_latents)
-      size = (image_latents.shape[1] * f, image_latents.shape[2] * f)
-    elif image is not None:
-      if isinstance(image, np.ndarray | jax.Array) and image.ndim == 4 and image.shape[-1] != 3:
-        if image.shape[1] == self.vae.config.latent_channels:
-          raise ValueError(
-            f"image must be [B, H, W, 3] (pixels); got shape {image.shape}: latents [B, C, H/8, W/8] "
-            "go in image_latents"
-          )
-      image = jnp.asarray(md_core.images.image_batch(image, what="image"))
-      size = tuple(image.shape[1:3])
-    else:
-      size = (self.default_size, self.default_size)
-    height = size[0] if height is None else int(height)
-    width = size[1] if width is None else int(width)
-    check_size(height, width, f)
-    n = int(num_inference_steps)
-    if n < 1:
-      raise ValueError(f"num_inference_steps must be >= 1, got {n}")
-    if num_images_per_prompt < 1:
-      raise ValueError(f"num_images_per_prompt must be >= 1, got {num_images_per_prompt}")
-    nets = self.controlnets
-    if nets and control_image is None:
-      raise ValueError(
-        f"this pipeline has {len(nets)} ControlNet(s) ({self.source}): pass control_image [B, H, W, 3]"
-        + (" (a list, one per ControlNet)" if len(nets) > 1 else "")
-      )
-    if not nets and control_image is not None:
-      raise ValueError(
-        "control_image given but the pipeline has no ControlNet: load_pipeline(..., controlnet=...)"
-      )
-    if (denoising_start is not None or denoising_end is not None) and self.kind != "sdxl":
-      raise ValueError(
-        "denoising_start / denoising_end are SDXL options (the base + refiner ensemble)"
-      )
-    if denoising_start is not None and not img2img:
-      raise ValueError(
-        "denoising_start continues a run: pass image_latents (the base's output_type='latent' result)"
-      )
+    image, image_latents, img2img, height, width = self._check_call(
+      output_type=output_type, image=image, image_latents=image_latents, latents=latents,
+      height=height, width=width, num_inference_steps=num_inference_steps,
+      num_images_per_prompt=num_images_per_prompt, control_image=control_image,
+      denoising_start=denoising_start, denoising_end=denoising_end,
+    )  # fmt: skip
     controls = None
-    if nets:
+    if self.controlnets:
       controls = self._control_settings(
         control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end
       )
-    if self.requires_aesthetics_score and not img2img:
-      raise ValueError(
-        f"{self.source or 'this pipeline'} is an image-to-image model (requires_aesthetics_score, the "
-        "SDXL refiner): pass image or image_latents"
-      )
-    if img2img and latents is not None:
-      raise ValueError(
-        "image-to-image builds its start latents from the image: pass noise (and encode_noise), not latents"
-      )
+    self._check_inputs(img2img, latents)
+    n = int(num_inference_steps)
     cfg_on = guidance_scale > 1.0
     sched = self.make_scheduler(scheduler, **dict(scheduler_options or {}))
 
+    # Text (and SDXL's added conditioning) in the loop's row order.
     embeds, pooled, neg, neg_pooled = self._embeddings(
-      prompt,
-      negative_prompt,
-      prompt_embeds,
-      negative_prompt_embeds,
-      pooled_prompt_embeds,
-      negative_pooled_prompt_embeds,
-      cfg_on,
-      clip_skip,
-    )
+      prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, pooled_prompt_embeds,
+      negative_pooled_prompt_embeds, cfg_on, clip_skip,
+    )  # fmt: skip
     reps = num_images_per_prompt
     batch = embeds.shape[0] * reps
-    context = jnp.repeat(embeds, reps, axis=0)
-    if cfg_on:
-      context = jnp.concatenate([jnp.repeat(neg, reps, axis=0), context], axis=0)
+    context = mdc.guidance_rows(embeds, neg if cfg_on else None, reps)
     added = None
     if self.kind == "sdxl":
-      added = self._added_cond(
-        pooled,
-        neg_pooled,
-        reps,
-        cfg_on,
-        self._time_ids(
-          height,
-          width,
-          img2img,
-          original_size,
-          crops_coords_top_left,
-          target_size,
-          negative_original_size,
-          negative_crops_coords_top_left,
-          negative_target_size,
-          aesthetic_score,
-          negative_aesthetic_score,
-        ),
-      )
+      time_ids = self._time_ids(
+        height, width, img2img, original_size, crops_coords_top_left, target_size,
+        negative_original_size, negative_crops_coords_top_left, negative_target_size,
+        aesthetic_score, negative_aesthetic_score,
+      )  # fmt: skip
+      added = self._added_cond(pooled, neg_pooled, reps, cfg_on, time_ids)
 
-    h, w = height // f, width // f
-    c = self.unet.cfg.in_channels
-    shape = (batch, h, w, c)
-    key = mdp.seed_key(seed)
-    k_latents, k_encode, k_steps = jax.random.split(key, 3)
+    # Latents and the steps run.
+    f = self.vae_scale_factor
+    shape = (batch, height // f, width // f, self.unet.cfg.in_channels)
+    k_latents, k_encode, k_steps = jax.random.split(mdp.seed_key(seed), 3)
     state = sched.init(n, shape=shape)
     total = mdsch.num_calls(state)
+    x, state, start, stop = self._start(
+      sched, state, n, img2img=img2img, latents=latents, image=image, image_latents=image_latents,
+      shape=shape, strength=strength, noise=noise, encode_noise=encode_noise,
+      denoising_start=denoising_start, denoising_end=denoising_end, keys=(k_latents, k_encode),
+    )  # fmt: skip
 
-    if not img2img:
-      start = 0
-      if latents is None:
-        x = jax.random.normal(k_latents, shape, jnp.float32)
-      else:
-        x = self._check_latents(_nchw_to_nhwc(latents), shape, "latents")
-      x = x * state.init_noise_sigma
-    else:
-      if denoising_start is not None:
-        start = mdsch.denoising_start_index(sched, state, denoising_start)
-      else:
-        start = mdsch.strength_start(n, strength, mdsch.scheduler_order(sched))
-      if start >= total:
-        what = (
-          f"denoising_start={denoising_start}"
-          if denoising_start is not None
-          else f"strength={strength}"
-        )
-        raise ValueError(
-          f"{what} with {n} steps leaves no step to run; lower it or raise the steps"
-        )
-      z = self._start_latents(image, image_latents, shape, encode_noise, k_encode)
-      if denoising_start is None:
-        eps = (
-          jax.random.normal(k_latents, shape, jnp.float32)
-          if noise is None
-          else self._check_latents(_nchw_to_nhwc(noise), shape, "noise")
-        )
-        x = mdsch.add_noise_at(sched, state, start, z, eps)
-      else:
-        x = z  # the base's latents are already at this noise level
-    stop = total
-    if denoising_end is not None:
-      stop = mdsch.denoising_end_stop(sched, state, start, denoising_end)
-      if stop <= start:
-        raise ValueError(f"denoising_end={denoising_end} leaves no step to run")
-    state = mdsch.start_at(sched, state, start)
-
+    # ControlNets and guidance.
     conds = cscales = keep = None
-    if nets:
+    if self.controlnets:
       conds, cscales, keep = self._controls(
-        controls,
-        batch,
-        height,
-        width,
-        cfg_on and not guess_mode,
-        start,
-        total,
+        controls, batch, height, width, cfg_on and not guess_mode, start, total
       )
-
-    rescale_on = cfg_on and guidance_rescale > 0
-    guide = mdsch.guidance.Guidance(cfg=cfg_on, rescale=rescale_on)
+    guide = mdsch.guidance.Guidance(cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0)
     values = {"guidance": guidance_scale, "rescale": guidance_rescale}
     scales = mdsch.guidance.per_step(total, {k: values[k] for k in guide.scale_names})
-    run = self.jit(
-      ("loop", sched.name, repr(sorted(sched.config.items())), guide, bool(guess_mode), cache),
-      lambda: self._run_fn(sched, guide, bool(guess_mode), cache),
-    )
+
+    # Per-row inputs go over the batch axes; the per-step tables stay replicated.
+    cond = dict(
+      context=self.place(context), added=self.place(added), control_images=self.place(conds),
+      control_scales=cscales, control_keep=keep,
+    )  # fmt: skip
     params = (self._unet.state, [net.state for net in self._cns])
-    with self.context():
-      # Per-row inputs go over the batch axes; the per-step tables stay replicated.
-      cond = dict(
-        context=self.place(context),
-        added=self.place(added),
-        control_images=self.place(conds),
-        control_scales=cscales,
-        control_keep=keep,
-      )
-      scales = jax.tree.map(jnp.asarray, scales)
-      carry = mdsch.init_state(self.place(x), state, cache=cache)
-      carry = mdsch.drive(
-        run, carry, start, stop, args=(params, cond, scales, k_steps),
-        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
-      )  # fmt: skip
-    self.last_calls, self.last_cache = int(carry.calls), carry.cache
+    carry = mdsch.sample_pipeline(
+      self, ("loop", sched.name, repr(sorted(sched.config.items())), guide, bool(guess_mode)),
+      lambda cache: self._run_fn(sched, guide, bool(guess_mode), cache),
+      x, state, args=(params, cond, jax.tree.map(jnp.asarray, scales), k_steps), begin=start,
+      stop=stop, cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
+    )  # fmt: skip
     x = carry.latents
     if output_type == "latent":
       return jnp.transpose(x, (0, 3, 1, 2))

@@ -30,6 +30,7 @@ import md_schedulers as mdsch
 import md_text
 import md_vae
 import md_wan
+from md_core import call as mdc
 from md_core import pipeline as mdp
 from md_lora import LoRAPipeline
 from md_wan._sizes import check_wan_size
@@ -60,6 +61,10 @@ def clean_prompt(text: str) -> str:
     pass
   text = html.unescape(html.unescape(text)).strip()
   return re.sub(r"\s+", " ", text).strip()
+
+
+def _f32(x: Any) -> jax.Array:
+  return jnp.asarray(x, jnp.float32)
 
 
 def _nearest(value: int, factor: int) -> str:
@@ -401,8 +406,7 @@ class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
       Frames `[B, F, H, W, 3]` float32 in [0, 1], or latents with `output_type="latent"`. The denoiser
       calls made are in `self.last_calls`.
     """
-    if output_type not in ("np", "latent"):
-      raise ValueError(f"output_type={output_type!r}: expected 'np' or 'latent'")
+    mdc.check_output_type(output_type)
     num_frames = self.check_size(height, width, num_frames)
     with self.context():
       # Heads vs tensor / Ulysses degrees: fail before any encoding or compiling.
@@ -442,34 +446,17 @@ class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
       guidance_scale_2 = guidance_scale
 
     # Text.
-    prompts = mdp.as_prompts(prompt)
-    if prompt_embeds is None:
-      if not prompts:
-        raise ValueError("pass prompt (a string or a list) or prompt_embeds")
-      embeds = self.encode_prompt(prompts, max_sequence_length)
-    else:
-      if prompts:
-        raise ValueError("pass either prompt or prompt_embeds, not both")
-      embeds = jnp.asarray(prompt_embeds, jnp.float32)
+    embeds = mdc.resolve_prompt(
+      prompt, prompt_embeds, encode=lambda p: self.encode_prompt(p, max_sequence_length), given=_f32
+    )
     b = embeds.shape[0]
-    context = jnp.repeat(embeds, num_videos_per_prompt, axis=0)
+    neg = None
     if cfg_on:
-      if negative_prompt_embeds is not None:
-        neg = jnp.asarray(negative_prompt_embeds, jnp.float32)
-      else:
-        negs = mdp.as_prompts(negative_prompt) or [""]
-        if len(negs) == 1 and b > 1:
-          negs = negs * b
-        if len(negs) != b:
-          raise ValueError(
-            f"negative_prompt has {len(negs)} entries for {b} prompts; give 1 or {b}"
-          )
-        neg = self.encode_prompt(negs, embeds.shape[1])
-      if neg.shape != embeds.shape:
-        raise ValueError(
-          f"negative_prompt_embeds {neg.shape} and prompt_embeds {embeds.shape} must have one shape"
-        )
-      context = jnp.concatenate([jnp.repeat(neg, num_videos_per_prompt, axis=0), context], axis=0)
+      neg = mdc.resolve_negative(
+        negative_prompt, negative_prompt_embeds, embeds,
+        encode=lambda p: self.encode_prompt(p, embeds.shape[1]), given=_f32,
+      )  # fmt: skip
+    context = mdc.guidance_rows(embeds, neg, num_videos_per_prompt)
     batch = b * num_videos_per_prompt
 
     # Latents (channels-last inside md).
@@ -542,24 +529,18 @@ class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
     cond = dict(
       context=context, image_tokens=image_tokens, condition=condition, frame_mask=frame_mask
     )
-    key = ("loop", repr(sorted(sched.config.items())), total, switch, guide, mode, cache,
+    key = ("loop", repr(sorted(sched.config.items())), total, switch, guide, mode,
            condition is not None, image_tokens is not None)  # fmt: skip
-    run = self.jit(
-      key,
-      lambda: self._run_fn(sched, switch=switch, total=total, guide=guide, mode=mode, cache=cache),
-    )
     s1, s2 = self._t1.jit_state(), None if self._t2 is None else self._t2.jit_state()
-    with self.context():
-      carry = mdsch.init_state(self.place(x), state, cache=cache)
-      cond, scales = self.place(cond), [jax.tree.map(jnp.asarray, g) for g in scales]
-      carry = mdsch.drive(
-        run, carry, 0, total, args=(s1, s2, cond, *scales),
-        chunk=chunk, callback=callback, cancel=cancel, progress=bool(progress), cache=cache,
-      )  # fmt: skip
+    carry = mdsch.sample_pipeline(
+      self, key,
+      lambda cache: self._run_fn(sched, switch=switch, total=total, guide=guide, mode=mode, cache=cache),
+      x, state, args=(s1, s2, self.place(cond), *[jax.tree.map(jnp.asarray, g) for g in scales]),
+      cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
+    )  # fmt: skip
     x = carry.latents
     if mode == "expand":
       x = md_wan.blend_first_frame(x, condition, frame_mask)
-    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     if output_type == "latent":
       return jnp.transpose(x, (0, 4, 1, 2, 3))
     with self.decoding(progress):
