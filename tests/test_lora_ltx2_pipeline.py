@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from md_core import testing
-from md_ltx._ltx2_pipeline import load_ltx2_pipeline
+from md_ltx import load_ltx2_pipeline
 
 PROMPT = "a cat playing a piano"
 NEGATIVE = "blurry, distorted"

@@ -314,17 +314,12 @@ class FluxPipeline(LoRAPipeline, mdp.Pipeline):
       txt_ids=jnp.zeros((ctx.shape[1], 3), jnp.float32),
       guidance=jnp.float32(guidance_scale),
     )
-    run = self.jit(
-      ("loop", repr(sorted(sched.config.items())), guide, cache),
-      lambda: pc.run_fn(self._denoiser(), sched, guide, cache),
-    )
-    params = self._tr.jit_state()
-    # Under the mesh, context-parallel attention (ring / Ulysses) finds its `context` axis.
-    carry = pc.run_loop(
-      self, run, x, st, args=(params, cond, scales),
+    carry = mdsch.sample_pipeline(
+      self, ("loop", repr(sorted(sched.config.items())), guide),
+      lambda cache: pc.run_fn(self._denoiser(), sched, guide, cache),
+      x, st, args=(self._tr.jit_state(), cond, scales),
       cache=cache, chunk=chunk, callback=callback, cancel=cancel, progress=progress,
     )  # fmt: skip
-    self.last_calls, self.last_cache = int(carry.calls), carry.cache
     if output_type == "latent":
       return carry.latents
     with self.decoding(progress):

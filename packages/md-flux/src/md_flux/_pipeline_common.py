@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 import md_schedulers as mdsch
+from md_core import call as mdc
 from md_core import pipeline as mdp
 
 OUTPUT_TYPES = ("np", "latent")
@@ -38,8 +39,7 @@ def check_size(height: int, width: int, factor: int = 16) -> None:
 
 
 def check_output_type(output_type: str) -> None:
-  if output_type not in OUTPUT_TYPES:
-    raise ValueError(f"output_type={output_type!r}: expected 'np' or 'latent'")
+  mdc.check_output_type(output_type, OUTPUT_TYPES)
 
 
 def pack_latents(latents: jax.Array) -> jax.Array:

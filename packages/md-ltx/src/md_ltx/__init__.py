@@ -1,17 +1,19 @@
 """md-ltx: LTX-Video and LTX-2 for md (transformers, latent upsamplers, weights, pipelines)."""
 
 from md_core import REMAT_POLICIES
+from md_ltx._conditioning import LTXCondition
 from md_ltx._config import VARIANTS, LTXConfig
+from md_ltx._guidance import guidance_windows
+from md_ltx._load import load_pipeline
 
 # LTX-2 (audio + video) transformer.
 from md_ltx._ltx2_config import LTX2_VARIANTS, LTX2Config
+from md_ltx._ltx2_load import load_ltx2_pipeline, save_ltx2_video
 from md_ltx._ltx2_pipeline import (
   LTX2_IMAGE_CRF,
   LTX2_PIPELINE_CLASSES,
   LTX2Output,
   LTX2VideoPipeline,
-  load_ltx2_pipeline,
-  save_ltx2_video,
 )
 from md_ltx._ltx2_transformer import (
   LTX2Attention,
@@ -31,13 +33,7 @@ from md_ltx._ltx2_weights import (
   ltx2_original_config,
   ltx2_original_to_diffusers,
 )
-from md_ltx._pipeline import (
-  MODES,
-  LTXCondition,
-  LTXVideoPipeline,
-  guidance_windows,
-  load_pipeline,
-)
+from md_ltx._pipeline import MODES, LTXVideoPipeline
 from md_ltx._recipes import (
   MultiscaleOutput,
   check_ltx2_size,

@@ -23,7 +23,6 @@ Decoding of 0.9.1+ VAEs takes `decode_timestep` and blends in noise by `decode_n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -31,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import md_core
 import md_schedulers as mdsch
 import md_text
 import md_vae
@@ -45,7 +43,7 @@ from md_ltx._conditioning import (
   condition_pixels,
   lerp,
 )
-from md_ltx._ltx2_pipeline import LTX2_PIPELINE_CLASSES, load_ltx2_pipeline
+from md_ltx._guidance import draw_steps, guidance_plan, pad_steps
 from md_ltx._recipes import check_ltx_size
 from md_ltx._transformer import (
   SKIP_LAYER_STRATEGIES,
@@ -54,7 +52,6 @@ from md_ltx._transformer import (
   rope_tables_from_coords,
 )
 from md_ltx._video_tokens import check_video_size, decode_inputs, pack_tokens, unpack_tokens
-from md_ltx._weights import load_transformer
 
 _CLASSES = ("LTXPipeline", "LTXConditionPipeline", "LTXImageToVideoPipeline")
 MODES = ("text_to_video", "image_to_video", "condition")
@@ -74,54 +71,6 @@ class _Grid(NamedTuple):
   h: int
   w: int
   tokens: int
-
-
-def guidance_windows(guidance_timesteps: Sequence[float], timesteps: Sequence[float]) -> list[int]:
-  """The official repository's `guidance_timesteps` mapping: for each step's timestep (in [0, 1]), the
-  first window whose start `guidance_timesteps[j] <= t` (the last window when none is)."""
-  out = []
-  for t in timesteps:
-    hits = [j for j, g in enumerate(guidance_timesteps) if g <= t]
-    out.append(hits[0] if hits else len(guidance_timesteps) - 1)
-  return out
-
-
-def _skip_keep(total: int, layers: int, blocks, windows=None) -> np.ndarray:
-  """The perturbed pass's block mask `[total, layers]` (1 keep, 0 skip) from `stg_blocks`: one list of
-  block indices, one per step, or with `windows` (one window index per step) one per window."""
-  blocks = list(blocks)
-  lists = blocks if blocks and not np.isscalar(blocks[0]) else [blocks] * total
-  if windows is not None and lists is blocks:
-    if max(windows) >= len(blocks):
-      raise ValueError(
-        f"stg_blocks has {len(blocks)} lists for {max(windows) + 1} guidance windows"
-      )
-    lists = [blocks[j] for j in windows]
-  if len(lists) != total:
-    raise ValueError(f"stg_blocks has {len(lists)} lists; give one list, or one per step ({total})")
-  keep = np.ones((total, layers), np.float32)
-  for i, chosen in enumerate(lists):
-    for j in chosen:
-      if not 0 <= int(j) < layers:
-        raise ValueError(f"stg_blocks: block {j} is not one of the {layers} blocks")
-      keep[i, int(j)] = 0.0
-  return keep
-
-
-def _draw_steps(total: int, shape: tuple[int, ...]):
-  """A jitted draw of `total` standard-normal arrays, step `i`'s from `fold_in(key, i)`."""
-
-  def draw(key):
-    one = lambda i: jax.random.normal(jax.random.fold_in(key, i), shape, _F32)  # noqa: E731
-    return jax.vmap(one)(jnp.arange(total))
-
-  return jax.jit(draw)
-
-
-def _pad_steps(a: np.ndarray, start: int) -> np.ndarray:
-  """Per-step rows for the steps run, preceded by `start` rows of zeros for the steps skipped (the loop
-  indexes them by the schedule's step)."""
-  return np.concatenate([np.zeros((start, *a.shape[1:]), a.dtype), a]) if start else a
 
 
 class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
@@ -636,30 +585,6 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
       return x, rope_tables_from_coords(cfg, coords), None, None
     return x, rope_tables_from_coords(cfg, coords), token_mask(frames_mask, extra_mask), x
 
-  def _guidance(self, total, begin, timesteps, *, cfg_on, stg_on, guidance_scale, guidance_rescale,
-                cfg_star, stg_scale, stg_rescale, stg_blocks, guidance_timesteps):  # fmt: skip
-    """Which guidance terms run (static), their per-step scales and STG's per-step block mask (traced;
-    rows for skipped steps first, as the loop indexes them by the schedule's step)."""
-    guide = mdsch.guidance.Guidance(
-      cfg=cfg_on, rescale=cfg_on and guidance_rescale > 0, cfg_star=cfg_on and bool(cfg_star),
-      gate=cfg_on, stg=stg_on, stg_rescale=stg_on and bool(np.any(np.asarray(stg_rescale) != 1.0)),
-      one_call=True,  # diffusers' LTXPipeline runs [negative, positive] as one transformer call
-    )  # fmt: skip
-    windows = None
-    if guidance_timesteps is not None:
-      windows = guidance_windows(list(guidance_timesteps), (timesteps / np.float32(1000)).tolist())
-    named = dict(
-      guidance=("guidance_scale", guidance_scale), rescale=("guidance_rescale", guidance_rescale),
-      stg=("stg_scale", stg_scale), stg_rescale=("stg_rescale", stg_rescale),
-    )  # fmt: skip
-    arrays = mdsch.guidance.per_step(total, dict(named.values()), windows=windows)
-    scales = {k: _pad_steps(arrays[arg], begin) for k, (arg, _) in named.items()}
-    scales = {k: jnp.asarray(v) for k, v in scales.items() if k in guide.scale_names}
-    keep = _pad_steps(
-      _skip_keep(total, self.transformer.cfg.num_layers, stg_blocks, windows), begin
-    )
-    return guide, scales, jnp.asarray(keep) if guide.stg else None
-
   def _loop_state(self, sched, sched_kw, mode, x, cond_mask, init, *, noise_on, step_noise,
                   noise_scale, total, begin, key):  # fmt: skip
     """The scheduler's state at `begin` (the conditioning mask: the condition mode moves every token
@@ -677,10 +602,10 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
     noise_kw = {}
     if noise_on:
       if step_noise is None:  # one draw per step run, from the seed's loop key
-        draw = self.jit(("step_noise", total, x.shape), lambda: _draw_steps(total, x.shape))
+        draw = self.jit(("step_noise", total, x.shape), lambda: draw_steps(total, x.shape))
         step_noise = draw(key)
       noise_kw = dict(
-        cond_latents=init, cond_noise=_pad_steps(np.asarray(step_noise), begin),
+        cond_latents=init, cond_noise=pad_steps(np.asarray(step_noise), begin),
         cond_noise_scale=noise_scale,
       )  # fmt: skip
     state = sched.init(**sched_kw, conditioning=token_mask, shape=x.shape, **noise_kw)
@@ -874,8 +799,8 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
       mode, conditions, pics, posterior_noise, x, grid, frame_rate=frame_rate,
       size=(height, width), key=keys[1],
     )  # fmt: skip
-    guide, scales, keep = self._guidance(
-      total, begin, ts_host[begin:], cfg_on=cfg_on, stg_on=stg_on, guidance_scale=guidance_scale,
+    guide, scales, keep = guidance_plan(
+      total, begin, ts_host[begin:], layers=self.transformer.cfg.num_layers, cfg_on=cfg_on, stg_on=stg_on, guidance_scale=guidance_scale,
       guidance_rescale=guidance_rescale, cfg_star=cfg_star, stg_scale=stg_scale,
       stg_rescale=stg_rescale, stg_blocks=stg_blocks, guidance_timesteps=guidance_timesteps,
     )  # fmt: skip
@@ -901,103 +826,3 @@ class LTXVideoPipeline(LoRAPipeline, mdp.Pipeline):
       return jnp.transpose(x, (0, 4, 1, 2, 3))
     with self.decoding(progress):
       return self._decode(x, decode_timestep, decode_noise_scale, decode_noise, keys[3])
-
-
-# --- loading ----------------------------------------------------------------------------------------------------
-
-
-@mdp.with_quantization
-def load_pipeline(
-  source: str | os.PathLike,
-  *,
-  transformer: str | os.PathLike | LTXTransformer | None = None,
-  condition: bool | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  dtype: Any = None,
-  rules: Any = None,
-  attention: str | None = None,
-  attention_config: Any = None,
-  remat: str | None = None,
-  revision: str | None = None,
-  progress: bool = False,
-) -> LTXVideoPipeline | Any:
-  """Loads an LTX-Video diffusers pipeline (`LTXPipeline`, `LTXConditionPipeline`,
-  `LTXImageToVideoPipeline`) as md modules; LTX-2 folders (`LTX2Pipeline`, `LTX2ImageToVideoPipeline`) are
-  handed to `load_ltx2_pipeline` and return an `LTX2VideoPipeline`.
-
-  Args:
-    source: a local diffusers folder with `model_index.json`, or a hub id (`"Lightricks/LTX-Video"`,
-      `"Lightricks/LTX-Video-0.9.5"`, `"Lightricks/LTX-Video-0.9.7-dev"`, ...).
-    transformer: another transformer: a loaded `LTXTransformer`, a diffusers transformer folder or an
-      original single file (`ltxv-13b-0.9.8-distilled.safetensors`), used with the source's VAE and T5.
-    condition: use LTXConditionPipeline semantics without conditions and for `image=` too (default: when
-      the folder is an `LTXConditionPipeline`; `LTXPipeline` and `LTXImageToVideoPipeline` folders run
-      `image=` as LTXImageToVideoPipeline); needed for `denoise_strength < 1`. A call's `mode=`
-      chooses per call.
-    mesh: place parameters on this mesh by their logical axes (FSDP over `fsdp`, heads over `tensor`).
-    dtype: parameter dtype of the transformer and the text encoder (default float32: bfloat16 files are
-      upcast); the VAE stays float32.
-    rules: md-sharding logical axis rules.
-    attention, attention_config, remat: the transformer's md-attention implementation and settings and
-      its rematerialisation policy.
-    revision: hub revision.
-    progress: progress bars while loading tensors.
-    quantization: quantize the denoiser(s) after loading: "int8" (weight-only), "int8-dynamic"
-      (weights and activations) or "fp8" (e4m3 weight-only); None keeps the loaded dtype
-      (`md_core.quantize`).
-
-  Returns:
-    An `LTXVideoPipeline` (conditioning semantics by default for `LTXConditionPipeline` folders,
-    image-to-video semantics for `image=` otherwise).
-
-  Raises:
-    FileNotFoundError: no folder / hub id, or a component missing (named).
-    ValueError: a pipeline class md does not implement.
-  """
-  root = md_core.resolve_source(source, revision=revision)
-  index, cls = mdp.read_index(
-    root, (*_CLASSES, *LTX2_PIPELINE_CLASSES),
-    "LTX-Video pipeline (transformer/, vae/, text_encoder/, tokenizer/, scheduler/)",
-  )  # fmt: skip
-  if cls in LTX2_PIPELINE_CLASSES:
-    if condition is not None:
-      raise ValueError(
-        f"{root / 'model_index.json'}: {cls} takes no `condition=` (that is LTX-Video's conditioning "
-        "mode)"
-      )
-    return load_ltx2_pipeline(
-      source,
-      transformer=transformer,
-      mesh=mesh,
-      dtype=dtype,
-      rules=rules,
-      attention=attention,
-      attention_config=attention_config,
-      remat=remat,
-      revision=revision,
-      progress=progress,
-    )
-  overrides = mdp.model_overrides(
-    attention=attention, attention_config=attention_config, remat=remat
-  )
-  kw = dict(mesh=mesh, rules=rules, progress=progress)
-  if isinstance(transformer, LTXTransformer):
-    model = transformer
-  else:
-    where = mdp.component(root, "transformer", index) if transformer is None else transformer
-    model = load_transformer(where, subfolder=None, dtype=dtype, **kw, **overrides)
-  vae = md_vae.load_vae_ltx(mdp.component(root, "vae", index), subfolder=None, **kw)
-  te = md_text.load_t5_encoder(mdp.component(root, "text_encoder", index), dtype=dtype, **kw)
-  tok = md_text.load_tokenizer(mdp.component(root, "tokenizer", index), subfolder=None)
-  sched_cfg = mdsch.read_config(mdp.component(root, "scheduler", index))
-  mdsch.from_config(sched_cfg)  # fail now, not at the first call
-  return LTXVideoPipeline(
-    transformer=model,
-    vae=vae,
-    text_encoder=te,
-    tokenizer=tok,
-    scheduler_config=sched_cfg,
-    condition_pipeline=cls == "LTXConditionPipeline" if condition is None else bool(condition),
-    mesh=mesh,
-    source=str(source),
-  )

@@ -1,18 +1,15 @@
 """md-sd: Stable Diffusion 1.x / 2.x / XL for md: the UNet, ControlNets, weight maps, loaders and pipelines."""
 
 from md_sd._config import CONTROLNET_VARIANTS, VARIANTS, ControlNetConfig, UNetConfig
+from md_sd._config import UNetConfig as Config
 from md_sd._controlnet import (
   ControlNetConditioningEmbedding,
   ControlNetModel,
   MultiControlNetModel,
 )
-from md_sd._pipeline import (
-  StableDiffusionPipeline,
-  check_size,
-  load_pipeline,
-  load_unet_file,
-  rescale_noise_cfg,
-)
+from md_sd._load import load_pipeline, load_unet_file
+from md_sd._pipeline import StableDiffusionPipeline, check_size, rescale_noise_cfg
+from md_sd._pipeline import StableDiffusionPipeline as Pipeline
 from md_sd._refine import generate_with_refiner
 from md_sd._unet import UNet2DConditionModel
 from md_sd._weights import (
@@ -22,8 +19,12 @@ from md_sd._weights import (
   load_unet,
   unet_key_map,
 )
+from md_sd._weights import convert_unet_key as convert_key
 
 __all__ = [
+  "Config",
+  "Pipeline",
+  "convert_key",
   "CONTROLNET_VARIANTS",
   "ControlNetConditioningEmbedding",
   "ControlNetConfig",

@@ -342,6 +342,106 @@ class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
       )
     return int(num_frames)
 
+  # --- the call's steps ------------------------------------------------------------------------------------
+  def _check_call(self, output_type, height, width, num_frames, image, last_image) -> int:
+    """Validates a call's settings and images before any work; returns `num_frames`."""
+    mdc.check_output_type(output_type)
+    num_frames = self.check_size(height, width, num_frames)
+    with self.context():
+      # Heads vs tensor / Ulysses degrees: fail before any encoding or compiling.
+      for model in (self.transformer, self.transformer_2):
+        if model is not None:
+          model._check_mesh()
+    if self.image_to_video and image is None and not self.expand_timesteps:
+      raise ValueError(
+        f"{self.source or 'this pipeline'} is an image-to-video checkpoint: pass image= (the first frame, "
+        "[H, W, 3]); use a text-to-video checkpoint for video from text alone"
+      )
+    if image is None and last_image is not None:
+      raise ValueError("last_image needs image (the first frame) too")
+    if image is not None and not (self.image_to_video or self.expand_timesteps):
+      raise ValueError(
+        "image= was given to a text-to-video checkpoint; load an I2V one (Wan2.1-I2V, Wan2.2-I2V-A14B) "
+        "or TI2V-5B"
+      )
+    cfg = self.transformer.cfg
+    if last_image is not None and cfg.image_dim is not None and cfg.pos_embed_seq_len is None:
+      raise ValueError(
+        "last_image with a Wan 2.1 I2V transformer: its image branch takes one image's CLIP tokens; use a "
+        "first/last-frame checkpoint (Wan2.1-FLF2V-14B, pos_embed_seq_len set) or Wan2.2-I2V-A14B"
+      )
+    if image is not None and last_image is None and cfg.pos_embed_seq_len is not None:
+      raise ValueError(
+        f"{self.source or 'this pipeline'} is a first/last-frame checkpoint (Wan2.1-FLF2V, "
+        f"pos_embed_seq_len={cfg.pos_embed_seq_len}): its image branch takes the CLIP tokens of two "
+        "images; pass last_image= (the last frame) as well as image="
+      )
+    if last_image is not None and self.expand_timesteps:
+      raise ValueError(
+        "last_image is not supported with expand_timesteps (TI2V-5B takes one image)"
+      )
+    return num_frames
+
+  def _initial_latents(self, latents, seed, batch, num_frames, height, width) -> jax.Array:
+    """The initial noise `[B, f, h, w, z]`: drawn from `seed`, or given `[B, C, F, H, W]`."""
+    t, s = self.vae_scale_factor_temporal, self.vae_scale_factor_spatial
+    f, h, w = (num_frames - 1) // t + 1, height // s, width // s
+    z = self.vae.config.z_dim
+    shape = (batch, f, h, w, z)
+    if latents is None:
+      x = jax.random.normal(jax.random.key(int(seed)), shape, jnp.float32)
+    else:
+      x = jnp.asarray(latents, jnp.float32)
+      want = (batch, z, f, h, w)
+      if x.shape != want:
+        raise ValueError(
+          f"latents have shape {x.shape}; expected [B, C, F, H, W] = {want} for {batch} videos of "
+          f"{num_frames} frames at {height}x{width}"
+        )
+      x = jnp.transpose(x, (0, 2, 3, 4, 1))
+    return x
+
+  def _image_condition(
+    self, image, last_image, image_embeds, mode, shape, num_frames, height, width
+  ):
+    """`(condition, image_tokens)`: the image's latent condition (I2V: frame mask and latents
+    `[B, f, h, w, 4 + z]`; TI2V: the image's latent frame `[B, 1, h, w, z]`) and Wan 2.1 I2V's CLIP
+    tokens, None each without an image."""
+    batch, f, h, w, z = shape
+    condition = image_tokens = None
+    if image is not None:
+      given = [image] if last_image is None else [image, last_image]
+      pixels = [_image_array(x, name) for x, name in zip(given, ("image", "last_image"))]
+      first = self._fit_image(pixels[0], height, width)
+      last = None if last_image is None else self._fit_image(pixels[1], height, width)
+      fn = self.jit(
+        ("condition", num_frames, last is not None),
+        lambda: self._condition_fn(num_frames, last is not None),
+      )
+      with self.context():
+        cond = fn(self._vae.state, first, last)  # [1, f or 1, h, w, z]
+      cond = jnp.repeat(cond, batch, axis=0)
+      if mode == "concat":
+        mask = jnp.asarray(self._i2v_mask(num_frames, (1, f, h, w), last is not None))
+        condition = jnp.concatenate([jnp.repeat(mask, batch, axis=0), cond], axis=-1)
+      else:
+        condition = cond
+      if self.transformer.cfg.image_dim is not None:
+        if image_embeds is None:
+          # As the reference: CLIP sees the images as given (its processor resizes them itself).
+          # PIL images go as given: CLIP's processor composites transparency onto white.
+          image_embeds = self.encode_image(
+            [x if hasattr(x, "convert") else p[0] for x, p in zip(given, pixels)]
+          )
+        image_tokens = self._video_image_tokens(image_embeds, batch)
+    channels = z + (0 if mode != "concat" else condition.shape[-1])
+    if channels != self.transformer.cfg.in_channels:
+      raise ValueError(
+        f"the transformer takes in_channels={self.transformer.cfg.in_channels}, the pipeline makes {channels} "
+        f"(latents {z} + condition); is the checkpoint's model_index.json class right?"
+      )
+    return condition, image_tokens
+
   def __call__(
     self,
     prompt: str | Sequence[str] | None = None,
@@ -406,41 +506,7 @@ class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
       Frames `[B, F, H, W, 3]` float32 in [0, 1], or latents with `output_type="latent"`. The denoiser
       calls made are in `self.last_calls`.
     """
-    mdc.check_output_type(output_type)
-    num_frames = self.check_size(height, width, num_frames)
-    with self.context():
-      # Heads vs tensor / Ulysses degrees: fail before any encoding or compiling.
-      for model in (self.transformer, self.transformer_2):
-        if model is not None:
-          model._check_mesh()
-    if self.image_to_video and image is None and not self.expand_timesteps:
-      raise ValueError(
-        f"{self.source or 'this pipeline'} is an image-to-video checkpoint: pass image= (the first frame, "
-        "[H, W, 3]); use a text-to-video checkpoint for video from text alone"
-      )
-    if image is None and last_image is not None:
-      raise ValueError("last_image needs image (the first frame) too")
-    if image is not None and not (self.image_to_video or self.expand_timesteps):
-      raise ValueError(
-        "image= was given to a text-to-video checkpoint; load an I2V one (Wan2.1-I2V, Wan2.2-I2V-A14B) "
-        "or TI2V-5B"
-      )
-    cfg = self.transformer.cfg
-    if last_image is not None and cfg.image_dim is not None and cfg.pos_embed_seq_len is None:
-      raise ValueError(
-        "last_image with a Wan 2.1 I2V transformer: its image branch takes one image's CLIP tokens; use a "
-        "first/last-frame checkpoint (Wan2.1-FLF2V-14B, pos_embed_seq_len set) or Wan2.2-I2V-A14B"
-      )
-    if image is not None and last_image is None and cfg.pos_embed_seq_len is not None:
-      raise ValueError(
-        f"{self.source or 'this pipeline'} is a first/last-frame checkpoint (Wan2.1-FLF2V, "
-        f"pos_embed_seq_len={cfg.pos_embed_seq_len}): its image branch takes the CLIP tokens of two "
-        "images; pass last_image= (the last frame) as well as image="
-      )
-    if last_image is not None and self.expand_timesteps:
-      raise ValueError(
-        "last_image is not supported with expand_timesteps (TI2V-5B takes one image)"
-      )
+    num_frames = self._check_call(output_type, height, width, num_frames, image, last_image)
     cfg_on = guidance_scale > 1.0
     if guidance_scale_2 is None:
       guidance_scale_2 = guidance_scale
@@ -459,57 +525,13 @@ class WanVideoPipeline(LoRAPipeline, mdp.Pipeline):
     context = mdc.guidance_rows(embeds, neg, num_videos_per_prompt)
     batch = b * num_videos_per_prompt
 
-    # Latents (channels-last inside md).
-    t, s = self.vae_scale_factor_temporal, self.vae_scale_factor_spatial
-    f, h, w = (num_frames - 1) // t + 1, height // s, width // s
-    z = self.vae.config.z_dim
-    shape = (batch, f, h, w, z)
-    if latents is None:
-      x = jax.random.normal(jax.random.key(int(seed)), shape, jnp.float32)
-    else:
-      x = jnp.asarray(latents, jnp.float32)
-      want = (batch, z, f, h, w)
-      if x.shape != want:
-        raise ValueError(
-          f"latents have shape {x.shape}; expected [B, C, F, H, W] = {want} for {batch} videos of "
-          f"{num_frames} frames at {height}x{width}"
-        )
-      x = jnp.transpose(x, (0, 2, 3, 4, 1))
-
-    # Image conditioning.
-    condition = image_tokens = None
+    # Latents (channels-last inside md) and the image conditioning.
+    x = self._initial_latents(latents, seed, batch, num_frames, height, width)
+    shape = x.shape
     mode = "expand" if self.expand_timesteps else "concat" if self.image_to_video else "plain"
-    if image is not None:
-      given = [image] if last_image is None else [image, last_image]
-      pixels = [_image_array(x, name) for x, name in zip(given, ("image", "last_image"))]
-      first = self._fit_image(pixels[0], height, width)
-      last = None if last_image is None else self._fit_image(pixels[1], height, width)
-      fn = self.jit(
-        ("condition", num_frames, last is not None),
-        lambda: self._condition_fn(num_frames, last is not None),
-      )
-      with self.context():
-        cond = fn(self._vae.state, first, last)  # [1, f or 1, h, w, z]
-      cond = jnp.repeat(cond, batch, axis=0)
-      if mode == "concat":
-        mask = jnp.asarray(self._i2v_mask(num_frames, (1, f, h, w), last is not None))
-        condition = jnp.concatenate([jnp.repeat(mask, batch, axis=0), cond], axis=-1)
-      else:
-        condition = cond
-      if self.transformer.cfg.image_dim is not None:
-        if image_embeds is None:
-          # As the reference: CLIP sees the images as given (its processor resizes them itself).
-          # PIL images go as given: CLIP's processor composites transparency onto white.
-          image_embeds = self.encode_image(
-            [x if hasattr(x, "convert") else p[0] for x, p in zip(given, pixels)]
-          )
-        image_tokens = self._video_image_tokens(image_embeds, batch)
-    channels = x.shape[-1] + (0 if mode != "concat" else condition.shape[-1])
-    if channels != self.transformer.cfg.in_channels:
-      raise ValueError(
-        f"the transformer takes in_channels={self.transformer.cfg.in_channels}, the pipeline makes {channels} "
-        f"(latents {z} + condition); is the checkpoint's model_index.json class right?"
-      )
+    condition, image_tokens = self._image_condition(
+      image, last_image, image_embeds, mode, shape, num_frames, height, width
+    )
 
     # Schedule and the expert switch (static: the timesteps are known on the host).
     sched = self.make_scheduler(**dict(scheduler_options or {}))
