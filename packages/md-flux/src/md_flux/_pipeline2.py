@@ -345,6 +345,147 @@ class Flux2KleinPipeline(LoRAPipeline, mdp.Pipeline):
       raise ValueError(f"pass {what} (a string or a list) or {what}_embeds [B, S, D]")
     return self.encode_prompt(prompts, **text_kw)
 
+  # --- the call's steps ------------------------------------------------------------------------------------
+  def _check_call(self, output_type, image, images, image_latents, height, width,
+                  num_inference_steps, guidance_scale, kv_cache):  # fmt: skip
+    """Validates a call before any encoding; returns the reference images (a list or None), whether
+    guidance runs and whether the KV-cache mode runs."""
+    pc.check_output_type(output_type)
+    if image is not None and images is not None:
+      raise ValueError("pass reference images as image= or images=, not both")
+    refs_in = image if image is not None else images
+    if refs_in is not None and not isinstance(refs_in, list | tuple):
+      refs_in = [refs_in]
+    if refs_in is not None and image_latents is not None:
+      raise ValueError("pass reference images or image_latents, not both")
+    n_refs = len(refs_in if refs_in is not None else image_latents or [])
+    if n_refs > MAX_REFERENCE_IMAGES:
+      raise ValueError(
+        f"{n_refs} reference images given; Flux.2 Klein takes at most {MAX_REFERENCE_IMAGES}"
+      )
+    if refs_in is None:  # fail before encoding anything
+      size = self.default_size
+      check_size(height or size, width or size, 2 * self.vae_scale_factor)
+    if int(num_inference_steps) < 1:
+      raise ValueError(f"num_inference_steps must be at least 1, got {int(num_inference_steps)}")
+    cfg_on = guidance_scale > 1 and not self.is_distilled
+    kv = self.use_kv_cache if kv_cache is None else bool(kv_cache)
+    if kv and cfg_on:
+      raise ValueError(
+        f"the KV-cache mode runs without guidance (as Flux2KleinKVPipeline); got guidance_scale="
+        f"{guidance_scale} on a non-distilled model: pass guidance_scale=1 or kv_cache=False"
+      )
+    return refs_in, cfg_on, kv
+
+  def _text_rows(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, *, reps,
+                 cfg_on, guidance_scale, max_sequence_length, text_encoder_out_layers):  # fmt: skip
+    """The loop's text rows (`[negative;] positive`, each prompt's `reps` times) and the number of
+    images."""
+    text_kw = dict(
+      max_sequence_length=max_sequence_length, text_encoder_out_layers=text_encoder_out_layers
+    )
+    prompts = mdp.as_prompts(prompt)
+    embeds = self._embeddings(prompts, prompt_embeds, "prompt", text_kw)
+    if reps < 1:
+      raise ValueError(f"num_images_per_prompt must be at least 1, got {reps}")
+    ctx = jnp.repeat(embeds, reps, axis=0)
+    if cfg_on:
+      if negative_prompt_embeds is None:
+        if self.text_encoder is None:
+          raise ValueError(
+            f"guidance_scale={guidance_scale} > 1 runs classifier-free guidance: pass "
+            "negative_prompt_embeds (the reference encodes the empty prompt), or guidance_scale=1"
+          )
+        negs = mdp.as_prompts(negative_prompt if negative_prompt is not None else "")
+        if len(negs) not in (1, embeds.shape[0]):
+          raise ValueError(
+            f"{len(negs)} negative prompts for {embeds.shape[0]} prompts; give one or one per prompt"
+          )
+        neg = self.encode_prompt(negs, **text_kw)
+        neg = jnp.broadcast_to(neg, (embeds.shape[0], *neg.shape[1:]))
+      else:
+        if negative_prompt is not None:
+          raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
+        neg = jnp.asarray(negative_prompt_embeds, jnp.float32)
+      neg = jnp.repeat(neg, reps, axis=0)
+      if neg.shape != ctx.shape:
+        raise ValueError(
+          f"negative prompt embeddings have shape {neg.shape}; the prompt's {ctx.shape}; they must "
+          "match (same max_sequence_length, one negative per prompt)"
+        )
+      ctx = jnp.concatenate([neg, ctx], axis=0)  # the loop's row order: [negative, positive]
+    return ctx, embeds.shape[0] * reps
+
+  def _initial_latents(self, latents, seed, batch, rows, cols, height, width) -> jax.Array:
+    """The initial noise as packed tokens `[B, rows * cols, C]`: drawn from `seed`, or given in the
+    reference's layout `[B, 4C, H/16, W/16]`."""
+    ch = self.transformer.cfg.in_channels
+    if latents is None:
+      noise = jax.random.normal(mdp.seed_key(seed), (batch, rows, cols, ch), jnp.float32)
+    else:
+      noise = jnp.asarray(latents, jnp.float32)
+      if noise.shape != (batch, ch, rows, cols):
+        raise ValueError(
+          f"latents have shape {noise.shape}; expected [B, 4C, H/16, W/16] = "
+          f"{(batch, ch, rows, cols)} for this batch, height={height}, width={width}"
+        )
+      noise = noise.transpose(0, 2, 3, 1)
+    return noise.reshape(batch, rows * cols, ch)
+
+  def _references(self, image_latents, batch):
+    """`(refs, ids)`: the reference latents packed after each other `[B, R, C]` and their position ids
+    `[R, 4]` (reference i at time 10 (i + 1)), or None each without references."""
+    ch = self.transformer.cfg.in_channels
+    ids = []
+    refs = None
+    if image_latents is not None and len(image_latents):
+      packed = []
+      for i, ref in enumerate(image_latents):
+        ref = jnp.asarray(ref, jnp.float32)
+        if ref.ndim != 4 or ref.shape[-1] != ch or ref.shape[0] not in (1, batch):
+          raise ValueError(
+            f"image_latents[{i}] has shape {ref.shape}; expected [1 or {batch}, h, w, {ch}] "
+            "(normalised, patchified, channels-last)"
+          )
+        _, h_r, w_r, _ = ref.shape
+        packed.append(jnp.broadcast_to(ref, (batch, h_r, w_r, ch)).reshape(batch, h_r * w_r, ch))
+        ids.append(image_ids(h_r, w_r, time=10.0 * (i + 1), axes=4))
+      refs = jnp.concatenate(packed, axis=1)
+    return refs, (jnp.asarray(np.concatenate(ids)) if ids else None)
+
+  def _kv_chunks(self, run, sched, sched_key, params, cond, scales, refs, ref_ids, img_ids, cache):
+    """The KV-cache mode's chunk (step 0 in its own program, making the references' K/V; the later
+    steps reading them), its arguments, and the cache adapted to size its slots from step 1."""
+    first = self.jit(("first", sched_key, cache), lambda: self._first_step_fn(sched, cache))
+    first_cond = dict(
+      context=cond["context"],
+      txt_ids=cond["txt_ids"],
+      refs=self.place(refs),
+      ids=jnp.concatenate([ref_ids, img_ids]),
+    )
+    kv_cache = []
+
+    def chunk_fn(carry, lo, hi):
+      if lo == 0:  # step 0 returns the references' K/V; the later steps read them from cond
+        carry, cache_kv = first(params, carry, first_cond)
+        kv_cache.append(cache_kv)
+        lo = np.int32(1)
+      if lo < hi:
+        carry = run(carry, lo, hi, params, {**cond, "kv": kv_cache[0]}, scales)
+      return carry
+
+    if cache is not None and cache.prepare is not None:
+      # Step 0 runs outside the block hook (it counts as computed; a block cache starts at step 1,
+      # whose hidden states have the cached-KV layout): size the cache's slots from step 1.
+      plain_first = self.jit(("first", sched_key, None), lambda: self._first_step_fn(sched, None))
+
+      def probe(c):
+        c, cache_kv = plain_first(params, c, first_cond)
+        return run(c, np.int32(1), np.int32(2), params, {**cond, "kv": cache_kv}, scales)
+
+      cache = cache._replace(prepare=lambda run_one, carry, _p=cache.prepare: _p(probe, carry))
+    return chunk_fn, (), cache
+
   def __call__(
     self,
     prompt: str | Sequence[str] | None = None,
@@ -420,67 +561,17 @@ class Flux2KleinPipeline(LoRAPipeline, mdp.Pipeline):
       FileNotFoundError: a reference image path that does not exist.
       md_schedulers.Cancelled: `cancel()` returned True (or `callback` returned False).
     """
-    pc.check_output_type(output_type)
-    if image is not None and images is not None:
-      raise ValueError("pass reference images as image= or images=, not both")
-    refs_in = image if image is not None else images
-    if refs_in is not None and not isinstance(refs_in, list | tuple):
-      refs_in = [refs_in]
-    if refs_in is not None and image_latents is not None:
-      raise ValueError("pass reference images or image_latents, not both")
-    n_refs = len(refs_in if refs_in is not None else image_latents or [])
-    if n_refs > MAX_REFERENCE_IMAGES:
-      raise ValueError(
-        f"{n_refs} reference images given; Flux.2 Klein takes at most {MAX_REFERENCE_IMAGES}"
-      )
-    if refs_in is None:  # fail before encoding anything
-      size = self.default_size
-      check_size(height or size, width or size, 2 * self.vae_scale_factor)
+    refs_in, cfg_on, kv = self._check_call(
+      output_type, image, images, image_latents, height, width, num_inference_steps,
+      guidance_scale, kv_cache,
+    )  # fmt: skip
     n = int(num_inference_steps)
-    if n < 1:
-      raise ValueError(f"num_inference_steps must be at least 1, got {n}")
-    cfg_on = guidance_scale > 1 and not self.is_distilled
-    kv = self.use_kv_cache if kv_cache is None else bool(kv_cache)
-    if kv and cfg_on:
-      raise ValueError(
-        f"the KV-cache mode runs without guidance (as Flux2KleinKVPipeline); got guidance_scale="
-        f"{guidance_scale} on a non-distilled model: pass guidance_scale=1 or kv_cache=False"
-      )
-    text_kw = dict(
-      max_sequence_length=max_sequence_length, text_encoder_out_layers=text_encoder_out_layers
-    )
-    prompts = mdp.as_prompts(prompt)
-    embeds = self._embeddings(prompts, prompt_embeds, "prompt", text_kw)
     reps = int(num_images_per_prompt)
-    if reps < 1:
-      raise ValueError(f"num_images_per_prompt must be at least 1, got {reps}")
-    ctx = jnp.repeat(embeds, reps, axis=0)
-    if cfg_on:
-      if negative_prompt_embeds is None:
-        if self.text_encoder is None:
-          raise ValueError(
-            f"guidance_scale={guidance_scale} > 1 runs classifier-free guidance: pass "
-            "negative_prompt_embeds (the reference encodes the empty prompt), or guidance_scale=1"
-          )
-        negs = mdp.as_prompts(negative_prompt if negative_prompt is not None else "")
-        if len(negs) not in (1, embeds.shape[0]):
-          raise ValueError(
-            f"{len(negs)} negative prompts for {embeds.shape[0]} prompts; give one or one per prompt"
-          )
-        neg = self.encode_prompt(negs, **text_kw)
-        neg = jnp.broadcast_to(neg, (embeds.shape[0], *neg.shape[1:]))
-      else:
-        if negative_prompt is not None:
-          raise ValueError("pass either negative_prompt or negative_prompt_embeds, not both")
-        neg = jnp.asarray(negative_prompt_embeds, jnp.float32)
-      neg = jnp.repeat(neg, reps, axis=0)
-      if neg.shape != ctx.shape:
-        raise ValueError(
-          f"negative prompt embeddings have shape {neg.shape}; the prompt's {ctx.shape}; they must "
-          "match (same max_sequence_length, one negative per prompt)"
-        )
-      ctx = jnp.concatenate([neg, ctx], axis=0)  # the loop's row order: [negative, positive]
-    batch = embeds.shape[0] * reps
+    ctx, batch = self._text_rows(
+      prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, reps=reps, cfg_on=cfg_on,
+      guidance_scale=guidance_scale, max_sequence_length=max_sequence_length,
+      text_encoder_out_layers=text_encoder_out_layers,
+    )  # fmt: skip
 
     ref_size = None
     if refs_in is not None:
@@ -490,34 +581,9 @@ class Flux2KleinPipeline(LoRAPipeline, mdp.Pipeline):
     check_size(height, width, 2 * self.vae_scale_factor)
     f = self.vae_scale_factor
     rows, cols = height // (2 * f), width // (2 * f)
-    ch = self.transformer.cfg.in_channels
-    if latents is None:
-      noise = jax.random.normal(mdp.seed_key(seed), (batch, rows, cols, ch), jnp.float32)
-    else:
-      noise = jnp.asarray(latents, jnp.float32)
-      if noise.shape != (batch, ch, rows, cols):
-        raise ValueError(
-          f"latents have shape {noise.shape}; expected [B, 4C, H/16, W/16] = "
-          f"{(batch, ch, rows, cols)} for this batch, height={height}, width={width}"
-        )
-      noise = noise.transpose(0, 2, 3, 1)
-    x = noise.reshape(batch, rows * cols, ch)
+    x = self._initial_latents(latents, seed, batch, rows, cols, height, width)
+    refs, ref_ids = self._references(image_latents, batch)
 
-    ids = []
-    refs = None
-    if image_latents is not None and len(image_latents):
-      packed = []
-      for i, ref in enumerate(image_latents):
-        ref = jnp.asarray(ref, jnp.float32)
-        if ref.ndim != 4 or ref.shape[-1] != ch or ref.shape[0] not in (1, batch):
-          raise ValueError(
-            f"image_latents[{i}] has shape {ref.shape}; expected [1 or {batch}, h, w, {ch}] "
-            "(normalised, patchified, channels-last)"
-          )
-        _, h_r, w_r, _ = ref.shape
-        packed.append(jnp.broadcast_to(ref, (batch, h_r, w_r, ch)).reshape(batch, h_r * w_r, ch))
-        ids.append(image_ids(h_r, w_r, time=10.0 * (i + 1), axes=4))
-      refs = jnp.concatenate(packed, axis=1)
     sched, st = pc.schedule(
       self.scheduler_config, n, sigmas, mdsch.flux2_empirical_mu(rows * cols, n)
     )
@@ -527,7 +593,6 @@ class Flux2KleinPipeline(LoRAPipeline, mdp.Pipeline):
     )
     s_img = rows * cols
     img_ids = jnp.asarray(image_ids(rows, cols, axes=4))
-    ref_ids = jnp.asarray(np.concatenate(ids)) if ids else None
     cond = dict(context=self.place(ctx), txt_ids=jnp.asarray(text_ids(ctx.shape[1])))
     kv = kv and refs is not None  # without references the KV mode is plain text-to-image
     mode = "cached" if kv else "plain" if refs is None else "append"
@@ -543,35 +608,9 @@ class Flux2KleinPipeline(LoRAPipeline, mdp.Pipeline):
     )
     params = self._tr.jit_state()
     if kv:
-      first = self.jit(("first", sched_key, cache), lambda: self._first_step_fn(sched, cache))
-      first_cond = dict(
-        context=cond["context"],
-        txt_ids=cond["txt_ids"],
-        refs=self.place(refs),
-        ids=jnp.concatenate([ref_ids, img_ids]),
+      chunk_fn, args, cache = self._kv_chunks(
+        run, sched, sched_key, params, cond, scales, refs, ref_ids, img_ids, cache
       )
-      kv_cache = []
-
-      def chunk_fn(carry, lo, hi):
-        if lo == 0:  # step 0 returns the references' K/V; the later steps read them from cond
-          carry, cache_kv = first(params, carry, first_cond)
-          kv_cache.append(cache_kv)
-          lo = np.int32(1)
-        if lo < hi:
-          carry = run(carry, lo, hi, params, {**cond, "kv": kv_cache[0]}, scales)
-        return carry
-
-      args = ()
-      if cache is not None and cache.prepare is not None:
-        # Step 0 runs outside the block hook (it counts as computed; a block cache starts at step 1,
-        # whose hidden states have the cached-KV layout): size the cache's slots from step 1.
-        plain_first = self.jit(("first", sched_key, None), lambda: self._first_step_fn(sched, None))
-
-        def probe(c):
-          c, cache_kv = plain_first(params, c, first_cond)
-          return run(c, np.int32(1), np.int32(2), params, {**cond, "kv": cache_kv}, scales)
-
-        cache = cache._replace(prepare=lambda run_one, carry, _p=cache.prepare: _p(probe, carry))
     else:
       chunk_fn, args = run, (params, cond, scales)
 
