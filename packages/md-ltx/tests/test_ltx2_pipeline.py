@@ -14,7 +14,7 @@ import md_schedulers as mdsch
 import md_sharding as mds
 import md_vae
 from md_core import testing
-from md_ltx._ltx2_pipeline import LTX2Output, load_ltx2_pipeline, save_ltx2_video
+from md_ltx import LTX2Output, load_ltx2_pipeline, save_ltx2_video
 
 PROMPTS = ["a cat playing a piano", "waves on a beach at sunset, seagulls calling"]
 NEGATIVE = "blurry, distorted"
