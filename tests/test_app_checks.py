@@ -171,3 +171,15 @@ def test_tiny_variant_runs_from_another_directory(tmp_path):
     "--config.model=models/nowhere/sd", cwd=tmp_path,
   )  # fmt: skip
   one_line_error(out, f"relative to the working directory {tmp_path}")
+
+
+def test_leading_steps_past_the_table_are_refused_before_loading(tmp_path):
+  """The tiny SD scheduler is DDIM with `leading` spacing and steps_offset=1: 1000 steps would start at
+  timestep 1000, so the checks name the key and the valid range (1 to 999) before any weight loads."""
+  out = run(
+    "sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path / 'out'}",
+    "--config.num_inference_steps=1000",
+  )  # fmt: skip
+  lines = one_line_error(out, "--config.num_inference_steps=1000", "DDIMScheduler", "use 1 to 999")
+  assert len(lines) == 1 and "loading" not in out.stdout + out.stderr, out.stderr
+  assert not (tmp_path / "out").exists()

@@ -697,6 +697,30 @@ def scheduler_steps_problem(
   steps = problems.config[key]
   if most and steps is not None and steps > most:
     problems.add(f"--config.{key}={steps} must be ≤ the scheduler's num_train_timesteps={most}")
+    return
+  # The discrete schedulers index their table with `leading` timesteps shifted by `steps_offset`: the
+  # first one must stay below num_train_timesteps (md_schedulers refuses it after loading otherwise).
+  name = problems.config.get("scheduler") or sched.get("_class_name", "")
+  spacing = problems.config.get("timestep_spacing") or sched.get("timestep_spacing", "leading")
+  offset = int(sched.get("steps_offset") or 0)
+  extra = name == "UniPCMultistepScheduler"  # spaces n + 1 points and drops the last
+  if name not in _DISCRETE or spacing != "leading" or not most or not steps or steps < 1:
+    return
+
+  def first(n: int) -> int:
+    return (n if extra else n - 1) * (most // (n + 1 if extra else n)) + offset
+
+  if first(steps) >= most:
+    top = max(n for n in range(1, steps + 1) if first(n) < most)
+    problems.add(
+      f"--config.{key}={steps} is out of range for {name} (timestep_spacing='leading', "
+      f"steps_offset={offset}, num_train_timesteps={most}): use 1 to {top}, or "
+      "--config.timestep_spacing=trailing"
+    )
+
+
+# The schedulers whose timesteps index the training table (the sigma-based ones interpolate).
+_DISCRETE = ("DDIMScheduler", "DDPMScheduler", "UniPCMultistepScheduler")
 
 
 def finish_checks(problems: Problems, config: Any, folder: Any) -> jax.sharding.Mesh | None:
