@@ -183,3 +183,72 @@ def test_leading_steps_past_the_table_are_refused_before_loading(tmp_path):
   lines = one_line_error(out, "--config.num_inference_steps=1000", "DDIMScheduler", "use 1 to 999")
   assert len(lines) == 1 and "loading" not in out.stdout + out.stderr, out.stderr
   assert not (tmp_path / "out").exists()
+
+
+def _broken_sd(tmp_path, how: str) -> tuple[pathlib.Path, pathlib.Path]:
+  """A copy of the tiny SD pipeline with one file broken `how`; returns (folder, the broken file)."""
+  import shutil
+
+  model = tmp_path / "sd"
+  shutil.copytree(testing.fixture_path("sd_pipeline") / "sd", model)
+  if how == "truncated weights":
+    path = model / "unet" / "diffusion_pytorch_model.safetensors"
+    path.write_bytes(path.read_bytes()[:3000])
+  elif how == "config not JSON":
+    path = model / "vae" / "config.json"
+    path.write_text('{"in_channels":')
+  elif how == "string in_channels":
+    path = model / "unet" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(config, in_channels="4")))
+  else:  # missing config
+    path = model / "vae" / "config.json"
+    path.unlink()
+  return model, path
+
+
+def _file_error(out, *needles: str) -> str:
+  """Non-zero exit, no traceback, the last line of stderr one problem naming the file."""
+  assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("sd_generate: "), last
+  for needle in needles:
+    assert needle in last, (needle, last)
+  return last
+
+
+@pytest.mark.parametrize(
+  "how, needles",
+  [
+    ("truncated weights", ["truncated"]),
+    ("config not JSON", ["not valid JSON"]),
+    ("missing config", ["no config.json"]),
+    ("string in_channels", ["in_channels must be an int, got '4'"]),
+  ],
+)  # fmt: skip
+def test_broken_model_files_end_in_one_line_naming_them(tmp_path, how, needles):
+  model, path = _broken_sd(tmp_path, how)
+  out = run("sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path / 'out'}",
+            f"--config.model={model}")  # fmt: skip
+  _file_error(out, str(path.parent if how == "missing config" else path), *needles)
+  assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_bad_lora_files_end_in_one_line_naming_them(tmp_path):
+  """A truncated LoRA file and one whose keys are no LoRA layout: exit code 2, one line naming the file
+  (a missing one is refused by the checks before loading)."""
+  import numpy as np
+  from safetensors.numpy import save_file
+
+  truncated = tmp_path / "truncated.safetensors"
+  truncated.write_bytes(b"garbage!")
+  wrong = tmp_path / "wrong.safetensors"
+  save_file({"foo.bar.weight": np.zeros((2, 2), np.float32)}, str(wrong))
+  for path, needle in ((truncated, "not a safetensors file"), (wrong, "unknown LoRA format")):
+    out = run("sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path / 'out'}",
+              f"--config.loras={path}")  # fmt: skip
+    assert out.returncode == 2
+    _file_error(out, f"loras entry {str(path)!r}", needle)
+  out = run("sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path / 'out'}",
+            f"--config.loras={tmp_path / 'none.safetensors'}")  # fmt: skip
+  one_line_error(out, "none.safetensors': no such file")

@@ -59,6 +59,8 @@ if TYPE_CHECKING:  # the same names for static readers (type checkers, the API d
     scan_layers,
   )
   from md_core._sources import (
+    ConfigError,
+    check_config_types,
     hub_cache_dir,
     hub_offline,
     load_config,
@@ -122,6 +124,8 @@ _NAMES: dict[str, tuple[str, str]] = {
   "num_layers_of": ("md_core._scan", "num_layers_of"),
   "remat": ("md_core._scan", "remat"),
   "scan_layers": ("md_core._scan", "scan_layers"),
+  "ConfigError": ("md_core._sources", "ConfigError"),
+  "check_config_types": ("md_core._sources", "check_config_types"),
   "hub_cache_dir": ("md_core._sources", "hub_cache_dir"),
   "hub_offline": ("md_core._sources", "hub_offline"),
   "load_config": ("md_core._sources", "load_config"),
@@ -183,6 +187,8 @@ __all__ = [
   "SafetensorsFile",
   "Target",
   "WeightLoadError",
+  "ConfigError",
+  "check_config_types",
   "convert",
   "coverage",
   "hub_cache_dir",

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import re
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -149,15 +154,83 @@ def _from_hub(repo_id, subfolder, revision, cache_dir, allow_patterns) -> pathli
   return pathlib.Path(folder)
 
 
+class ConfigError(ValueError):
+  """A config file md cannot use (not JSON, or a value of the wrong type); the message names the file
+  and the key."""
+
+
 def read_json(path: str | os.PathLike) -> dict:
-  """Reads a JSON config, with an error that names the file."""
+  """Reads a JSON config, with an error that names the file (`ConfigError` when it is not JSON)."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"{path}: no such config file")
   try:
     return json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: not valid JSON ({e})") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+_SCALARS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _type_ok(value: Any, kind: Any) -> bool | None:
+  """Whether `value` fits the annotation `kind`; None when `kind` is not one md checks."""
+  if kind is Any:
+    return None
+  if kind in _SCALARS:
+    if kind is float:
+      return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+      return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+  origin, args = typing.get_origin(kind), typing.get_args(kind)
+  if origin in (typing.Union, types.UnionType):
+    verdicts = [_type_ok(value, a) for a in args]
+    return None if None in verdicts else any(verdicts)
+  if kind is type(None):
+    return value is None
+  if origin in (tuple, list) and args:
+    if not isinstance(value, list | tuple):
+      return False
+    inner = args[:1] if origin is list or (len(args) == 2 and args[1] is Ellipsis) else args
+    if len(inner) > 1 and len(inner) != len(value):
+      return False
+    verdicts = [_type_ok(v, inner[min(i, len(inner) - 1)]) for i, v in enumerate(value)]
+    return None if None in verdicts else all(verdicts)
+  return None
+
+
+def _type_name(kind: Any) -> str:
+  if kind in _SCALARS:
+    return _SCALARS[kind]
+  if kind is type(None):
+    return "null"
+  origin, args = typing.get_origin(kind), typing.get_args(kind)
+  if origin in (typing.Union, types.UnionType):
+    return " or ".join(_type_name(a) for a in args)
+  if origin in (tuple, list):
+    return f"a list of {_type_name(args[0])}" if args else "a list"
+  return getattr(kind, "__name__", str(kind))
+
+
+def check_config_types(cls: type, values: Mapping[str, Any], where: str) -> None:
+  """Checks the values of a config dataclass's fields against their annotations (ints, numbers, bools,
+  strings, lists of them, optional ones) before the dataclass is built.
+
+  Args:
+    cls: the config dataclass.
+    values: field name -> value read from the file (other keys are ignored).
+    where: the file (or what the values came from), named in the error.
+
+  Raises:
+    ConfigError: `<where>: <key> must be <type>, got <value>`.
+  """
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    if f.name in values and f.name in hints and _type_ok(values[f.name], hints[f.name]) is False:
+      raise ConfigError(
+        f"{where}: {f.name} must be {_type_name(hints[f.name])}, got {values[f.name]!r}"
+      )
 
 
 def load_config(

@@ -594,6 +594,16 @@ def run(main, *, doc: str = "", fixed: tuple[str, ...] = ()) -> None:
       for line in lines:
         print(f"{prog}: {line}", file=sys.stderr)
       sys.exit(2)
+    except _file_errors() as e:
+      # A model file md cannot use (truncated weights, a broken config, one it may not read): one line
+      # naming it (the errors' messages do), exit code 1.
+      if _interrupts.folder is not None:
+        _interrupts.folder.discard()
+      text = str(e).splitlines()[0] if str(e) else type(e).__name__
+      if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
+        text = f"{e.filename}: {e.strerror or text}"
+      print(f"{prog}: {text}", file=sys.stderr)
+      sys.exit(1)
     except KeyboardInterrupt:
       signum = _interrupts.signum
       if _interrupts.report(signum):
@@ -607,6 +617,15 @@ def run(main, *, doc: str = "", fixed: tuple[str, ...] = ()) -> None:
       time.sleep(60)  # the watcher is reporting and ends the process
 
   app.run(wrapped, flags_parser=lambda argv: parse_flags(argv, doc=doc, fixed=fixed))
+
+
+def _file_errors() -> tuple[type[BaseException], ...]:
+  """The errors about a file the run reads, reported by `run` in one line (their messages name it)."""
+  from md_core._loading import WeightLoadError
+  from md_core._safetensors import SafetensorsError
+  from md_core._sources import ConfigError
+
+  return (ConfigError, SafetensorsError, WeightLoadError, PermissionError, IsADirectoryError)
 
 
 def source_config(source: str, component: str) -> dict:

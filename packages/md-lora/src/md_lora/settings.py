@@ -6,7 +6,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any, NamedTuple
 
-from md_core.apps import Problems
+from md_core.apps import Problems, UsageError
+
+
+class LoRAEntryError(UsageError, ValueError):
+  """A `--config.loras` file that cannot be loaded (its format, layout or reading), in one line naming it:
+  a ValueError, and a usage error the apps report without a traceback."""
 
 
 class LoRASpec(NamedTuple):
@@ -71,7 +76,9 @@ def load_loras(pipe: Any, config: Any) -> list[str]:
   """Loads every `--config.loras` entry into `pipe` at run time (`pipe.load_lora`); returns the names.
 
   Raises:
-    ValueError: as `parse_loras`, or the file's own problems (`md_lora.LoRAFileError`), naming it.
+    ValueError: as `parse_loras`.
+    LoRAEntryError: the file's own problems (`md_lora.LoRAFileError`, an unreadable or
+      truncated file), in one line naming it.
   """
   names = []
   for i, spec in enumerate(parse_loras(config.get("loras"))):
@@ -85,6 +92,8 @@ def load_loras(pipe: Any, config: Any) -> list[str]:
           component=spec.component,
         )
       )
-    except (ValueError, TypeError) as e:
-      raise type(e)(f"loras entry {spec.file!r}: {e}") from e
+    except (ValueError, TypeError, OSError) as e:
+      # The file's own problem (format, layout, reading): a settings problem the app reports in one line.
+      first = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise LoRAEntryError(f"loras entry {spec.file!r}: {first}") from e
   return names

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from md_core import read_json
+from md_core import check_config_types, read_json
 
 DOWN_BLOCKS = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_BLOCKS = ("CrossAttnUpBlock2D", "UpBlock2D")
@@ -209,6 +209,7 @@ class UNetConfig:
         kw[key] = d[key]
     if kw["norm_num_groups"] is None:
       raise ValueError(f"{source}: norm_num_groups=None (no final norm) is not supported by md")
+    check_config_types(cls, kw, source)
     return cls(**kw)
 
   @classmethod

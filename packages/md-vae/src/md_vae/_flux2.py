@@ -11,7 +11,6 @@ FLUX.2 [klein] pipeline does around the transformer.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import md_core
 from md_vae._kl import (
   AutoencoderKL,
   AutoencoderKLConfig,
@@ -171,8 +171,7 @@ class AutoencoderKLFlux2Config:
   @classmethod
   def from_json(cls, path: str | os.PathLike) -> AutoencoderKLFlux2Config:
     """From a `config.json` file."""
-    with open(path) as f:
-      return cls.from_dict(json.load(f), where=os.fspath(path))
+    return cls.from_dict(md_core.read_json(path), where=os.fspath(path))
 
 
 FLUX2_VAE_VARIANTS: dict[str, AutoencoderKLFlux2Config] = {

@@ -9,7 +9,6 @@ decode reproduce diffusers' tiles, overlaps and linear blending, for images larg
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import md_core
 import md_sharding as mds
 from md_core import nn
 
@@ -128,13 +128,13 @@ class AutoencoderKLConfig:
         kw[key] = tuple(kw[key])
     if isinstance(kw.get("sample_size"), list | tuple):
       kw["sample_size"] = int(kw["sample_size"][0])
+    md_core.check_config_types(cls, kw, where)
     return cls(**kw)
 
   @classmethod
   def from_json(cls, path: str | os.PathLike) -> AutoencoderKLConfig:
     """From a `config.json` file."""
-    with open(path) as f:
-      return cls.from_dict(json.load(f), where=os.fspath(path))
+    return cls.from_dict(md_core.read_json(path), where=os.fspath(path))
 
 
 # Every released KL VAE: four levels of 128-512 channels, two resnets per encoder level.
