@@ -12,7 +12,12 @@ import md_core
 import md_sharding as mds
 from md_core.testing import fixture_path, load_arrays, load_manifest, repo_root
 from md_ltx._ltx2_config import LTX2_VARIANTS, LTX2Config
-from md_ltx._ltx2_transformer import LTX2Transformer, ltx2_audio_coords, ltx2_video_coords
+from md_ltx._ltx2_transformer import (
+  LTX2Transformer,
+  ltx2_audio_coords,
+  ltx2_rope_frequencies,
+  ltx2_video_coords,
+)
 from md_ltx._ltx2_weights import (
   load_ltx2_transformer,
   ltx2_convert_key,
@@ -365,3 +370,12 @@ def test_static_prompt_tables_equal_zero_sigma_modulation():
   chex.assert_trees_all_close(static, apply(state, zeros), atol=1e-6, rtol=0)
   shifted = zeros._replace(prompt_temb=jnp.ones((b, 1, 2, 32)))
   assert float(jnp.max(jnp.abs(apply(state, shifted)[0] - static[0]))) > 1e-3
+
+
+def test_rope_frequencies_one_per_axis():
+  """A single frequency per position axis is theta**0 * pi / 2 (torch's one-point linspace is [0])."""
+  for double in (True, False):
+    cfg = LTX2Config(rope_double_precision=double)
+    freqs = ltx2_rope_frequencies(cfg, 6, 3)
+    assert freqs.dtype == np.float32
+    np.testing.assert_array_equal(freqs, np.array([np.pi / 2], np.float32))

@@ -45,30 +45,22 @@ _TWO_PI_3 = np.float32(2 * math.pi - float(_TWO_PI_1) - float(_TWO_PI_2))
 # Rotary positions
 
 
-def _torch_linspace(n: int, dtype) -> np.ndarray:
-  """`torch.linspace(0, 1, n)` in `dtype`: the first half stepped from 0, the second half back from 1."""
-  if n == 1:
-    return np.zeros(1, dtype)
-  step = dtype(1.0) / dtype(n - 1)
-  idx = np.arange(n)
-  return np.where(
-    idx < n // 2,
-    idx.astype(dtype) * step,
-    dtype(1.0) - (n - 1 - idx).astype(dtype) * step,
-  ).astype(dtype)
-
-
 def ltx2_rope_frequencies(cfg: LTX2Config, dim: int, num_pos_dims: int) -> np.ndarray:
   """The `dim // (2 * num_pos_dims)` rotary frequencies `theta**linspace(0, 1) * pi / 2`, float32.
 
   With `rope_double_precision` they are computed in float64 and rounded once, as the reference does.
+  Otherwise as torch computes them in float32: torch's float32 linspace, the pow rounded once to float32
+  (NumPy's float32 pow is often 1 ulp off), then each product rounded to float32.
   """
   k = dim // (2 * num_pos_dims)
   if k < 1:
     raise ValueError(f"rotary width {dim} is too small for {num_pos_dims} position axes")
-  dtype = np.float64 if cfg.rope_double_precision else np.float32
-  powers = np.power(dtype(cfg.rope_theta), _torch_linspace(k, dtype), dtype=dtype)
-  return ((powers * dtype(math.pi)) / dtype(2.0)).astype(np.float32)
+  if cfg.rope_double_precision:
+    steps = np.linspace(0.0, 1.0, k, dtype=np.float64)
+    return (np.power(np.float64(cfg.rope_theta), steps) * math.pi / 2.0).astype(np.float32)
+  steps = md_core.torch_linspace_f32(0.0, 1.0, k).astype(np.float64)
+  powers = np.power(np.float64(cfg.rope_theta), steps).astype(np.float32)
+  return (powers * np.float32(math.pi)) / np.float32(2.0)
 
 
 def ltx2_video_coords(
