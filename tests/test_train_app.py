@@ -200,3 +200,27 @@ def test_shapes_variants_start_from_the_shipped_default_models():
     assert callable(recipes.import_recipe(recipe))
     assert options["base"] == folder and (ROOT / folder / "model_index.json").is_file()
     assert options["warmup_steps"] < module.get_config(name).steps
+
+
+@pytest.mark.parametrize("app", ["train", "dreambooth_train"])
+def test_unwritable_workdir_is_one_line_before_loading(tmp_path, cache, app):
+  """A --workdir the run cannot write (/proc refuses new folders even to root; a read-only folder for
+  other users): one line naming it, exit code 2, before any weights load, and nothing made."""
+  bad = ["/proc/md-train-run/inside"]
+  if os.geteuid() != 0:  # root writes through permission bits
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    bad.append(str(locked / "run"))
+  config = ARGS[:1] if app == "train" else ["--config=apps/configs/dreambooth.py:sd15-lora-tiny"]
+  for workdir in bad:
+    done = subprocess.run(
+      [sys.executable, f"apps/{app}", *config, f"--workdir={workdir}"],
+      cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{app}: --workdir={workdir!r} cannot be written ("), lines
+    assert "give a folder you may write" in lines[0] and "loading" not in done.stdout
+    assert not pathlib.Path(workdir).exists()

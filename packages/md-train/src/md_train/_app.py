@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +34,37 @@ def check(config: Any, workdir: str) -> tuple[Callable, Any]:
   existing = next((p for p in (path, *path.parents) if p.exists()), None)
   if existing is not None and not existing.is_dir():
     problems.add(f"--workdir={workdir!r} is (inside) a file; give a folder")
+  elif (why := _unwritable(path)) is not None:
+    problems.add(f"--workdir={workdir!r} cannot be written ({why}); give a folder you may write")
   fn = problems.call(recipes.import_recipe, config.recipe, prefix="--config.")
   mesh = problems.call(apps.start, config, prefix="--config.mesh: ")
   problems.raise_if_any()
   return fn, mesh
+
+
+def _unwritable(path: pathlib.Path) -> str | None:
+  """Why the run could not write in `path` (None when it can): the folder is made and a file written
+  and removed there, then the folders this made are removed again, before anything loads. (As root,
+  permission bits do not stop writes, so `os.access` alone would miss read-only mounts and /proc.)"""
+  made = []
+  try:
+    for folder in (*reversed(path.parents), path):
+      if not folder.exists():
+        folder.mkdir()
+        made.append(folder)
+    if not os.access(path, os.W_OK | os.X_OK):
+      return "permission denied"
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    return e.strerror or type(e).__name__
+  finally:
+    for folder in reversed(made):
+      try:
+        folder.rmdir()
+      except OSError:
+        pass
+  return None
 
 
 def _hold(spec: str):
