@@ -251,7 +251,7 @@ def part_lora(tiny: bool, rank: int = 32, steps: int = 6) -> None:
       r = rank // 2
       down = 0.01 * rng.normal(size=tuple(a[:-1]) + (r,)).astype(np.float32)
       up = 0.01 * rng.normal(size=tuple(b[:-2]) + (r, b[-1])).astype(np.float32)
-      adapter[path] = md_core.LoRAWeight(a=down, b=up, scale=scale)
+      adapter[path] = md_core.LoRASlotWeight(a=down, b=up, scale=scale)
     adapters.append(adapter)
   swapped = []
   x = None

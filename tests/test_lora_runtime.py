@@ -38,7 +38,7 @@ def _adapter(paths, rank, seed, scale=1.0, layer=None):
     shape_lead = [] if layer is not None else lead
     a = rng.standard_normal((*shape_lead, n_in, rank)).astype(np.float32) * 0.2
     b = rng.standard_normal((*shape_lead, rank, n_out)).astype(np.float32) * 0.2
-    out[path] = md_core.LoRAWeight(a, b, scale, layer)
+    out[path] = md_core.LoRASlotWeight(a, b, scale, layer)
   return out
 
 
@@ -100,13 +100,15 @@ def test_set_lora_errors(pipe):
   p, paths = pipe
   _PIPE[:] = [p]
   with pytest.raises(ValueError, match="has no LoRA slot; slots nearest by name"):
-    p.set_lora({"blocks.attn1.to_nothing": md_core.LoRAWeight(np.zeros((4, 1)), np.zeros((1, 4)))})
+    p.set_lora(
+      {"blocks.attn1.to_nothing": md_core.LoRASlotWeight(np.zeros((4, 1)), np.zeros((1, 4)))}
+    )
   too_big = _adapter(paths[:1], 6, seed=0)
   with pytest.raises(ValueError, match="needs rank 12 .* its slot holds 8"):
     p.set_lora([too_big, too_big])
   w = too_big[paths[0]]
   with pytest.raises(ValueError, match="takes a"):
-    p.set_lora({paths[0]: md_core.LoRAWeight(w.a[..., :3, :], w.b)})
+    p.set_lora({paths[0]: md_core.LoRASlotWeight(w.a[..., :3, :], w.b)})
   with pytest.raises(ValueError, match="match no Dense layer"):
     md_core.add_lora_slots(p.transformer, 4, targets=("no_such_layer",))
   with pytest.raises(ValueError, match="has no model component 'unet'"):
@@ -123,7 +125,7 @@ def test_dense_slot_closed_form():
   b = np.ones((2, 5), np.float32)
   paths = md_core.lora_paths(d)
   assert paths == [""] and md_core.lora_rank(d) == 4
-  new = md_core.set_lora(nnx.state(d), {"": md_core.LoRAWeight(a, b, 0.5)})
+  new = md_core.set_lora(nnx.state(d), {"": md_core.LoRASlotWeight(a, b, 0.5)})
   nnx.update(d, new)
   want = np.asarray(y0) + 0.5 * np.asarray(x) @ a @ b
   np.testing.assert_allclose(np.asarray(d(x)), want, atol=1e-6)

@@ -158,7 +158,7 @@ def test_lora_slots_beside_int8_kernels():
     base = _run(graphdef, state, x)
     a = jax.random.normal(jax.random.key(2), (3, 16, 2)) * 0.3
     b = jax.random.normal(jax.random.key(3), (3, 2, 32)) * 0.3
-    adapted = md_core.set_lora(state, {"blocks.up": md_core.LoRAWeight(a, b, scale=0.5)})
+    adapted = md_core.set_lora(state, {"blocks.up": md_core.LoRASlotWeight(a, b, scale=0.5)})
     with_lora = _run(graphdef, adapted, x)
     # Reference: the quantized model with the delta folded into a float copy of each layer's kernel.
     ref = Toy(nnx.Rngs(0))

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the same names for static readers (type checkers, the API d
   from md_core._loading import LoadReport, WeightLoadError, coverage, load_weights, logical_axes
   from md_core._lora import (
     LoRASlot,
-    LoRAWeight,
+    LoRASlotWeight,
     add_lora_slots,
     clear_lora,
     dense_layers,
@@ -99,7 +99,7 @@ _NAMES: dict[str, tuple[str, str]] = {
   "load_weights": ("md_core._loading", "load_weights"),
   "logical_axes": ("md_core._loading", "logical_axes"),
   "LoRASlot": ("md_core._lora", "LoRASlot"),
-  "LoRAWeight": ("md_core._lora", "LoRAWeight"),
+  "LoRASlotWeight": ("md_core._lora", "LoRASlotWeight"),
   "add_lora_slots": ("md_core._lora", "add_lora_slots"),
   "clear_lora": ("md_core._lora", "clear_lora"),
   "dense_layers": ("md_core._lora", "dense_layers"),
@@ -158,7 +158,7 @@ __all__ = [
   "set_executable_store",
   "executable_store",
   "LoRASlot",
-  "LoRAWeight",
+  "LoRASlotWeight",
   "add_lora_slots",
   "clear_lora",
   "dense_layers",

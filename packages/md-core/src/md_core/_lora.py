@@ -26,9 +26,10 @@ class LoRASlot(nnx.Variable):
   """Run-time adapter weights of a Dense layer (a state filter type; never loaded from a checkpoint)."""
 
 
-class LoRAWeight(NamedTuple):
-  """One adapter on one layer: `delta W = scale · a @ b` (md layout: kernel `(in, out)`, conv `(*k, in,
-  out)`).
+class LoRASlotWeight(NamedTuple):
+  """What `set_lora` puts in one layer's run-time slots: `delta W = scale · a @ b` (md layout: kernel
+  `(in, out)`, conv `(*k, in, out)`). A loaded adapter's own weights are `md_lora.LoRAWeight`;
+  `md_lora.to_slots` turns them into these.
 
   Attributes:
     a: `[in, r]` (or `[layers, in, r]` for every layer of a scanned stack); a conv's `[*k, in, r]`.
@@ -92,7 +93,7 @@ def add_lora_slots(
       `("to_q", "to_k", "to_v", "to_out.0")`); None: every Dense and Conv.
     dtype: the slots' dtype (adapters stay f32 or bf16 beside a quantized or bf16 weight).
     gain: also a per-output gain slot `lora_gain` `[..., out]` (ones), which multiplies the layer's base
-      output: what DoRA adapters need at run time (`LoRAWeight.gain`).
+      output: what DoRA adapters need at run time (`LoRASlotWeight.gain`).
 
   Returns:
     The paths that got slots, sorted.
@@ -201,8 +202,8 @@ def lora_rank(state_or_model: Any) -> int:
 
 def set_lora(
   state: nnx.State,
-  adapters: Sequence[Mapping[str, LoRAWeight | Sequence[LoRAWeight]]]
-  | Mapping[str, LoRAWeight | Sequence[LoRAWeight]],
+  adapters: Sequence[Mapping[str, LoRASlotWeight | Sequence[LoRASlotWeight]]]
+  | Mapping[str, LoRASlotWeight | Sequence[LoRASlotWeight]],
 ) -> nnx.State:
   """A copy of `state` whose LoRA slots hold `adapters` (every other slot zero).
 
@@ -212,7 +213,7 @@ def set_lora(
   Args:
     state: a module state with slots (`nnx.state(model)` after `add_lora_slots`, or a pipeline's split
       state).
-    adapters: one adapter or several, applied together. An adapter maps a layer path to a `LoRAWeight`,
+    adapters: one adapter or several, applied together. An adapter maps a layer path to a `LoRASlotWeight`,
       or to several (one per `layer` of a scanned stack: they share the adapter's rank range). The
       adapters' ranks are concatenated in the slot, each scale folded into its `b`.
 
@@ -246,7 +247,7 @@ def set_lora(
       ws = adapter.get(path)
       if ws is None:
         continue
-      ws = [ws] if isinstance(ws, LoRAWeight) else list(ws)
+      ws = [ws] if isinstance(ws, LoRASlotWeight) else list(ws)
       r_max = 0
       for w in ws:
         a, b = np.asarray(w.a, np.float32), np.asarray(w.b, np.float32)

@@ -389,7 +389,7 @@ class Pipeline:
     return paths
 
   def set_lora(self, adapters: Any, *, component: str = "transformer") -> None:
-    """Puts adapters (`{dense path: md_core.LoRAWeight}`, or a list of them used together) into the
+    """Puts adapters (`{dense path: md_core.LoRASlotWeight}`, or a list of them used together) into the
     component's LoRA slots; the same compiled programs run them."""
     from md_core._lora import set_lora  # noqa: PLC0415
 

@@ -35,14 +35,14 @@ DEFAULT_MAX_RANK = 64
 
 def to_slots(
   adapter: Adapter, scale: float = 1.0, state: Any = None
-) -> dict[str, list[md_core.LoRAWeight]]:
-  """An adapter as run-time slot weights: `{layer path: [md_core.LoRAWeight(a, b, scale, layer)]}`.
+) -> dict[str, list[md_core.LoRASlotWeight]]:
+  """An adapter as run-time slot weights: `{layer path: [md_core.LoRASlotWeight(a, b, scale, layer)]}`.
 
   A site `(…, layer, "kernel")` becomes the slot of the Dense / Conv at `…layer` (dotted path); a site of
   a scanned stack keeps its `layer` index. `scale` multiplies the file's alpha / r.
 
   A DoRA site needs the model's `state` (its base kernels): the layer's output is `g · (x @ W + Δx)`, so
-  the slot weight carries the per-output factor `g` (`LoRAWeight.gain`, for the layer's gain slot) and
+  the slot weight carries the per-output factor `g` (`md_core.LoRASlotWeight.gain`, for the layer's gain slot) and
   its `b` times `g`; peft's rule: `g = m / ||W + kΔ||` with `Δ` at the user's scale k; LyCORIS':
   `g = k (m / (||W + Δ|| + eps) - 1) + 1` with `Δ` at the file's scale (the merged weights, run lazily).
 
@@ -54,15 +54,17 @@ def to_slots(
   """
   flat = _check_runtime(adapter, state)
   gains = _dora_gains(adapter, float(scale), flat) if adapter.dora else {}
-  out: dict[str, list[md_core.LoRAWeight]] = {}
+  out: dict[str, list[md_core.LoRASlotWeight]] = {}
   for site, w in adapter.weights.items():
     path = ".".join(str(p) for p in site.path[:-1])
     if w.magnitude is None:
-      out.setdefault(path, []).append(md_core.LoRAWeight(w.down, w.up, scale * w.scale, site.layer))
+      out.setdefault(path, []).append(
+        md_core.LoRASlotWeight(w.down, w.up, scale * w.scale, site.layer)
+      )
       continue
     factor, gain = gains[site]
     up = np.asarray(w.up, np.float32) * gain
-    out.setdefault(path, []).append(md_core.LoRAWeight(w.down, up, factor, site.layer, gain))
+    out.setdefault(path, []).append(md_core.LoRASlotWeight(w.down, up, factor, site.layer, gain))
   return out
 
 
