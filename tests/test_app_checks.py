@@ -252,3 +252,12 @@ def test_bad_lora_files_end_in_one_line_naming_them(tmp_path):
   out = run("sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path / 'out'}",
             f"--config.loras={tmp_path / 'none.safetensors'}")  # fmt: skip
   one_line_error(out, "none.safetensors': no such file")
+
+
+def test_flag_values_of_the_wrong_type_name_key_value_and_type(tmp_path):
+  out = run("sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path / 'out'}",
+            "--config.guidance_scale=abc")  # fmt: skip
+  assert one_line_error(out) == ["sd_generate: flag --config.guidance_scale=abc: must be a number"]
+  out = run("sd_generate", "apps/configs/sd.py:tiny", f"--workdir={tmp_path / 'out'}",
+            "--config.height=4x")  # fmt: skip
+  assert one_line_error(out) == ["sd_generate: flag --config.height=4x: must be an int"]

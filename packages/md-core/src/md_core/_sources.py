@@ -209,7 +209,8 @@ def _type_name(kind: Any) -> str:
   if origin in (typing.Union, types.UnionType):
     return " or ".join(_type_name(a) for a in args)
   if origin in (tuple, list):
-    return f"a list of {_type_name(args[0])}" if args else "a list"
+    plural = {int: "ints", float: "numbers", bool: "booleans", str: "strings"}
+    return f"a list of {plural.get(args[0], _type_name(args[0]))}" if args else "a list"
   return getattr(kind, "__name__", str(kind))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -376,6 +377,21 @@ def _load_config_file(spec: str) -> tuple[Any, Any]:
   return module, config
 
 
+# ml_collections' words for a flag value of the wrong type, and the type each expects.
+_CONVERT_ERRORS = (
+  (re.compile(r"^(flag --\S+?=.*?): invalid literal for int\(\) with base 10: .*$"), "an int"),
+  (re.compile(r"^(flag --\S+?=.*?): could not convert string to float: .*$"), "a number"),
+)
+
+
+def _flag_type_line(line: str) -> str:
+  """`flag --config.height=abc: must be an int` for Python's conversion messages; others unchanged."""
+  for pattern, expected in _CONVERT_ERRORS:
+    if m := pattern.match(line):
+      return f"{m.group(1)}: must be {expected}"
+  return line
+
+
 def _help(doc: str, argv: list[str], flag_lines: list[str]) -> str:
   lines = [doc.strip(), "", "Flags:", *flag_lines]
   spec = _config_arg(argv, "config")
@@ -451,9 +467,9 @@ def parse_flags(
     try:
       rest = FLAGS(argv)
     except flags.Error as e:
-      raise UsageError(str(e).strip().splitlines()[0]) from None
+      raise UsageError(_flag_type_line(str(e).strip().splitlines()[0])) from None
     except (AttributeError, KeyError, ValueError, TypeError) as e:
-      raise UsageError(str(e).strip().splitlines()[0]) from None
+      raise UsageError(_flag_type_line(str(e).strip().splitlines()[0])) from None
     if len(rest) > 1:
       raise UsageError(
         f"unexpected arguments {rest[1:]}; settings go through --{config_flag}.<key>=<value>"

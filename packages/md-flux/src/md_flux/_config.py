@@ -30,6 +30,7 @@ def _from_dict(cls, d: Mapping[str, Any], *, where: str, defaults_for_null: tupl
       f"{where}: unsupported config keys {sorted(unknown)} for {cls.__name__}; it reads "
       f"{sorted(fields)} (a key that changes the model's behaviour cannot be ignored)"
     )
+  md_core.check_config_types(cls, kwargs, where)
   return cls(**kwargs)
 
 
