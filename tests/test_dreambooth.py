@@ -279,25 +279,36 @@ def test_dreambooth_lora_with_the_text_encoder_trains_both_and_the_pipeline_load
 def test_dreambooth_recipe_option_errors(tmp_path):
   from md_train import recipes
 
+  # The variants leave class_dir empty (the apps fill in <workdir>/class_images); the recipes need one.
+  cls = str(tmp_path / "class")
+
   with pytest.raises(FileNotFoundError, match="instance_dir='.*missing'"):
-    recipes.dreambooth_sd(_variant("dreambooth-tiny", instance_dir=str(tmp_path / "missing")))
+    recipes.dreambooth_sd(
+      _variant("dreambooth-tiny", class_dir=cls, instance_dir=str(tmp_path / "missing"))
+    )
   with pytest.raises(ValueError, match="with_prior_preservation needs recipe_options.class_dir"):
     recipes.dreambooth_sd(_variant("dreambooth-tiny", class_dir=""))
   with pytest.raises(ValueError, match="recipe_options.instance_prompt is required"):
-    recipes.dreambooth_sd(_variant("dreambooth-tiny", instance_prompt=""))
+    recipes.dreambooth_sd(_variant("dreambooth-tiny", class_dir=cls, instance_prompt=""))
   with pytest.raises(ValueError, match="instance_prompt is required for dreambooth_flux"):
-    recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", instance_prompt=""))
+    recipes.dreambooth_flux(
+      _variant("dreambooth-flux-lora-tiny", class_dir=cls, instance_prompt="")
+    )
   klein = str(fixture_path("flux2_pipeline") / "klein")
   with pytest.raises(ValueError, match="is a Flux2KleinPipeline folder; dreambooth_flux trains"):
-    recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", model=klein))
+    recipes.dreambooth_flux(_variant("dreambooth-flux-lora-tiny", class_dir=cls, model=klein))
   flux = str(fixture_path("flux_pipeline") / "dev")
   with pytest.raises(ValueError, match="is a FluxPipeline folder; dreambooth_klein trains"):
-    recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", model=flux))
+    recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", class_dir=cls, model=flux))
   with pytest.raises(ValueError, match="instance_prompt is required for dreambooth_klein"):
-    recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", instance_prompt=""))
+    recipes.dreambooth_klein(
+      _variant("dreambooth-klein-lora-tiny", class_dir=cls, instance_prompt="")
+    )
   with pytest.raises(ValueError, match="train_text_encoder='yes' must be True or False"):
-    recipes.dreambooth_sd(_variant("dreambooth-lora-tiny", train_text_encoder="yes"))
+    recipes.dreambooth_sd(_variant("dreambooth-lora-tiny", class_dir=cls, train_text_encoder="yes"))
   with pytest.raises(ValueError, match="give recipe_options.lora too"):
-    recipes.dreambooth_sd(_variant("dreambooth-tiny", train_text_encoder=True))
+    recipes.dreambooth_sd(_variant("dreambooth-tiny", class_dir=cls, train_text_encoder=True))
   with pytest.raises(ValueError, match="dreambooth_klein: recipe_options.train_text_encoder=True"):
-    recipes.dreambooth_klein(_variant("dreambooth-klein-lora-tiny", train_text_encoder=True))
+    recipes.dreambooth_klein(
+      _variant("dreambooth-klein-lora-tiny", class_dir=cls, train_text_encoder=True)
+    )
